@@ -1,0 +1,325 @@
+"""CPU backend: the paged-KV kernels in Numba, the rest of the model math in NumPy.
+
+Kernel names and semantics follow vLLM's (``csrc/cache_kernels.cu``, ``csrc/attention/``):
+
+* ``reshape_and_cache``: scatter new K/V rows into their slots of the paged caches.
+* ``paged_attention``: decode attention, one query token per sequence, K/V read through the block table.
+* ``prefill_attention``: causal attention of a sequence's new tokens over all its cached K/V (plain
+  prefill, prefill after a cached prefix, chunked prefill).
+* ``copy_blocks``: copy-on-write block copies for every layer in one call.
+
+Layouts: caches ``[num_blocks, block_size, num_kv_heads, head_dim]``; float32 or bfloat16
+(``ml_dtypes.bfloat16``, handled as its uint16 bit pattern inside the kernels; stored with
+round-to-nearest-even). Queries/outputs float32. Attention math in float32 with an online
+(streaming) softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), one pass over
+each K/V block per GQA group: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+All index arithmetic is 64-bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numba as nb
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_JIT = dict(cache=True, nogil=True, fastmath=True)
+
+
+# --------------------------------------------------------------------------- helpers
+@nb.njit(**_JIT)
+def _load_row(src, dst, dst_bits, is_bf16):
+    """dst[:] = float32(src[:]) where src is float32, or bf16 bits (uint16) when ``is_bf16``."""
+    if is_bf16:
+        for d in range(src.shape[0]):
+            dst_bits[d] = np.uint32(src[d]) << np.uint32(16)
+    else:
+        for d in range(src.shape[0]):
+            dst[d] = src[d]
+
+
+@nb.njit(**_JIT)
+def _f32_to_bf16_bits(u):
+    """Round-to-nearest-even float32 bits -> bfloat16 bits (NaN stays NaN)."""
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    rounding = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16((u + rounding) >> np.uint32(16))
+
+
+def _cache_view(cache):
+    """The array the kernels see for a cache, and whether it holds bf16 bits."""
+    if cache.dtype == BF16:
+        return cache.view(np.uint16), True
+    if cache.dtype != np.float32:
+        raise ValueError(f"KV cache dtype must be float32 or bfloat16, got {cache.dtype}")
+    return cache, False
+
+
+# ---------------------------------------------------------------- reshape_and_cache
+@nb.njit(parallel=True, **_JIT)
+def _reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping):
+    block_size = key_cache.shape[1]
+    for t in nb.prange(key.shape[0]):
+        slot = np.int64(slot_mapping[t])
+        if slot < 0:
+            continue
+        b = slot // block_size
+        o = slot % block_size
+        key_cache[b, o] = key[t]
+        value_cache[b, o] = value[t]
+
+
+@nb.njit(parallel=True, **_JIT)
+def _reshape_and_cache_bf16(key_bits, value_bits, key_cache, value_cache, slot_mapping):
+    block_size = key_cache.shape[1]
+    num_kv_heads = key_bits.shape[1]
+    head_dim = key_bits.shape[2]
+    for t in nb.prange(key_bits.shape[0]):
+        slot = np.int64(slot_mapping[t])
+        if slot < 0:
+            continue
+        b = slot // block_size
+        o = slot % block_size
+        for h in range(num_kv_heads):
+            for d in range(head_dim):
+                key_cache[b, o, h, d] = _f32_to_bf16_bits(key_bits[t, h, d])
+                value_cache[b, o, h, d] = _f32_to_bf16_bits(value_bits[t, h, d])
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Write new K/V rows into the paged caches.
+
+    Args:
+        key, value: float32 ``[num_tokens, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32 or bf16;
+            written in place.
+        slot_mapping: int64 ``[num_tokens]``; token t goes to block ``slot // block_size``, offset
+            ``slot % block_size``; ``-1`` skips the token (padding).
+    Raises:
+        ValueError: on mismatched shapes or dtypes.
+    """
+    kc, is_bf16 = _cache_view(key_cache)
+    vc, _ = _cache_view(value_cache)
+    if key.shape != value.shape or key.shape[1:] != key_cache.shape[2:]:
+        raise ValueError(f"key {key.shape} / value {value.shape} do not match cache {key_cache.shape}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    key = np.ascontiguousarray(key, dtype=np.float32)
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    if is_bf16:
+        _reshape_and_cache_bf16(key.view(np.uint32), value.view(np.uint32), kc, vc, slot_mapping)
+    else:
+        _reshape_and_cache_f32(key, value, kc, vc, slot_mapping)
+
+
+# ---------------------------------------------------------------- attention core
+@nb.njit(**_JIT)
+def _attend_one_group(q, out, kc, vc, block_row, kv_head, first_head, group, ctx_len, causal_limit,
+                      scale, is_bf16):
+    """Online-softmax attention of ``group`` query rows (heads first_head..) over positions
+    ``0 .. causal_limit-1`` of one sequence, reading each K/V row once for the whole group.
+
+    q: [group, head_dim] float32 (already the group's rows), out: [group, head_dim] written.
+    """
+    block_size = kc.shape[1]
+    head_dim = kc.shape[3]
+    acc = np.zeros((group, head_dim), dtype=np.float32)
+    m = np.full(group, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
+    l = np.zeros(group, dtype=np.float32)
+    kbits = np.empty(head_dim, dtype=np.uint32)
+    krow = kbits.view(np.float32)
+    vbits = np.empty(head_dim, dtype=np.uint32)
+    vrow = vbits.view(np.float32)
+    s = np.empty(group, dtype=np.float32)
+    n = min(ctx_len, causal_limit)
+    for pos in range(n):
+        b = np.int64(block_row[pos // block_size])
+        o = pos % block_size
+        _load_row(kc[b, o, kv_head], krow, kbits, is_bf16)
+        _load_row(vc[b, o, kv_head], vrow, vbits, is_bf16)
+        for g in range(group):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += q[g, d] * krow[d]
+            s[g] = dot * scale
+        for g in range(group):
+            if s[g] > m[g]:
+                corr = math.exp(m[g] - s[g])
+                m[g] = s[g]
+                l[g] = l[g] * corr + 1.0
+                for d in range(head_dim):
+                    acc[g, d] = acc[g, d] * corr + vrow[d]
+            else:
+                p = math.exp(s[g] - m[g])
+                l[g] += p
+                for d in range(head_dim):
+                    acc[g, d] += p * vrow[d]
+    for g in range(group):
+        inv = np.float32(1.0) / l[g] if l[g] > 0 else np.float32(0.0)
+        for d in range(head_dim):
+            out[g, d] = acc[g, d] * inv
+
+
+@nb.njit(parallel=True, **_JIT)
+def _paged_attention(out, query, kc, vc, block_tables, context_lens, scale, is_bf16):
+    num_seqs = query.shape[0]
+    num_heads = query.shape[1]
+    num_kv_heads = kc.shape[2]
+    group = num_heads // num_kv_heads
+    for task in nb.prange(num_seqs * num_kv_heads):
+        s = task // num_kv_heads
+        kvh = task % num_kv_heads
+        h0 = kvh * group
+        ctx = np.int64(context_lens[s])
+        _attend_one_group(query[s, h0:h0 + group], out[s, h0:h0 + group], kc, vc, block_tables[s], kvh,
+                          h0, group, ctx, ctx, scale, is_bf16)
+
+
+def _check_attention_args(out, query, key_cache, value_cache, block_tables):
+    if out.shape != query.shape or out.dtype != np.float32 or query.dtype != np.float32:
+        raise ValueError(f"out {out.shape}/{out.dtype} must match query {query.shape}/{query.dtype}, float32")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    num_heads, head_dim = query.shape[-2:]
+    num_kv_heads = key_cache.shape[2]
+    if head_dim != key_cache.shape[3] or num_heads % num_kv_heads:
+        raise ValueError(f"query heads/head_dim {query.shape[-2:]} incompatible with cache {key_cache.shape}")
+    if block_tables.dtype != np.int32 or block_tables.ndim != 2:
+        raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
+
+
+def paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale):
+    """Decode attention: one query token per sequence over its paged K/V.
+
+    Args:
+        out: float32 ``[num_seqs, num_heads, head_dim]``, written.
+        query: float32 ``[num_seqs, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bf16.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        context_lens: int32 ``[num_seqs]``, tokens of K/V to attend (including the current one).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+    Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``
+    (Vaswani et al. 2017, eq. 1), GQA: head h uses KV head ``h // (num_heads // num_kv_heads)``.
+    """
+    _check_attention_args(out, query, key_cache, value_cache, block_tables)
+    kc, is_bf16 = _cache_view(key_cache)
+    vc, _ = _cache_view(value_cache)
+    _paged_attention(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16)
+
+
+@nb.njit(parallel=True, **_JIT)
+def _prefill_attention(out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16,
+                       token_seq):
+    num_tokens = query.shape[0]
+    num_heads = query.shape[1]
+    num_kv_heads = kc.shape[2]
+    group = num_heads // num_kv_heads
+    for task in nb.prange(num_tokens * num_kv_heads):
+        t = task // num_kv_heads
+        kvh = task % num_kv_heads
+        s = token_seq[t]
+        q_start = np.int64(query_start_loc[s])
+        n_new = np.int64(query_start_loc[s + 1]) - q_start
+        seq_len = np.int64(seq_lens[s])
+        pos = seq_len - n_new + (t - q_start)  # absolute position of this query token
+        h0 = kvh * group
+        _attend_one_group(query[t, h0:h0 + group], out[t, h0:h0 + group], kc, vc, block_tables[s], kvh,
+                          h0, group, seq_len, pos + 1, scale, is_bf16)
+
+
+def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Causal attention of each sequence's new tokens over all of its cached K/V.
+
+    Args:
+        out: float32 ``[num_tokens, num_heads, head_dim]``, written.
+        query: float32 ``[num_tokens, num_heads, head_dim]``; sequence s owns rows
+            ``query_start_loc[s] : query_start_loc[s+1]``.
+        key_cache, value_cache: paged caches holding the K/V of every position (old and new).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        query_start_loc: int32 ``[num_seqs + 1]``, cumulative new-token counts starting at 0.
+        seq_lens: int32 ``[num_seqs]``, total length of each sequence; the new tokens are its last
+            ``query_start_loc[s+1] - query_start_loc[s]`` positions.
+        scale: softmax scale.
+    New token at absolute position p attends positions ``0 .. p`` (causal mask).
+    """
+    _check_attention_args(out, query, key_cache, value_cache, block_tables)
+    kc, is_bf16 = _cache_view(key_cache)
+    vc, _ = _cache_view(value_cache)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    counts = np.diff(qsl)
+    if qsl[0] != 0 or qsl[-1] != query.shape[0] or (counts < 0).any():
+        raise ValueError("query_start_loc must start at 0, be non-decreasing and end at num_tokens")
+    if (np.asarray(seq_lens) < counts).any():
+        raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
+    token_seq = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    _prefill_attention(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_seq)
+
+
+# ---------------------------------------------------------------- copy_blocks
+@nb.njit(parallel=True, **_JIT)
+def _copy_blocks_layer(kc, vc, block_mapping):
+    for i in nb.prange(block_mapping.shape[0]):
+        src = np.int64(block_mapping[i, 0])
+        dst = np.int64(block_mapping[i, 1])
+        kc[dst] = kc[src]
+        vc[dst] = vc[src]
+
+
+def copy_blocks(key_caches, value_caches, block_mapping):
+    """Copy whole blocks ``src -> dst`` in every layer's K and V cache.
+
+    Args:
+        key_caches, value_caches: lists (one per layer) of ``[num_blocks, block_size, num_kv_heads,
+            head_dim]`` arrays, modified in place.
+        block_mapping: int64 ``[n, 2]`` of ``(src, dst)`` pairs; every dst is distinct and no dst is
+            a src of the same call (copy-on-write targets are fresh blocks).
+    """
+    block_mapping = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
+    if block_mapping.shape[0] == 0:
+        return
+    for kc, vc in zip(key_caches, value_caches):
+        kcv, _ = _cache_view(kc)
+        vcv, _ = _cache_view(vc)
+        _copy_blocks_layer(kcv, vcv, block_mapping)
+
+
+# ---------------------------------------------------------------- dense model ops
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    With ``residual`` (vLLM's fused_add_rms_norm): ``residual += x`` in place first, and the norm of
+    the sum is returned. x, residual: float32 ``[num_tokens, hidden]``; weight ``[hidden]``.
+    """
+    if residual is not None:
+        residual += x
+        x = residual
+    var = np.einsum("ij,ij->i", x, x, dtype=np.float32) / np.float32(x.shape[-1])
+    return x * (1.0 / np.sqrt(var + np.float32(eps)))[:, None].astype(np.float32) * weight
+
+
+def rotary_embedding(positions, query, key, cos_sin_cache):
+    """Apply RoPE (Su et al. 2021) in place, HF/NeoX "rotate_half" layout.
+
+    positions: int64 ``[num_tokens]``; query ``[num_tokens, num_heads, head_dim]``,
+    key ``[num_tokens, num_kv_heads, head_dim]`` float32; cos_sin_cache float32
+    ``[max_position, head_dim]`` = concat(cos, sin) of ``pos * theta^(-2i/head_dim)``, i < head_dim/2.
+    """
+    half = query.shape[-1] // 2
+    cs = cos_sin_cache[positions]
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+    for x in (query, key):
+        x1 = x[..., :half].copy()
+        x2 = x[..., half:]
+        x[..., :half] = x1 * cos - x2 * sin
+        x[..., half:] = x2 * cos + x1 * sin
+
+
+def silu_and_mul(x):
+    """SwiGLU (Shazeer 2020): x ``[num_tokens, 2 * inter]`` -> ``silu(x[:, :inter]) * x[:, inter:]``."""
+    inter = x.shape[-1] // 2
+    gate = x[:, :inter]
+    return gate / (1.0 + np.exp(-gate)) * x[:, inter:]

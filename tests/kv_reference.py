@@ -1,0 +1,60 @@
+"""Float64 NumPy references and random paged-KV fixtures shared by the kernel tests."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def make_paged_kv(rng, context_lens, num_kv_heads, head_dim, block_size, dtype, extra_blocks=7):
+    """Random K/V for each sequence, scattered through a pool in random block order.
+
+    Returns (key_cache, value_cache, block_tables int32, keys, values) where keys[s] is the
+    float64 ``[ctx, num_kv_heads, head_dim]`` K of sequence s exactly as stored (after rounding to
+    the cache dtype).
+    """
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    perm = rng.permutation(num_blocks)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = np.full(shape, np.nan, dtype=np.float32).astype(dtype)
+    value_cache = np.full(shape, np.nan, dtype=np.float32).astype(dtype)
+    max_blocks = max(blocks_per_seq)
+    block_tables = np.full((len(context_lens), max_blocks), -1, dtype=np.int32)
+    keys, values, nxt = [], [], 0
+    for s, ctx in enumerate(context_lens):
+        ids = perm[nxt:nxt + blocks_per_seq[s]]
+        nxt += blocks_per_seq[s]
+        block_tables[s, : len(ids)] = ids
+        k = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
+        v = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
+        for p in range(ctx):
+            key_cache[ids[p // block_size], p % block_size] = k[p]
+            value_cache[ids[p // block_size], p % block_size] = v[p]
+        keys.append(k.astype(np.float64))
+        values.append(v.astype(np.float64))
+    return key_cache, value_cache, block_tables, keys, values
+
+
+def attention_ref(q, k, v, scale, causal_offset=None):
+    """float64 softmax(scale q k^T) v for one sequence with GQA.
+
+    q ``[n_q, num_heads, d]``, k/v ``[ctx, num_kv_heads, d]``. With ``causal_offset`` o, query i sits at
+    absolute position o + i and sees keys 0..o+i; without it every query sees all keys.
+    """
+    q = q.astype(np.float64)
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    group = num_heads // num_kv
+    kk = np.repeat(k, group, axis=1)  # [ctx, H, d]
+    vv = np.repeat(v, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, kk) * scale
+    if causal_offset is not None:
+        qpos = causal_offset + np.arange(q.shape[0])[:, None]
+        kpos = np.arange(k.shape[0])[None, :]
+        scores = np.where(kpos <= qpos, scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, vv)

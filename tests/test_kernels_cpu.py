@@ -1,0 +1,141 @@
+"""CPU (Numba) kernels against float64 references, blocks scattered randomly, outputs NaN-poisoned."""
+
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cpu
+from tests.kv_reference import BF16, attention_ref, make_paged_kv
+
+CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
+GROUPS = [1, 2, 4, 8, 16, 3, 6]
+DTYPES = [np.float32, BF16]
+
+
+def _tol(dtype):
+    return dict(rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_attention_matches_float64(dtype, head_dim, group):
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    num_kv_heads, block_size = 2, 16
+    num_heads = num_kv_heads * group
+    kc, vc, bt, keys, values = make_paged_kv(rng, CONTEXTS, num_kv_heads, head_dim, block_size, dtype)
+    q = rng.standard_normal((len(CONTEXTS), num_heads, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    scale = head_dim ** -0.5
+    cpu.paged_attention(out, q, kc, vc, bt, np.array(CONTEXTS, np.int32), scale)
+    for s, ctx in enumerate(CONTEXTS):
+        ref = attention_ref(q[s:s + 1], keys[s], values[s], scale)[0]
+        np.testing.assert_allclose(out[s], ref, **_tol(dtype), err_msg=f"ctx={ctx}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefill_attention_causal_chunked(dtype, block_size):
+    """Full prefill, prefill after a cached prefix, and a one-token chunk, in one call."""
+    rng = np.random.default_rng(block_size)
+    num_kv_heads, group, head_dim = 3, 3, 64
+    num_heads = num_kv_heads * group
+    seq_lens = [17, 33, 40, 1, 100, 16]
+    new_tokens = [17, 1, 24, 1, 37, 16]  # full / decode-like / chunk after prefix / single / chunk / exact block
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_heads, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim ** -0.5)
+    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
+        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, **_tol(dtype), err_msg=f"seq {s}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, H, D = 9, 16, 3, 64
+    kc = np.full((num_blocks, block_size, H, D), np.nan, np.float32).astype(dtype)
+    vc = kc.copy()
+    slots = rng.permutation(num_blocks * block_size)[:40].astype(np.int64)
+    slots[[3, 17]] = -1
+    key = rng.standard_normal((40, H, D)).astype(np.float32)
+    value = rng.standard_normal((40, H, D)).astype(np.float32)
+    cpu.reshape_and_cache(key, value, kc, vc, slots)
+    written = np.zeros(num_blocks * block_size, bool)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        written[slot] = True
+        b, o = divmod(int(slot), block_size)
+        # Stored values equal the input rounded to the cache dtype (round-to-nearest-even for bf16).
+        np.testing.assert_array_equal(kc[b, o], key[t].astype(dtype))
+        np.testing.assert_array_equal(vc[b, o], value[t].astype(dtype))
+    untouched = kc.reshape(-1, H, D)[~written].astype(np.float32)
+    assert np.isnan(untouched).all(), "a skipped (-1) or unused slot was written"
+
+
+def test_bf16_rounding_is_nearest_even():
+    vals = np.array([1.0, 1.00390625, 1.01171875, -3.3e38, 1e-40, 65504.0, np.inf, -np.inf], np.float32)
+    key = np.tile(vals[:, None, None], (1, 1, 2)).astype(np.float32)  # [8, 1, 2]
+    kc = np.zeros((1, 8, 1, 2), BF16)
+    vc = np.zeros_like(kc)
+    cpu.reshape_and_cache(key, key, kc, vc, np.arange(8, dtype=np.int64))
+    np.testing.assert_array_equal(kc[0, :, 0, 0].view(np.uint16), vals.astype(BF16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_copy_blocks_all_layers(dtype):
+    rng = np.random.default_rng(1)
+    shape = (10, 16, 3, 64)
+    kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    before_k = [k.copy() for k in kcs]
+    before_v = [v.copy() for v in vcs]
+    mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    cpu.copy_blocks(kcs, vcs, mapping)
+    for layer in range(3):
+        exp_k, exp_v = before_k[layer].copy(), before_v[layer].copy()
+        for src, dst in mapping:
+            exp_k[dst] = before_k[layer][src]
+            exp_v[dst] = before_v[layer][src]
+        np.testing.assert_array_equal(kcs[layer], exp_k)
+        np.testing.assert_array_equal(vcs[layer], exp_v)
+
+
+def test_rms_norm_rotary_silu_against_float64():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    res = rng.standard_normal((5, 576)).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    s = x.astype(np.float64) + res
+    ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    res_in = res.copy()
+    out = cpu.rms_norm(x, w, 1e-5, residual=res_in)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res_in, s, rtol=1e-6)
+
+    D, theta = 64, 100000.0
+    inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+    ang = np.arange(50)[:, None] * inv[None]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    pos = np.array([0, 3, 49, 7], np.int64)
+    q = rng.standard_normal((4, 9, D)).astype(np.float32)
+    k = rng.standard_normal((4, 3, D)).astype(np.float32)
+
+    def rope_ref(x):
+        x = x.astype(np.float64)
+        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
+        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
+        rot = np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1)
+        return x * cos + rot * sin
+
+    rq, rk = rope_ref(q), rope_ref(k)
+    cpu.rotary_embedding(pos, q, k, cache)
+    np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
+
+    g = rng.standard_normal((3, 20)).astype(np.float32)
+    gd = g.astype(np.float64)
+    np.testing.assert_allclose(cpu.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:],
+                               rtol=1e-5, atol=1e-6)
