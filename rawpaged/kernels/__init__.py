@@ -3,3 +3,25 @@
 Both expose the same functions with the same semantics: ``reshape_and_cache``, ``paged_attention``,
 ``prefill_attention``, ``copy_blocks``, ``rms_norm``, ``rotary_embedding``, ``silu_and_mul``.
 """
+
+
+def get_backend(device: str = "auto"):
+    """The backend for ``device``: "cpu", "cuda", or "auto" (cuda when a GPU is usable, else cpu).
+
+    Raises:
+        RuntimeError: ``device="cuda"`` and CuPy or a CUDA device is missing (one-line message).
+        ValueError: unknown device name.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device in ("auto", "cuda"):
+        try:
+            from rawpaged.kernels.cuda import CudaBackend
+
+            return CudaBackend()
+        except (ImportError, RuntimeError) as e:
+            if device == "cuda":
+                raise RuntimeError(f"--device cuda: {e}") from None
+    from rawpaged.kernels.cpu import CPUBackend
+
+    return CPUBackend()

@@ -323,3 +323,43 @@ def silu_and_mul(x):
     inter = x.shape[-1] // 2
     gate = x[:, :inter]
     return gate / (1.0 + np.exp(-gate)) * x[:, inter:]
+
+
+class CPUBackend:
+    """The CPU kernels behind the backend interface the model calls (same names as ``CudaBackend``).
+
+    Arrays are NumPy; activations float32; matmuls through NumPy's BLAS.
+    """
+
+    name = "cpu"
+    xp = np
+
+    reshape_and_cache = staticmethod(reshape_and_cache)
+    paged_attention = staticmethod(paged_attention)
+    prefill_attention = staticmethod(prefill_attention)
+    copy_blocks = staticmethod(copy_blocks)
+    rms_norm = staticmethod(rms_norm)
+    rotary_embedding = staticmethod(rotary_embedding)
+    silu_and_mul = staticmethod(silu_and_mul)
+
+    @staticmethod
+    def asarray(x, dtype=None):
+        """Host array -> backend array (a no-op view where possible)."""
+        return np.asarray(x, dtype=dtype)
+
+    @staticmethod
+    def to_numpy(x):
+        return np.asarray(x)
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        """``x @ weight.T (+ bias)``; x ``[n, in]``, weight ``[out, in]`` (HF layout)."""
+        y = x @ weight.T
+        if bias is not None:
+            y += bias
+        return y
+
+    @staticmethod
+    def embedding(token_ids, table):
+        """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, as float32."""
+        return table[token_ids].astype(np.float32, copy=False)

@@ -1,0 +1,59 @@
+"""Engine configuration (names as in vLLM's engine arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Attributes:
+        model: None (the default SmolLM2-135M-Instruct, prepared on first use), its name, or a path to an
+            HF-style directory.
+        device: "auto" (cuda if a GPU is usable, else cpu), "cpu" or "cuda".
+        dtype: compute dtype for weights and activations ("float32" on CPU).
+        block_size: tokens per KV block.
+        num_kv_blocks: KV pool size in blocks; None sizes it from ``kv_cache_memory``.
+        kv_cache_memory: KV pool size in bytes when ``num_kv_blocks`` is None (CPU default 1 GiB;
+            CUDA: ``gpu_memory_utilization`` of free device memory).
+        kv_cache_dtype: "float32" or "bfloat16".
+        max_num_seqs: sequences per step at most.
+        max_model_len: prompt + generated tokens at most per sequence (None: the model's context).
+        max_num_batched_tokens: token budget per step (prefill chunks + decodes).
+        enable_prefix_caching: reuse full KV blocks of identical prefixes across requests.
+        seed: seed of the engine's generator for requests without their own seed.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "float32"
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -1,0 +1,110 @@
+"""Per-request sampling parameters (names and meaning as in vLLM's ``SamplingParams``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        n: completions returned per prompt; they share the prompt's KV blocks.
+        best_of: completions generated (>= n); the n with the highest cumulative logprob are returned.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+        min_p: drop tokens whose probability is below ``min_p * p_max`` (Nguyen et al. 2024).
+        seed: per-request seed; the same seed gives the same tokens whatever the request is batched with.
+        max_tokens: generated tokens at most (>= 1).
+        stop: strings that end generation; not included in the text; found across token boundaries.
+        stop_token_ids: token ids that end generation (besides EOS unless ``ignore_eos``).
+        ignore_eos: keep going after EOS.
+        logprobs: number of top logprobs to return per generated token (0..20), or None.
+        use_beam_search / beam_width / length_penalty: beam search (score = cumulative logprob /
+            generated_length ** length_penalty, as in HF transformers).
+    Raises:
+        ValueError naming the field on any invalid value.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list | str | None = None
+    stop_token_ids: list | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    stop_strings: list = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.best_of is None:
+            self.best_of = self.n
+        if not is_int(self.best_of) or self.best_of < self.n:
+            bad("best_of", f"must be an integer >= n ({self.n})")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be a number in [0, 100]")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop_strings = list(self.stop)
+        else:
+            bad("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop_strings):
+            bad("stop", "must not contain empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a boolean")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.beam_width is not None:
+            if not is_int(self.beam_width) or self.beam_width < 1:
+                bad("beam_width", "must be an integer >= 1")
+            self.use_beam_search = True
+        if self.use_beam_search:
+            if self.beam_width is None:
+                self.beam_width = max(self.n, 2)
+            if self.n > self.beam_width:
+                bad("n", f"must be <= beam_width ({self.beam_width}) with beam search")
+        if not is_num(self.length_penalty):
+            bad("length_penalty", "must be a number")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

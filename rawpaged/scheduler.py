@@ -1,0 +1,131 @@
+"""Continuous-batching scheduler: decides which sequences run each step and reserves their KV slots.
+
+One token budget per step (``max_num_batched_tokens``) is shared by decodes, prefills and prefill
+chunks, as in vLLM v1's scheduler and Orca's iteration-level scheduling (Yu et al., OSDI 2022).
+Running sequences are served first, in arrival order; waiting ones are admitted FCFS while the
+budget, ``max_num_seqs`` and the block pool allow. When the pool runs dry, the newest running
+sequence is preempted by recompute (vLLM paper §4.5): its blocks are freed and it re-enters the head
+of the waiting queue with ``num_computed_tokens = 0``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rawpaged.block_allocator import BlockAllocator
+from rawpaged.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """``scheduled``: (sequence, number of new tokens to compute this step), running order."""
+
+    scheduled: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds computed KV (a fork of a running one) joins the batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove ``seq`` (running or waiting) and return its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.block_table is not None:
+            self.allocator.free(seq.block_table)
+            seq.block_table = None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        alloc = self.allocator
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not alloc.allocate_slots(seq.block_table, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+
+        if out.preempted:
+            return out  # no admissions in a step that had to preempt
+
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = max(seq.sampling_params.best_of, seq.sampling_params.beam_width or 1)
+            if len(self.running) + (width if seq.num_computed_tokens == 0 and not seq.output_token_ids else 1) \
+                    > self.max_num_seqs and self.running:
+                break
+            table = alloc.new_table()
+            token_ids = seq.token_ids
+            bs = alloc.block_size
+            # At least the last token is always computed, so there is a logit to sample from.
+            cached = alloc.find_cached_prefix(token_ids, max_blocks=(len(token_ids) - 1) // bs)
+            alloc.attach_cached_prefix(table, cached)
+            num_cached = len(cached) * bs
+            n = min(len(token_ids) - num_cached, budget)
+            if not alloc.allocate_slots(table, n):
+                alloc.free(table)
+                break
+            self.waiting.popleft()
+            seq.block_table = table
+            seq.num_computed_tokens = num_cached
+            if not seq.output_token_ids:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = None
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

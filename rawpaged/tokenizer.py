@@ -1,0 +1,115 @@
+"""Tokenizer (HF ``tokenizers``), chat templates (``jinja2``) and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _special_token(value):
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """``tokenizer.json`` + ``tokenizer_config.json`` of a model directory.
+
+    Raises:
+        ValueError: if ``tokenizer.json`` is missing or unreadable.
+    """
+
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ValueError(f"{model_dir}: no tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a generic Exception
+            raise ValueError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.chat_template = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
+                                      self.chat_template[0]["template"])
+        self.bos_token = _special_token(cfg.get("bos_token"))
+        self.eos_token = _special_token(cfg.get("eos_token"))
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._template = None
+
+    def encode(self, text: str) -> list:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role", "content"}]) with the model's Jinja chat template.
+
+        Raises:
+            ValueError: the model has no chat template, a message is malformed, or the template raises.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json: chat_template)")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
+        if self._template is None:
+            # As HF transformers renders chat templates: sandboxed, trim_blocks, lstrip_blocks.
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message):
+                raise jinja2.exceptions.TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Streams text from token ids without broken UTF-8 characters, repeats or drops.
+
+    Same windowing as vLLM's ``detokenize_incrementally``: decode ``ids[prefix_offset:]`` and
+    ``ids[prefix_offset:read_offset]``; the new text is the difference, held back while it ends in an
+    incomplete character (U+FFFD from a partial byte sequence). State lives on the sequence
+    (``prefix_offset``, ``read_offset``) so forks copy it with the sequence.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def step(self, seq) -> str:
+        """Append the text of ``seq.output_token_ids`` that became final; return the new piece."""
+        ids = seq.output_token_ids
+        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
+        full_text = self.tokenizer.decode(ids[seq.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            new = full_text[len(prefix_text):]
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(ids)
+            seq.output_text += new
+            return new
+        return ""
