@@ -30,17 +30,6 @@ _JIT = dict(cache=True, nogil=True, fastmath=True)
 
 # --------------------------------------------------------------------------- helpers
 @nb.njit(**_JIT)
-def _load_row(src, dst, dst_bits, is_bf16):
-    """dst[:] = float32(src[:]) where src is float32, or bf16 bits (uint16) when ``is_bf16``."""
-    if is_bf16:
-        for d in range(src.shape[0]):
-            dst_bits[d] = np.uint32(src[d]) << np.uint32(16)
-    else:
-        for d in range(src.shape[0]):
-            dst[d] = src[d]
-
-
-@nb.njit(**_JIT)
 def _f32_to_bf16_bits(u):
     """Round-to-nearest-even float32 bits -> bfloat16 bits (NaN stays NaN)."""
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
@@ -59,10 +48,10 @@ def _cache_view(cache):
 
 
 # ---------------------------------------------------------------- reshape_and_cache
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)  # serial: a memory copy, too small per call for a parallel region
 def _reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping):
     block_size = key_cache.shape[1]
-    for t in nb.prange(key.shape[0]):
+    for t in range(key.shape[0]):
         slot = np.int64(slot_mapping[t])
         if slot < 0:
             continue
@@ -72,12 +61,12 @@ def _reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping):
         value_cache[b, o] = value[t]
 
 
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)  # serial: a memory copy, too small per call for a parallel region
 def _reshape_and_cache_bf16(key_bits, value_bits, key_cache, value_cache, slot_mapping):
     block_size = key_cache.shape[1]
     num_kv_heads = key_bits.shape[1]
     head_dim = key_bits.shape[2]
-    for t in nb.prange(key_bits.shape[0]):
+    for t in range(key_bits.shape[0]):
         slot = np.int64(slot_mapping[t])
         if slot < 0:
             continue
@@ -117,46 +106,70 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 # ---------------------------------------------------------------- attention core
 @nb.njit(**_JIT)
-def _attend_one_group(q, out, kc, vc, block_row, kv_head, first_head, group, ctx_len, causal_limit,
-                      scale, is_bf16):
-    """Online-softmax attention of ``group`` query rows (heads first_head..) over positions
-    ``0 .. causal_limit-1`` of one sequence, reading each K/V row once for the whole group.
+def _load_block(cache, b, n, kv_head, dst, dst_bits, is_bf16):
+    """dst[:n] = float32 rows 0..n-1 of block ``b`` of one KV head (bf16 bits widened exactly)."""
+    head_dim = dst.shape[1]
+    if is_bf16:
+        for t in range(n):
+            for d in range(head_dim):
+                dst_bits[t, d] = np.uint32(cache[b, t, kv_head, d]) << np.uint32(16)
+    else:
+        for t in range(n):
+            for d in range(head_dim):
+                dst[t, d] = cache[b, t, kv_head, d]
 
-    q: [group, head_dim] float32 (already the group's rows), out: [group, head_dim] written.
+
+@nb.njit(**_JIT)
+def _attend_one_group(q, out, kc, vc, block_row, kv_head, group, causal_limit, scale, is_bf16):
+    """Attention of ``group`` query rows (one GQA group) over positions ``0 .. causal_limit-1``.
+
+    Block by block: scores for the whole block, one rescale of the running (max, sum, acc) per block
+    (online softmax, Milakov & Gimelshein 2018), then the block's V rows accumulated. Each K/V row is
+    read from the cache once for the whole group. q: [group, head_dim]; out: [group, head_dim] written.
     """
     block_size = kc.shape[1]
     head_dim = kc.shape[3]
     acc = np.zeros((group, head_dim), dtype=np.float32)
     m = np.full(group, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
     l = np.zeros(group, dtype=np.float32)
-    kbits = np.empty(head_dim, dtype=np.uint32)
-    krow = kbits.view(np.float32)
-    vbits = np.empty(head_dim, dtype=np.uint32)
-    vrow = vbits.view(np.float32)
-    s = np.empty(group, dtype=np.float32)
-    n = min(ctx_len, causal_limit)
-    for pos in range(n):
-        b = np.int64(block_row[pos // block_size])
-        o = pos % block_size
-        _load_row(kc[b, o, kv_head], krow, kbits, is_bf16)
-        _load_row(vc[b, o, kv_head], vrow, vbits, is_bf16)
+    kbits = np.empty((block_size, head_dim), dtype=np.uint32)
+    kbuf = kbits.view(np.float32)
+    vbits = np.empty((block_size, head_dim), dtype=np.uint32)
+    vbuf = vbits.view(np.float32)
+    s = np.empty((group, block_size), dtype=np.float32)
+    qs = np.empty((group, head_dim), dtype=np.float32)
+    for g in range(group):
+        for d in range(head_dim):
+            qs[g, d] = q[g, d] * scale
+    num_blocks = (causal_limit + block_size - 1) // block_size
+    for j in range(num_blocks):
+        b = np.int64(block_row[j])
+        n = min(block_size, causal_limit - j * block_size)
+        _load_block(kc, b, n, kv_head, kbuf, kbits, is_bf16)
+        _load_block(vc, b, n, kv_head, vbuf, vbits, is_bf16)
         for g in range(group):
-            dot = np.float32(0.0)
+            bm = np.float32(-1e30)
+            for t in range(n):
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += qs[g, d] * kbuf[t, d]
+                s[g, t] = dot
+                bm = max(bm, dot)
+            new_m = max(m[g], bm)
+            corr = np.float32(math.exp(m[g] - new_m))
+            m[g] = new_m
+            total = l[g] * corr
+            for t in range(n):
+                p = np.float32(math.exp(s[g, t] - new_m))
+                s[g, t] = p
+                total += p
+            l[g] = total
             for d in range(head_dim):
-                dot += q[g, d] * krow[d]
-            s[g] = dot * scale
-        for g in range(group):
-            if s[g] > m[g]:
-                corr = math.exp(m[g] - s[g])
-                m[g] = s[g]
-                l[g] = l[g] * corr + 1.0
+                acc[g, d] *= corr
+            for t in range(n):
+                p = s[g, t]
                 for d in range(head_dim):
-                    acc[g, d] = acc[g, d] * corr + vrow[d]
-            else:
-                p = math.exp(s[g] - m[g])
-                l[g] += p
-                for d in range(head_dim):
-                    acc[g, d] += p * vrow[d]
+                    acc[g, d] += p * vbuf[t, d]
     for g in range(group):
         inv = np.float32(1.0) / l[g] if l[g] > 0 else np.float32(0.0)
         for d in range(head_dim):
@@ -175,7 +188,7 @@ def _paged_attention(out, query, kc, vc, block_tables, context_lens, scale, is_b
         h0 = kvh * group
         ctx = np.int64(context_lens[s])
         _attend_one_group(query[s, h0:h0 + group], out[s, h0:h0 + group], kc, vc, block_tables[s], kvh,
-                          h0, group, ctx, ctx, scale, is_bf16)
+                          group, ctx, scale, is_bf16)
 
 
 def _check_attention_args(out, query, key_cache, value_cache, block_tables):
@@ -227,7 +240,7 @@ def _prefill_attention(out, query, kc, vc, block_tables, query_start_loc, seq_le
         pos = seq_len - n_new + (t - q_start)  # absolute position of this query token
         h0 = kvh * group
         _attend_one_group(query[t, h0:h0 + group], out[t, h0:h0 + group], kc, vc, block_tables[s], kvh,
-                          h0, group, seq_len, pos + 1, scale, is_bf16)
+                          group, pos + 1, scale, is_bf16)
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale):
@@ -259,9 +272,9 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, query_st
 
 
 # ---------------------------------------------------------------- copy_blocks
-@nb.njit(parallel=True, **_JIT)
+@nb.njit(**_JIT)  # serial: a memory copy, too small per call for a parallel region
 def _copy_blocks_layer(kc, vc, block_mapping):
-    for i in nb.prange(block_mapping.shape[0]):
+    for i in range(block_mapping.shape[0]):
         src = np.int64(block_mapping[i, 0])
         dst = np.int64(block_mapping[i, 1])
         kc[dst] = kc[src]

@@ -1,0 +1,172 @@
+"""Offline throughput of the engine on the default model (CPU backend), and HF transformers beside it
+when ``transformers`` is importable (optional, never a dependency).
+
+Measures, in one run:
+  * prefill: one prompt of ``--prefill-len`` tokens, ``max_tokens=1``: prompt tokens / time;
+  * decode at batch 1, 8, 32, 64: ``--prompt-len``-token prompts, ``--output-len`` new tokens each
+    (``ignore_eos``, greedy), all submitted at once: aggregate output tok/s over the whole run, and
+    decode-only tok/s from the steps that ran no prefill;
+  * Python overhead per decode step: the same engine over a model with the default model's layer
+    count and vocabulary but tiny hidden sizes (hidden 72, 9/3 heads of dim 8, intermediate 64), where
+    the math costs almost nothing, so the step time is the engine's and model code's own overhead.
+
+Usage: ``python benchmarks/offline_throughput.py [--batches 1 8 32 64] [--out DIR] [--no-hf]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import conditions, print_table, write_json  # noqa: E402
+from rawpaged import LLM, SamplingParams  # noqa: E402
+from rawpaged import weights as rp_weights  # noqa: E402
+
+
+def random_prompts(rng, n, length, vocab=49152, low=100):
+    return [{"prompt_token_ids": rng.integers(low, vocab, length).tolist()} for _ in range(n)]
+
+
+def timed_generate(llm, prompts, params):
+    """Runs the engine step by step; returns (elapsed s, generated tokens, decode-only s, decode tokens)."""
+    eng = llm.engine
+    for p in prompts:
+        eng.add_request(p, params)
+    generated = decode_tokens = 0
+    decode_time = 0.0
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        prefilling = any(s.is_prefill for s in eng.scheduler.running) or bool(eng.scheduler.waiting)
+        ts = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - ts
+        n_new = len(outs)  # one token per running request per decode step (n=1)
+        generated += n_new
+        if not prefilling:
+            decode_time += dt
+            decode_tokens += n_new
+    return time.perf_counter() - t0, generated, decode_time, decode_tokens
+
+
+def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng):
+    llm = LLM(model=str(model_dir), device="cpu", max_num_seqs=max(batches), max_model_len=2048,
+              enable_prefix_caching=False, max_num_batched_tokens=max(2048, prefill_len))
+    llm.generate(random_prompts(rng, 2, 16), SamplingParams(max_tokens=2))  # JIT warm-up
+    rows = []
+    prompt = random_prompts(rng, 1, prefill_len)
+    t0 = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    rows.append(dict(engine="rawpaged", case=f"prefill {prefill_len}", batch=1,
+                     tok_per_s=prefill_len / (time.perf_counter() - t0)))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for b in batches:
+        elapsed, gen, dec_t, dec_n = timed_generate(llm, random_prompts(rng, b, prompt_len), params)
+        rows.append(dict(engine="rawpaged", case=f"generate {prompt_len}+{output_len}", batch=b,
+                         tok_per_s=gen / elapsed, decode_tok_per_s=dec_n / dec_t if dec_t else None))
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    return rows
+
+
+def make_tiny_model(src: Path, dst: Path, rng) -> Path:
+    """Default model's layer count, heads and vocab, tiny widths, random weights."""
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(hidden_size=72, intermediate_size=64, head_dim=8)
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((cfg["vocab_size"], 72), dtype=np.float32) * 0.02,
+               "model.norm.weight": np.ones(72, np.float32)}
+    q, kv = cfg["num_attention_heads"] * 8, cfg["num_key_value_heads"] * 8
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, shape in [("input_layernorm", (72,)), ("post_attention_layernorm", (72,)),
+                            ("self_attn.q_proj", (q, 72)), ("self_attn.k_proj", (kv, 72)),
+                            ("self_attn.v_proj", (kv, 72)), ("self_attn.o_proj", (72, q)),
+                            ("mlp.gate_proj", (64, 72)), ("mlp.up_proj", (64, 72)), ("mlp.down_proj", (72, 64))]:
+            tensors[p + name + ".weight"] = rng.standard_normal(shape, dtype=np.float32) * 0.02
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, dst / f)
+    return dst
+
+
+def step_overhead(model_dir, rng, batches=(1, 32), steps=64):
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = make_tiny_model(Path(model_dir), Path(tmp) / "tiny", rng)
+        llm = LLM(model=str(tiny), device="cpu", max_num_seqs=64, num_kv_blocks=1024, enable_prefix_caching=False)
+        llm.generate(random_prompts(rng, 2, 16), SamplingParams(max_tokens=2))
+        for b in batches:
+            elapsed, gen, dec_t, dec_n = timed_generate(
+                llm, random_prompts(rng, b, 16), SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+            rows.append(dict(batch=b, ms_per_decode_step=1e3 * dec_t / (dec_n / b)))
+    return rows
+
+
+def bench_hf(model_dir, batches, prompt_len, output_len, prefill_len, rng):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    rows = []
+    with torch.inference_mode():
+        ids = torch.tensor([rng.integers(100, 49152, prefill_len).tolist()])
+        model(ids)  # warm-up
+        t0 = time.perf_counter()
+        model(ids)
+        rows.append(dict(engine="hf-transformers", case=f"prefill {prefill_len}", batch=1,
+                         tok_per_s=prefill_len / (time.perf_counter() - t0)))
+        for b in batches:
+            ids = torch.tensor([rng.integers(100, 49152, prompt_len).tolist() for _ in range(b)])
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False, pad_token_id=2)
+            rows.append(dict(engine="hf-transformers", case=f"generate {prompt_len}+{output_len}", batch=b,
+                             tok_per_s=b * output_len / (time.perf_counter() - t0)))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=20)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--no-hf", action="store_true", help="skip HF transformers even if importable")
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args(argv)
+    model_dir = rp_weights.prepare(progress=True)
+    rng = np.random.default_rng(0)
+    rows = bench_rawpaged(model_dir, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng)
+    hf_note = "skipped (--no-hf)" if args.no_hf else None
+    if not args.no_hf:
+        try:
+            rows += bench_hf(model_dir, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng)
+        except ImportError as e:
+            hf_note = f"not importable ({e.name})"
+    print_table(rows, ["engine", "case", "batch", "tok_per_s", "decode_tok_per_s"])
+    if hf_note:
+        print(f"HF transformers: {hf_note}")
+    overhead = step_overhead(model_dir, rng)
+    print("\nPython overhead per decode step (tiny-width model, 30 layers, vocab 49152):")
+    print_table(overhead, ["batch", "ms_per_decode_step"])
+    write_json(Path(args.out) / "offline_throughput.json", {
+        "conditions": conditions(model="SmolLM2-135M-Instruct", dtype="float32", kv_cache_dtype="float32",
+                                 block_size=16, prompt_len=args.prompt_len, output_len=args.output_len,
+                                 prefill_len=args.prefill_len, sampling="greedy, ignore_eos",
+                                 hf_transformers=hf_note or "measured side by side"),
+        "rows": rows, "step_overhead": overhead})
+
+
+if __name__ == "__main__":
+    main()
