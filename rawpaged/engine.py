@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rawpaged import beam_search
 from rawpaged.block_allocator import BlockAllocator
 from rawpaged.config import EngineConfig
 from rawpaged.kernels import get_backend
@@ -62,9 +63,13 @@ class Request:
     arrival_time: float
     seqs: list = field(default_factory=list)
     forked: bool = False
+    beam: beam_search.BeamState | None = None
+    beams: list = field(default_factory=list)  # running beams (Sequences), beam search only
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs) and (self.forked or self.params.best_of == 1)
 
 
@@ -155,6 +160,9 @@ class LLMEngine:
         req = Request(request_id, text, list(int(t) for t in ids), params, now)
         seq = self._new_seq(req, 0)
         req.seqs.append(seq)
+        if params.use_beam_search:
+            req.beam = beam_search.BeamState(params.beam_width, params.length_penalty)
+            req.beams = [seq]
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return request_id
@@ -208,8 +216,15 @@ class LLMEngine:
         now = time.monotonic()
         for row, seq in enumerate(sampling):
             req = self.requests[seq.request_id]
+            if req.beam is not None:
+                seq.pending_logprobs = log_softmax(logits[row])
+                if all(b.pending_logprobs is not None for b in req.beams):
+                    self._beam_step(req, now)
+                    if req.beam.done:
+                        touched[req.request_id] = req
+                continue
             targets = [seq]
-            if not req.forked and req.params.best_of > 1:
+            if not req.forked and req.params.best_of > 1:  # n > 1: the prompt's KV is shared by forks
                 targets += self._fork(req, seq)
             req.forked = True
             need_lp = req.params.logprobs is not None or req.params.best_of > req.params.n
@@ -232,6 +247,57 @@ class LLMEngine:
             self.scheduler.add_running(child)
             children.append(child)
         return children
+
+    def _beam_step(self, req: Request, now: float) -> None:
+        """Select the next beams; fork block tables for beams that branch, free those that die."""
+        params, beams = req.params, req.beams
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        limit = min(params.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+        rows = np.stack([b.pending_logprobs for b in beams])
+        for b in beams:
+            b.pending_logprobs = None
+        chosen = beam_search.step(req.beam, [b.cumulative_logprob for b in beams],
+                                  [b.output_token_ids for b in beams], rows, stop_ids, limit)
+        # Every chosen (parent, token) gets a sequence: the parent itself the first time, a fork after.
+        claimed, targets = set(), []
+        for cand in chosen:
+            parent = beams[cand.parent]
+            if cand.parent not in claimed:
+                claimed.add(cand.parent)
+                targets.append((parent, cand))
+                continue
+            child = self._new_seq(req, len(req.seqs))
+            child.block_table = self.allocator.fork(parent.block_table)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.output_token_ids = list(parent.output_token_ids)
+            req.seqs.append(child)
+            self.scheduler.add_running(child)
+            targets.append((child, cand))
+        for i, b in enumerate(beams):
+            if i not in claimed:
+                self.scheduler.finish(b, "beam_pruned")
+        req.beams = []
+        for seq, cand in targets:
+            seq.output_token_ids.append(cand.token_id)
+            seq.cumulative_logprob = cand.cumulative_logprob
+            self.num_generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            req.beams.append(seq)
+        if req.beam.done:
+            for seq in req.beams:
+                self.scheduler.finish(seq, "beam_done")
+            req.beams = []
+
+    def _beam_outputs(self, req: Request) -> list:
+        stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_token_ids)
+        outputs = []
+        for i, hyp in enumerate(req.beam.finished[: req.params.n]):
+            outputs.append(CompletionOutput(
+                index=i, text=self.tokenizer.decode(hyp.token_ids), token_ids=list(hyp.token_ids),
+                finish_reason="stop" if hyp.token_ids[-1] in stop_ids else "length",
+                cumulative_logprob=hyp.cumulative_logprob))
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp_row, now: float) -> None:
         params = seq.sampling_params
@@ -293,7 +359,9 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         finished = req.finished
         seqs = sorted(req.seqs, key=lambda s: s.index)
-        if req.params.best_of > req.params.n:
+        if req.beam is not None:
+            seqs = []
+        elif req.params.best_of > req.params.n:
             if not finished:
                 seqs = []
             else:  # the n best by cumulative logprob, renumbered
@@ -307,6 +375,8 @@ class LLMEngine:
                 token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
                 cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None))
+        if req.beam is not None and finished:
+            outputs = self._beam_outputs(req)
         first = min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         metrics = {"arrival_time": req.arrival_time, "first_token_time": first}
         if finished:
@@ -392,6 +462,14 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params)
+
+    def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
+                    n: int | None = None, ignore_eos: bool = False) -> list:
+        """Beam search for each prompt; ``outputs`` holds the ``n`` (default ``beam_width``) best
+        hypotheses, best first (HF transformers' semantics, see ``rawpaged.beam_search``)."""
+        params = SamplingParams(n=n or beam_width, beam_width=beam_width, max_tokens=max_tokens,
+                                length_penalty=length_penalty, temperature=0.0, ignore_eos=ignore_eos)
+        return self.generate(prompts, params)
 
     def stats(self) -> dict:
         return self.engine.stats()

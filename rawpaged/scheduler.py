@@ -6,11 +6,17 @@ Running sequences are served first, in arrival order; waiting ones are admitted 
 budget, ``max_num_seqs`` and the block pool allow. When the pool runs dry, the newest running
 sequence is preempted by recompute (vLLM paper §4.5): its blocks are freed and it re-enters the head
 of the waiting queue with ``num_computed_tokens = 0``.
+
+An optional ``admission_policy`` (default None: plain paged admission) can refuse admissions on top
+of the block check, e.g. ``ReservationAdmission``, which emulates servers that reserve a request's
+whole KV footprint (``max_model_len`` or prompt + ``max_tokens``) up front. A policy provides
+``can_admit(seq) -> bool``, ``admitted(seq)`` and ``released(seq)`` (finished or preempted).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rawpaged.block_allocator import BlockAllocator
@@ -33,8 +39,41 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class ReservationAdmission:
+    """Admit a waiting sequence only if its whole footprint, ``reserve_tokens(seq)`` slots, can be
+    reserved up front: the free blocks, less the blocks still promised to admitted sequences (their
+    reservation minus the blocks they already hold), must cover ``ceil(reserve_tokens(seq) /
+    block_size)``. Blocks stay paged (no external fragmentation); only the admission is contiguous-style.
+    Reserves for the admitted sequence only (forked samples are not reserved for).
+    """
+
+    def __init__(self, allocator: BlockAllocator, reserve_tokens: Callable[[Sequence], int]):
+        self.allocator = allocator
+        self.reserve_tokens = reserve_tokens
+        self._reserved: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, reserved blocks)
+
+    def blocks_for(self, seq: Sequence) -> int:
+        return -(-self.reserve_tokens(seq) // self.allocator.block_size)
+
+    @property
+    def outstanding_blocks(self) -> int:
+        """Blocks promised to admitted sequences but not yet allocated to them."""
+        return sum(max(0, n - (len(s.block_table.block_ids) if s.block_table is not None else 0))
+                   for s, n in self._reserved.values())
+
+    def can_admit(self, seq: Sequence) -> bool:
+        return self.allocator.num_free_blocks - self.outstanding_blocks >= self.blocks_for(seq)
+
+    def admitted(self, seq: Sequence) -> None:
+        self._reserved[seq.seq_id] = (seq, self.blocks_for(seq))
+
+    def released(self, seq: Sequence) -> None:
+        self._reserved.pop(seq.seq_id, None)
+
+
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission_policy=None):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -45,6 +84,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admission_policy = admission_policy  # None: admit whenever the prompt's blocks fit
 
     @property
     def num_unfinished(self) -> int:
@@ -67,6 +107,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if self.admission_policy is not None:
+            self.admission_policy.released(seq)
         if seq.block_table is not None:
             self.allocator.free(seq.block_table)
             seq.block_table = None
@@ -80,6 +122,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
+                i += 1
+                continue
             while not alloc.allocate_slots(seq.block_table, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -100,6 +145,8 @@ class Scheduler:
             if len(self.running) + (width if seq.num_computed_tokens == 0 and not seq.output_token_ids else 1) \
                     > self.max_num_seqs and self.running:
                 break
+            if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
+                break
             table = alloc.new_table()
             token_ids = seq.token_ids
             bs = alloc.block_size
@@ -118,11 +165,15 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.admission_policy is not None:
+                self.admission_policy.admitted(seq)
             out.scheduled.append((seq, n))
             budget -= n
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.admission_policy is not None:
+            self.admission_policy.released(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = None
         seq.num_computed_tokens = 0

@@ -46,6 +46,7 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_text_emitted: int = 0
+    pending_logprobs: object = None  # beam search: this step's log_softmax row, until all beams have one
     first_token_time: float | None = None
     last_token_time: float | None = None
 

@@ -1,0 +1,87 @@
+"""Beam search selection, step by step, with HF transformers' semantics (``generation/utils.py``
+``_beam_search``, default ``early_stopping=False``), so results compare with ``generate(num_beams=k)``.
+
+Per step, with k running beams of cumulative logprob ``c_b`` and ``g`` tokens generated so far:
+  * candidates are the top ``2k`` of ``c_b + log_softmax(logits_b)`` over every beam and token;
+  * a candidate "hits" when its token is EOS / a stop token, or when ``g + 1`` reaches the length limit;
+  * the next running beams are the k best candidates that do not hit;
+  * hitting candidates ranked in the top k become finished hypotheses scored
+    ``(c_b + logprob) / (g + 1) ** length_penalty``; the k best hypotheses are kept;
+  * search ends when every candidate hits, or when all k hypotheses exist and the best running beam's
+    ``c / (g + 1) ** length_penalty`` cannot beat the worst hypothesis (HF's heuristic).
+The engine owns the sequences and their block tables; this module only decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Hypothesis:
+    score: float
+    cumulative_logprob: float
+    token_ids: list  # generated tokens, the final (hitting) one included
+    hit_eos: bool
+
+
+@dataclass
+class BeamState:
+    """Search state of one request: finished hypotheses (best first) and the stop flag."""
+
+    width: int
+    length_penalty: float
+    finished: list = field(default_factory=list)
+    improvement_possible: bool = True
+    done: bool = False
+
+
+@dataclass
+class Candidate:
+    parent: int  # index into the running beams passed to ``step``
+    token_id: int
+    cumulative_logprob: float
+
+
+def step(state: BeamState, cum_logprobs: list, generated: list, logprob_rows: np.ndarray,
+         stop_ids: set, max_new_tokens: int) -> list:
+    """Advance one token. Returns the next running beams as ``Candidate``s (best first).
+
+    Args:
+        cum_logprobs: cumulative logprob of each running beam (float).
+        generated: each running beam's generated token ids so far (all the same length g).
+        logprob_rows: float32 ``[num_beams, vocab]`` log_softmax of each beam's logits.
+        stop_ids: token ids that end a hypothesis (EOS unless ignored, plus stop_token_ids).
+        max_new_tokens: length limit of generated tokens.
+    """
+    k = state.width
+    g = len(generated[0])
+    totals = logprob_rows.astype(np.float64) + np.asarray(cum_logprobs, np.float64)[:, None]
+    flat = totals.reshape(-1)
+    keep = min(2 * k, flat.size)
+    top = np.argpartition(-flat, keep - 1)[:keep]
+    # Order as torch.topk: by value, ties by lower flat index.
+    top = top[np.lexsort((top, -flat[top]))]
+    vocab = logprob_rows.shape[1]
+    at_limit = g + 1 >= max_new_tokens
+    running, new_finished = [], []
+    for rank, idx in enumerate(top):
+        parent, token, total = int(idx // vocab), int(idx % vocab), float(flat[idx])
+        hits = at_limit or token in stop_ids
+        if hits:
+            if rank < k and state.improvement_possible:
+                new_finished.append(Hypothesis(total / (g + 1) ** state.length_penalty, total,
+                                               generated[parent] + [token], token in stop_ids))
+        elif len(running) < k:
+            running.append(Candidate(parent, token, total))
+    merged = state.finished + new_finished
+    merged.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as in torch.topk on the concat
+    state.finished = merged[:k]
+    if running and len(state.finished) == k:
+        best_possible = running[0].cumulative_logprob / (g + 1) ** state.length_penalty
+        if best_possible <= state.finished[-1].score:
+            state.improvement_possible = False
+    state.done = not running or not state.improvement_possible
+    return running
