@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import conditions, print_table, write_json  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
 from rawpaged import weights as rp_weights  # noqa: E402
+from rawpaged.random_model import write_random_model  # noqa: E402
 
 
 def random_prompts(rng, n, length, vocab=49152, low=100):
@@ -75,34 +75,13 @@ def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng)
     return rows
 
 
-def make_tiny_model(src: Path, dst: Path, rng) -> Path:
-    """Default model's layer count, heads and vocab, tiny widths, random weights."""
-    from safetensors.numpy import save_file
-
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(hidden_size=72, intermediate_size=64, head_dim=8)
-    tensors = {"model.embed_tokens.weight": rng.standard_normal((cfg["vocab_size"], 72), dtype=np.float32) * 0.02,
-               "model.norm.weight": np.ones(72, np.float32)}
-    q, kv = cfg["num_attention_heads"] * 8, cfg["num_key_value_heads"] * 8
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        for name, shape in [("input_layernorm", (72,)), ("post_attention_layernorm", (72,)),
-                            ("self_attn.q_proj", (q, 72)), ("self_attn.k_proj", (kv, 72)),
-                            ("self_attn.v_proj", (kv, 72)), ("self_attn.o_proj", (72, q)),
-                            ("mlp.gate_proj", (64, 72)), ("mlp.up_proj", (64, 72)), ("mlp.down_proj", (72, 64))]:
-            tensors[p + name + ".weight"] = rng.standard_normal(shape, dtype=np.float32) * 0.02
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, dst / f)
-    return dst
-
-
 def step_overhead(model_dir, rng, batches=(1, 32), steps=64):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = make_tiny_model(Path(model_dir), Path(tmp) / "tiny", rng)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        tiny = write_random_model(Path(tmp) / "tiny", num_layers=cfg["num_hidden_layers"], hidden_size=72,
+                                  intermediate_size=64, num_heads=9, num_kv_heads=3, head_dim=8,
+                                  tokenizer_from=model_dir)
         llm = LLM(model=str(tiny), device="cpu", max_num_seqs=64, num_kv_blocks=1024, enable_prefix_caching=False)
         llm.generate(random_prompts(rng, 2, 16), SamplingParams(max_tokens=2))
         for b in batches:

@@ -91,6 +91,7 @@ class BlockAllocator:
         self.num_cow_copies = 0
         self.num_prefix_queries = 0  # blocks looked up
         self.num_prefix_hits = 0  # blocks found
+        self.peak_used_blocks = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -155,12 +156,25 @@ class BlockAllocator:
             table.block_ids.append(self._take_free_block(table).block_id)
         return True
 
-    def fork(self, table: BlockTable) -> BlockTable:
-        """A new table sharing every block of ``table`` (each ``ref_count`` + 1)."""
+    def fork(self, table: BlockTable, share: bool = True) -> BlockTable | None:
+        """A new table with the same contents as ``table``.
+
+        ``share=True`` (the point of paging): every block is shared, ``ref_count`` + 1, no copy.
+        ``share=False`` (baseline for measurements): fresh blocks, each recorded as a ``(src, dst)``
+        copy; returns None, changing nothing, if the pool lacks the blocks.
+        """
         self._check_live(table)
         child = self.new_table()
-        child.block_ids = list(table.block_ids)
         child.num_tokens = table.num_tokens
+        if not share:
+            if len(table.block_ids) > len(self._free):
+                return None
+            for bid in table.block_ids:
+                dst = self._take_free_block(child)
+                child.block_ids.append(dst.block_id)
+                self._pending_copies.append((bid, dst.block_id))
+            return child
+        child.block_ids = list(table.block_ids)
         for bid in child.block_ids:
             block = self.blocks[bid]
             block.ref_count += 1
@@ -261,6 +275,7 @@ class BlockAllocator:
             block.token_ids = None
         block.ref_count = 1
         block.owners = {table.table_id}
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - len(self._free))
         return block
 
     def _drop_ref(self, block: KVCacheBlock, table: BlockTable) -> None:

@@ -21,6 +21,8 @@ class EngineConfig:
         max_model_len: prompt + generated tokens at most per sequence (None: the model's context).
         max_num_batched_tokens: token budget per step (prefill chunks + decodes).
         enable_prefix_caching: reuse full KV blocks of identical prefixes across requests.
+        enable_block_sharing: forks (n > 1, beams) share blocks copy-on-write; False makes them copy
+            every block instead (a baseline for measuring what sharing saves).
         seed: seed of the engine's generator for requests without their own seed.
     """
 
@@ -36,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    enable_block_sharing: bool = True
     seed: int = 0
 
     def __post_init__(self):

@@ -239,11 +239,13 @@ class LLMEngine:
         children = []
         for index in range(1, req.params.best_of):
             child = self._new_seq(req, index)
-            child.block_table = self.allocator.fork(parent.block_table)
+            req.seqs.append(child)
+            child.block_table = self.allocator.fork(parent.block_table, share=self.config.enable_block_sharing)
+            if child.block_table is None:  # no blocks to copy into: the child computes its prompt itself
+                self.scheduler.add(child)
+                continue
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
-            child.first_token_time = None
-            req.seqs.append(child)
             self.scheduler.add_running(child)
             children.append(child)
         return children
@@ -267,7 +269,10 @@ class LLMEngine:
                 targets.append((parent, cand))
                 continue
             child = self._new_seq(req, len(req.seqs))
-            child.block_table = self.allocator.fork(parent.block_table)
+            # Without sharing (a measurement baseline) beams copy their blocks; if the pool cannot hold
+            # the copy they share after all, since a beam cannot wait for a recompute.
+            child.block_table = (self.allocator.fork(parent.block_table, share=self.config.enable_block_sharing)
+                                 or self.allocator.fork(parent.block_table))
             child.num_computed_tokens = parent.num_computed_tokens
             child.output_token_ids = list(parent.output_token_ids)
             req.seqs.append(child)
@@ -398,6 +403,7 @@ class LLMEngine:
             "block_size": a.block_size,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_cow_copies": a.num_cow_copies,
+            "peak_used_blocks": a.peak_used_blocks,
             "prefix_cache_queries": a.num_prefix_queries,
             "prefix_cache_hits": a.num_prefix_hits,
             "num_running": len(self.scheduler.running),

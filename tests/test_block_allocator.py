@@ -123,12 +123,16 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.counter = 0
         self.names = 0
 
+    def _run_copies(self):
+        """The runner's ``copy_blocks``, run before the step's kernels."""
+        bs = self.alloc.block_size
+        for src, dst in self.alloc.drain_copies():
+            self.store[dst * bs:(dst + 1) * bs] = self.store[src * bs:(src + 1) * bs]
+
     def _write(self, table, values, n):
         if not self.alloc.allocate_slots(table, n):
             return False
-        for src, dst in self.alloc.drain_copies():  # the runner's copy_blocks, before the kernels
-            bs = self.alloc.block_size
-            self.store[dst * bs:(dst + 1) * bs] = self.store[src * bs:(src + 1) * bs]
+        self._run_copies()
         new = list(range(self.counter, self.counter + n))
         self.counter += n
         self.store[table.slots(table.num_tokens - n, table.num_tokens)] = new
@@ -152,6 +156,21 @@ class PagedKVMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.seqs)))
         table, values = self.seqs[name]
         self.seqs[self.names] = (self.alloc.fork(table), list(values))
+        self.names += 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork_by_copy(self, data):
+        name = data.draw(st.sampled_from(sorted(self.seqs)))
+        table, values = self.seqs[name]
+        free_before = self.alloc.num_free_blocks
+        child = self.alloc.fork(table, share=False)
+        if child is None:
+            assert len(table.block_ids) > free_before
+            return
+        self._run_copies()
+        assert not set(child.block_ids) & set(table.block_ids)
+        self.seqs[self.names] = (child, list(values))
         self.names += 1
 
     @precondition(lambda self: self.seqs)

@@ -1,0 +1,91 @@
+"""Randomly initialised Llama-style model directories, for tests, overhead measurements and device checks
+that must not depend on downloaded weights.
+
+``write_random_model(dst, ...)`` writes ``config.json`` + ``model.safetensors`` (F32, N(0, 0.02) weights,
+unit norms) and copies ``tokenizer.json``/``tokenizer_config.json`` from ``tokenizer_from`` when given
+(else writes a byte-level tokenizer with 256 byte tokens + 3 special tokens, vocab 259).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+
+def _byte_tokenizer(dst: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}))
+    return len(vocab)
+
+
+def write_random_model(dst, *, num_layers=2, hidden_size=72, intermediate_size=64, num_heads=9, num_kv_heads=3,
+                       head_dim=8, vocab_size=None, tokenizer_from=None, architecture="LlamaForCausalLM",
+                       tie_word_embeddings=True, max_position_embeddings=2048, seed=0) -> Path:
+    """Write a random model directory at ``dst`` and return it.
+
+    ``vocab_size`` defaults to the tokenizer's size. ``architecture="Qwen2ForCausalLM"`` adds q/k/v
+    biases. Weights are N(0, 0.02) float32, norm weights 1.
+    """
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer_from) / f, dst / f)
+        tok_vocab = json.loads((dst / "tokenizer.json").read_text())["model"]["vocab"]
+        tok_size = len(tok_vocab)
+    else:
+        tok_size = _byte_tokenizer(dst)
+    vocab_size = vocab_size or tok_size
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    tensors = {"model.embed_tokens.weight": w(vocab_size, hidden_size),
+               "model.norm.weight": np.ones(hidden_size, np.float32)}
+    if not tie_word_embeddings:
+        tensors["lm_head.weight"] = w(vocab_size, hidden_size)
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": np.ones(hidden_size, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(hidden_size, np.float32),
+            p + "self_attn.q_proj.weight": w(q, hidden_size),
+            p + "self_attn.k_proj.weight": w(kv, hidden_size),
+            p + "self_attn.v_proj.weight": w(kv, hidden_size),
+            p + "self_attn.o_proj.weight": w(hidden_size, q),
+            p + "mlp.gate_proj.weight": w(intermediate_size, hidden_size),
+            p + "mlp.up_proj.weight": w(intermediate_size, hidden_size),
+            p + "mlp.down_proj.weight": w(hidden_size, intermediate_size),
+        })
+        if architecture == "Qwen2ForCausalLM":
+            tensors.update({p + "self_attn.q_proj.bias": w(q), p + "self_attn.k_proj.bias": w(kv),
+                            p + "self_attn.v_proj.bias": w(kv)})
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps({
+        "architectures": [architecture], "model_type": "qwen2" if architecture.startswith("Qwen2") else "llama",
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "hidden_act": "silu"}, indent=1))
+    return dst
