@@ -49,6 +49,7 @@ class BlockTable:
     block_ids: list = field(default_factory=list)
     num_tokens: int = 0
     freed: bool = False
+    block_hashes: list = field(default_factory=list)  # chained hashes of the leading full blocks
 
     def slot(self, position: int) -> int:
         """Flat slot index of ``position``: ``block_id * block_size + offset``."""
@@ -166,6 +167,7 @@ class BlockAllocator:
         self._check_live(table)
         child = self.new_table()
         child.num_tokens = table.num_tokens
+        child.block_hashes = list(table.block_hashes)
         if not share:
             if len(table.block_ids) > len(self._free):
                 return None
@@ -194,6 +196,7 @@ class BlockAllocator:
         for bid in reversed(table.block_ids):
             self._drop_ref(self.blocks[bid], table)
         table.block_ids = []
+        table.block_hashes = []
         table.num_tokens = 0
         table.freed = True
 
@@ -246,23 +249,30 @@ class BlockAllocator:
             block.ref_count += 1
             block.owners.add(table.table_id)
             table.block_ids.append(bid)
+            table.block_hashes.append(block.block_hash)
         table.num_tokens = len(block_ids) * self.block_size
 
+    def needs_caching(self, table: BlockTable, num_computed: int) -> bool:
+        """True when ``num_computed`` tokens fill blocks that ``cache_full_blocks`` has not hashed."""
+        return self.enable_prefix_caching and num_computed // self.block_size > len(table.block_hashes)
+
     def cache_full_blocks(self, table: BlockTable, token_ids: list, num_computed: int, extra_key=None) -> None:
-        """Register the table's full blocks whose KV is computed (first ``num_computed`` tokens)."""
+        """Hash and register the table's newly completed full blocks (first ``num_computed`` tokens
+        are in the cache); incremental: each block is hashed once per table."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        hashes = self.block_hashes(token_ids[: min(num_computed, len(token_ids))], extra_key)
-        for i, h in enumerate(hashes):
+        hashes = table.block_hashes
+        while len(hashes) < min(num_computed, len(token_ids)) // bs:
+            i = len(hashes)
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_block(hashes[-1] if hashes else None, tokens, extra_key)
+            hashes.append(h)
             block = self.blocks[table.block_ids[i]]
-            if block.block_hash is not None:
-                continue
-            if h in self._cached:  # same content already cached in another block: keep that one
-                continue
-            block.block_hash = h
-            block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
-            self._cached[h] = block.block_id
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                block.token_ids = tokens
+                self._cached[h] = block.block_id
 
     # ---------------------------------------------------------------- internals
     def _take_free_block(self, table: BlockTable) -> KVCacheBlock:

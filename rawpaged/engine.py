@@ -150,9 +150,13 @@ class LLMEngine:
                              f"(at least one token must remain for generation)")
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         need = -(-total // self.config.block_size)
+        if params.use_beam_search:  # beams run together; each may end up holding its own blocks
+            need *= params.beam_width
         if need > self.allocator.num_blocks:
             raise ValueError(f"request needs {need} KV blocks ({total} tokens of block_size "
-                             f"{self.config.block_size}) but the pool has only {self.allocator.num_blocks}")
+                             f"{self.config.block_size}"
+                             f"{f' x beam_width {params.beam_width}' if params.use_beam_search else ''})"
+                             f" but the pool has only {self.allocator.num_blocks}")
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -211,7 +215,8 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
-            self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            if self.allocator.needs_caching(seq.block_table, seq.num_computed_tokens):
+                self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         touched = {}
         now = time.monotonic()
         for row, seq in enumerate(sampling):

@@ -126,21 +126,24 @@ class Scheduler:
                 i += 1
                 continue
             while not alloc.allocate_slots(seq.block_table, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+                victims = self._preempt_newest(out)
+                if seq in victims:
                     break
             else:
                 out.scheduled.append((seq, n))
                 budget -= n
-                i += 1
+                i = self.running.index(seq) + 1  # a preempted beam group may have stood before seq
 
         if out.preempted:
             return out  # no admissions in a step that had to preempt
 
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.output_token_ids and seq.sampling_params.use_beam_search:
+                if not self._admit_beam_group(seq, out):
+                    break
+                budget = self.max_num_batched_tokens - out.num_batched_tokens
+                continue
             width = max(seq.sampling_params.best_of, seq.sampling_params.beam_width or 1)
             if len(self.running) + (width if seq.num_computed_tokens == 0 and not seq.output_token_ids else 1) \
                     > self.max_num_seqs and self.running:
@@ -170,6 +173,42 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
         return out
+
+    def _preempt_newest(self, out: SchedulerOutput) -> list:
+        """Preempt the newest running sequence; a beam takes its running siblings with it, since beams
+        advance together and a lone beam would hold blocks while waiting for the others."""
+        victim = self.running[-1]
+        if victim.sampling_params.use_beam_search:
+            victims = [s for s in self.running if s.request_id == victim.request_id]
+        else:
+            victims = [victim]
+        for v in reversed(victims):  # appendleft in reverse keeps the group's order at the queue head
+            self.running.remove(v)
+            self._preempt(v)
+        out.scheduled[:] = [(s, n) for s, n in out.scheduled if s not in victims]
+        out.preempted.extend(victims)
+        return victims
+
+    def _admit_beam_group(self, head: Sequence, out: SchedulerOutput) -> bool:
+        """Admit all waiting beams of ``head``'s request together (recompute), or none. Blocks for all
+        their tokens must be free; their prefill may still be chunked over several steps."""
+        group = [s for s in self.waiting if s.request_id == head.request_id]
+        alloc = self.allocator
+        if sum(-(-s.num_tokens // alloc.block_size) for s in group) > alloc.num_free_blocks:
+            return False
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        for s in group:
+            self.waiting.remove(s)
+            s.block_table = alloc.new_table()
+            s.num_computed_tokens = 0
+            n = min(s.num_tokens, budget)
+            assert alloc.allocate_slots(s.block_table, n)
+            s.status = SequenceStatus.RUNNING
+            self.running.append(s)
+            if n:
+                out.scheduled.append((s, n))
+                budget -= n
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         if self.admission_policy is not None:
