@@ -29,9 +29,9 @@ class ModelRunner:
         self.block_size = block_size
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        xp = self.backend.xp
-        self.key_caches = [xp.zeros(shape, dtype=kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
-        self.value_caches = [xp.zeros(shape, dtype=kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        be = self.backend
+        self.key_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.value_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
 
     def execute(self, scheduled: list, block_copies: list):
         """Run the model for ``scheduled`` = [(seq, num_new_tokens)].
@@ -70,6 +70,8 @@ class ModelRunner:
             prefill_block_tables=be.asarray(tables(prefills)),
             query_start_loc=be.asarray(qsl),
             prefill_seq_lens=be.asarray(np.array([s.num_computed_tokens + n for s, n in prefills], dtype=np.int32)),
+            max_query_len=max((n for _, n in prefills), default=0),
+            max_context_len=max((s.num_tokens for s, _ in decodes), default=0),
         )
         hidden = self.model.forward(be.asarray(np.array(ids, dtype=np.int64)),
                                     be.asarray(np.array(positions, dtype=np.int64)), attn,

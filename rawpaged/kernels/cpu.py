@@ -204,7 +204,7 @@ def _check_attention_args(out, query, key_cache, value_cache, block_tables):
         raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale):
+def paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None):
     """Decode attention: one query token per sequence over its paged K/V.
 
     Args:
@@ -214,6 +214,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, context_le
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         context_lens: int32 ``[num_seqs]``, tokens of K/V to attend (including the current one).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        max_context_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
     Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``
     (Vaswani et al. 2017, eq. 1), GQA: head h uses KV head ``h // (num_heads // num_kv_heads)``.
     """
@@ -243,7 +244,8 @@ def _prefill_attention(out, query, kc, vc, block_tables, query_start_loc, seq_le
                           group, pos + 1, scale, is_bf16)
 
 
-def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale):
+def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                      max_query_len=None):
     """Causal attention of each sequence's new tokens over all of its cached K/V.
 
     Args:
@@ -256,6 +258,7 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, query_st
         seq_lens: int32 ``[num_seqs]``, total length of each sequence; the new tokens are its last
             ``query_start_loc[s+1] - query_start_loc[s]`` positions.
         scale: softmax scale.
+        max_query_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
     New token at absolute position p attends positions ``0 .. p`` (causal mask).
     """
     _check_attention_args(out, query, key_cache, value_cache, block_tables)
@@ -354,6 +357,11 @@ class CPUBackend:
     rms_norm = staticmethod(rms_norm)
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        """A zero-filled array (KV caches); ``dtype`` may be ``ml_dtypes.bfloat16``."""
+        return np.zeros(shape, dtype=dtype)
 
     @staticmethod
     def asarray(x, dtype=None):

@@ -35,6 +35,8 @@ class AttentionMetadata:
     prefill_block_tables: object
     query_start_loc: object
     prefill_seq_lens: object
+    max_query_len: int = 0  # host-side maxima, for launch sizing on the GPU
+    max_context_len: int = 0
 
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float) -> np.ndarray:
@@ -101,7 +103,7 @@ class LlamaModel:
         nd = attn.num_decode_tokens
         residual = be.embedding(input_ids, self.embed_tokens)
         x = be.rms_norm(residual, self.layers[0]["input_layernorm"], cfg.rms_norm_eps)
-        attn_out = be.xp.empty((T, Hq, D), dtype=np.float32)
+        attn_out = be.xp.empty((T, Hq, D), dtype=residual.dtype)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = be.rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps, residual=residual)
@@ -113,11 +115,12 @@ class LlamaModel:
             be.reshape_and_cache(k, v, key_caches[i], value_caches[i], attn.slot_mapping)
             if nd:
                 be.paged_attention(attn_out[:nd], q[:nd], key_caches[i], value_caches[i],
-                                   attn.decode_block_tables, attn.decode_context_lens, self.scale)
+                                   attn.decode_block_tables, attn.decode_context_lens, self.scale,
+                                   max_context_len=attn.max_context_len)
             if nd < T:
                 be.prefill_attention(attn_out[nd:], q[nd:], key_caches[i], value_caches[i],
                                      attn.prefill_block_tables, attn.query_start_loc, attn.prefill_seq_lens,
-                                     self.scale)
+                                     self.scale, max_query_len=attn.max_query_len)
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
             h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])

@@ -1,0 +1,456 @@
+"""CUDA backend: the kernels of ``cuda/*.cu`` through ``cupy.RawModule``, the rest through CuPy/cuBLAS.
+
+Same names and semantics as :class:`rawpaged.kernels.cpu.CPUBackend` (see that module for the math and
+its sources); the kernels themselves are documented in ``cuda/attention.cu``, ``cuda/cache.cu`` and
+``cuda/layers.cu``. Differences, all additive:
+
+* dtypes: activations (query/out/x/...) may be float32, float16 or bfloat16, KV caches float32, float16
+  or bfloat16, in the combinations of :data:`cuda_sources.DTYPE_PAIRS`. CuPy has no bfloat16, so a
+  bfloat16 tensor is a CuPy ``uint16`` array holding the bit patterns (:meth:`asarray` converts
+  ``ml_dtypes.bfloat16`` host arrays, :meth:`to_numpy` converts back). Math is float32 throughout.
+* ``paged_attention(..., max_context_len=None)``: an upper bound on ``context_lens`` known on the host (it
+  sizes the flash-decoding partitions); default ``block_tables.shape[1] * block_size``.
+* ``prefill_attention(..., max_query_len=None)``: an upper bound on new tokens per sequence; default from
+  ``query_start_loc`` when it is a host array, else ``num_tokens``.
+* ``linear``: float32/float16 through ``x @ weight.T`` (cuBLAS via CuPy); bfloat16 (``uint16`` storage)
+  through ``cublasGemmEx`` with CUDA_R_16BF inputs/outputs and float32 accumulation (CUBLAS_COMPUTE_32F).
+* ``embedding`` returns rows in the table's dtype (float32 tables give float32, as on the CPU).
+
+Only this module imports CuPy, and only when a :class:`CudaBackend` is created: a CPU-only install never
+imports it. Compile options and template instantiations come from :mod:`rawpaged.kernels.cuda_sources`,
+shared with the NVRTC compile test and the CPU emulation tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from rawpaged.kernels import cuda_sources as src
+
+try:  # ml_dtypes is a hard dependency of rawpaged; only its bfloat16 dtype object is needed here.
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    _BF16 = None
+
+_CTYPES = {np.dtype(np.float32): src.F32, np.dtype(np.float16): src.F16, np.dtype(np.uint16): src.BF16}
+_DEFAULT_SMEM = 48 * 1024
+
+# cuBLAS / CUDA enum values (cublas_api.h, library_types.h); stable across CUDA 11-13.
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUDA_R_16BF = 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+
+
+@functools.lru_cache(maxsize=None)
+def _instantiated(act: str, cache: str) -> frozenset:
+    return frozenset(src.name_expressions(act, cache))
+
+
+def _ctype(a, what: str) -> str:
+    try:
+        return _CTYPES[np.dtype(a.dtype)]
+    except KeyError:
+        raise ValueError(f"{what} dtype must be float32, float16 or bfloat16 (uint16 bits), got {a.dtype}") from None
+
+
+def _i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v) -> np.int64:
+    return np.int64(v)
+
+
+def _row_stride(a, what: str, inner_dims: int) -> int:
+    """Element stride of axis 0 of ``a``, checking that the last ``inner_dims`` axes are contiguous."""
+    item = a.dtype.itemsize
+    expect = item
+    for ax in range(a.ndim - 1, a.ndim - 1 - inner_dims, -1):
+        if a.shape[ax] > 1 and a.strides[ax] != expect:
+            raise ValueError(f"{what}: the last {inner_dims} axes must be contiguous (strides {a.strides})")
+        expect *= a.shape[ax]
+    if a.strides[0] % item:
+        raise ValueError(f"{what}: misaligned stride {a.strides}")
+    return a.strides[0] // item if a.shape[0] > 1 else int(np.prod(a.shape[1:]))
+
+
+class _CupyLauncher:
+    """Compiles one RawModule per (activation, cache) dtype pair on first use and launches its kernels."""
+
+    def __init__(self, cupy):
+        self._cupy = cupy
+        self._modules: dict[tuple[str, str], object] = {}
+        self._functions: dict[tuple[str, str, str], object] = {}
+
+    def module(self, act: str, cache: str):
+        key = (act, cache)
+        if key not in self._modules:
+            self._modules[key] = self._cupy.RawModule(
+                code=src.module_source(),
+                options=src.RUNTIME_OPTIONS + src.include_options(),
+                name_expressions=src.name_expressions(act, cache),
+            )
+        return self._modules[key]
+
+    def __call__(self, act, cache, name, grid, block, args, smem_bytes=0):
+        key = (act, cache, name)
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self.module(act, cache).get_function(name)
+            self._functions[key] = fn
+        if smem_bytes > _DEFAULT_SMEM and fn.max_dynamic_shared_size_bytes < smem_bytes:
+            fn.max_dynamic_shared_size_bytes = smem_bytes
+        fn(tuple(grid), tuple(block), tuple(args), shared_mem=int(smem_bytes))
+
+    def address(self, a) -> int:
+        return int(a.data.ptr)
+
+
+class CudaBackend:
+    """The CUDA kernels behind the backend interface the model calls (same names as ``CPUBackend``).
+
+    Args:
+        device: CUDA device ordinal (default: CuPy's current device).
+    Raises:
+        RuntimeError: ``"no CUDA device found: ..."`` when CuPy is missing or sees no usable GPU.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: int | None = None):
+        try:
+            import cupy
+        except Exception as e:  # ImportError, or a CUDA library that fails to load
+            raise RuntimeError(f"no CUDA device found: CuPy is not importable ({e})") from None
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # CUDARuntimeError: no driver, insufficient driver, ...
+            raise RuntimeError(f"no CUDA device found: {e}") from None
+        if count < 1:
+            raise RuntimeError("no CUDA device found: the CUDA runtime reports 0 devices")
+        dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
+        dev.use()
+        attrs = dev.attributes
+        self.xp = cupy
+        self.device = dev
+        self.num_sms = int(attrs["MultiProcessorCount"])
+        self.max_smem_optin = int(attrs.get("MaxSharedMemoryPerBlockOptin", _DEFAULT_SMEM))
+        self._launch = _CupyLauncher(cupy)
+        self._address = self._launch.address
+
+    @classmethod
+    def _with_launcher(cls, xp, launch, address, num_sms: int, max_smem_optin: int = 227 * 1024):
+        """A backend over another array module and kernel launcher (the CPU emulation tests use NumPy and
+        the g++-built kernels). ``launch(act, cache, name, grid, block, args, smem_bytes)``."""
+        self = cls.__new__(cls)
+        self.xp = xp
+        self.device = None
+        self.num_sms = num_sms
+        self.max_smem_optin = max_smem_optin
+        self._launch = launch
+        self._address = address
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    def _kernel(self, act, cache, name, grid, block, args, smem_bytes=0):
+        if name not in _instantiated(act, cache):
+            raise ValueError(f"kernel {name} is not instantiated for activations {act} / cache {cache}; "
+                             f"add it to rawpaged/kernels/cuda_sources.py")
+        if smem_bytes > self.max_smem_optin:
+            raise ValueError(f"{name} needs {smem_bytes} bytes of shared memory per block; this GPU allows "
+                             f"{self.max_smem_optin}")
+        self._launch(act, cache, name, grid, block, args, smem_bytes)
+
+    def _dev(self, a, dtype):
+        """``a`` as a contiguous device array of ``dtype`` (uploads host arrays)."""
+        return self.xp.ascontiguousarray(self.xp.asarray(a, dtype=dtype))
+
+    @staticmethod
+    def _check_attention(out, query, key_cache, value_cache, block_tables):
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError(f"out {out.shape}/{out.dtype} must match query {query.shape}/{query.dtype}")
+        if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+            raise ValueError("key_cache and value_cache must have the same shape and dtype")
+        if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
+            raise ValueError("KV caches must be C-contiguous")
+        num_heads, head_dim = query.shape[-2:]
+        num_kv_heads = key_cache.shape[2]
+        if head_dim != key_cache.shape[3] or num_heads % num_kv_heads:
+            raise ValueError(f"query heads/head_dim {query.shape[-2:]} incompatible with cache {key_cache.shape}")
+        if head_dim not in src.HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} not compiled; supported: {src.HEAD_DIMS} "
+                             f"(rawpaged/kernels/cuda_sources.py: HEAD_DIMS)")
+        if block_tables.ndim != 2:
+            raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
+
+    # ------------------------------------------------------------------ paged KV kernels
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        """Write new K/V rows into the paged caches (see ``cpu.reshape_and_cache``).
+
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` (activation dtype; token stride free, e.g. a
+        view into a fused QKV output); caches ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+        C-contiguous, written in place (float32 -> bf16/fp16 rounds to nearest even); slot_mapping int64
+        ``[num_tokens]``, ``-1`` skips a token.
+        """
+        act, cache = _ctype(key, "key"), _ctype(key_cache, "key_cache")
+        if key.shape != value.shape or key.dtype != value.dtype or key.shape[1:] != key_cache.shape[2:]:
+            raise ValueError(f"key {key.shape} / value {value.shape} do not match cache {key_cache.shape}")
+        if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+            raise ValueError("key_cache and value_cache must have the same shape and dtype")
+        if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
+            raise ValueError("KV caches must be C-contiguous")
+        if slot_mapping.shape[0] != key.shape[0]:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        num_tokens, num_kv_heads, head_dim = key.shape
+        if num_tokens == 0:
+            return
+        slots = self._dev(slot_mapping, np.int64)
+        threads = src.round_threads(num_kv_heads * head_dim, 512)
+        self._kernel(act, cache, f"reshape_and_cache_kernel<{act}, {cache}>", (num_tokens, 1, 1), (threads, 1, 1),
+                     (key, value, key_cache, value_cache, slots, _i64(_row_stride(key, "key", 2)),
+                      _i64(_row_stride(value, "value", 2)), _i32(num_kv_heads), _i32(head_dim),
+                      _i32(key_cache.shape[1])))
+
+    def paged_attention(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                        max_context_len: int | None = None):
+        """Decode attention, one query token per sequence (see ``cpu.paged_attention``).
+
+        out/query ``[num_seqs, num_heads, head_dim]`` (same dtype; token stride free), caches
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables int32 ``[num_seqs, max_blocks]``,
+        context_lens int32 ``[num_seqs]``. Flash-decoding split-K when the (sequence, KV head) grid is too
+        small for the GPU: partitions from :func:`cuda_sources.decode_config`, merged by a second kernel.
+        """
+        self._check_attention(out, query, key_cache, value_cache, block_tables)
+        act, cache = _ctype(query, "query"), _ctype(key_cache, "key_cache")
+        num_seqs, num_heads, head_dim = query.shape
+        if num_seqs == 0:
+            return
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        bt = self._dev(block_tables, np.int32)
+        ctx = self._dev(context_lens, np.int32)
+        max_ctx = max_context_len if max_context_len is not None else bt.shape[1] * block_size
+        cfg = src.decode_config(num_seqs, num_heads, num_kv_heads, head_dim, max_ctx, self.num_sms)
+        splits = cfg["num_splits"]
+        null = np.uint64(0)
+        part_out = part_ml = null
+        if splits > 1:
+            part_out = self.xp.empty((num_seqs, num_heads, splits, head_dim), dtype=np.float32)
+            part_ml = self.xp.empty((num_seqs, num_heads, splits, 2), dtype=np.float32)
+        out_stride = _i64(_row_stride(out, "out", 2))
+        self._kernel(act, cache, f"paged_attention_kernel<{act}, {cache}, {head_dim}, {cfg['gmax']}>",
+                     cfg["grid"], cfg["block"],
+                     (out, out_stride, part_out, part_ml, query, _i64(_row_stride(query, "query", 2)),
+                      key_cache, value_cache, bt, _i32(bt.shape[1]), ctx, _i32(num_heads), _i32(num_kv_heads),
+                      _i32(block_size), np.float32(scale), _i32(cfg["split_len"]), _i32(splits)),
+                     cfg["smem_bytes"])
+        if splits > 1:
+            self._kernel(act, cache, f"paged_attention_reduce_kernel<{act}>", (num_heads, num_seqs, 1),
+                         cfg["reduce_block"],
+                         (out, out_stride, part_out, part_ml, ctx, _i32(num_heads), _i32(head_dim), _i32(splits),
+                          _i32(cfg["split_len"])))
+
+    def prefill_attention(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                          scale, max_query_len: int | None = None):
+        """Causal attention of each sequence's new tokens over all its cached K/V (see
+        ``cpu.prefill_attention``): plain prefill, prefill after a cached prefix, chunked prefill.
+
+        out/query ``[num_tokens, num_heads, head_dim]``; query_start_loc int32 ``[num_seqs + 1]``;
+        seq_lens int32 ``[num_seqs]``; the new tokens are each sequence's last positions. Host arrays for
+        query_start_loc/seq_lens are validated like on the CPU; device arrays are trusted.
+        """
+        self._check_attention(out, query, key_cache, value_cache, block_tables)
+        act, cache = _ctype(query, "query"), _ctype(key_cache, "key_cache")
+        num_tokens, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        num_seqs = block_tables.shape[0]
+        if isinstance(query_start_loc, np.ndarray):
+            qsl = query_start_loc.astype(np.int64)
+            counts = np.diff(qsl)
+            if len(qsl) != num_seqs + 1 or qsl[0] != 0 or qsl[-1] != num_tokens or (counts < 0).any():
+                raise ValueError("query_start_loc must start at 0, be non-decreasing and end at num_tokens")
+            if isinstance(seq_lens, np.ndarray) and (seq_lens < counts).any():
+                raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
+            if max_query_len is None:
+                max_query_len = int(counts.max(initial=0))
+        if max_query_len is None:
+            max_query_len = num_tokens
+        if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+            return
+        bt = self._dev(block_tables, np.int32)
+        qsl_d = self._dev(query_start_loc, np.int32)
+        lens_d = self._dev(seq_lens, np.int32)
+        cfg = src.prefill_config(num_seqs, num_heads, num_kv_heads, head_dim, max_query_len)
+        self._kernel(act, cache, f"prefill_attention_kernel<{act}, {cache}, {head_dim}>", cfg["grid"], cfg["block"],
+                     (out, _i64(_row_stride(out, "out", 2)), query, _i64(_row_stride(query, "query", 2)),
+                      key_cache, value_cache, bt, _i32(bt.shape[1]), qsl_d, lens_d, _i32(num_heads),
+                      _i32(num_kv_heads), _i32(block_size), np.float32(scale), _i32(cfg["heads_per_block"])),
+                     cfg["smem_bytes"])
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping):
+        """Copy whole blocks ``src -> dst`` in every layer's K and V cache with one launch.
+
+        key_caches/value_caches: lists (one per layer) of C-contiguous caches of one shape and dtype;
+        block_mapping int64 ``[n, 2]`` (src, dst) pairs, dst distinct and never a src of the same call.
+        """
+        m = self._dev(block_mapping, np.int64).reshape(-1, 2)
+        if m.shape[0] == 0 or not key_caches:
+            return
+        caches = list(key_caches) + list(value_caches)
+        ref = caches[0]
+        cache = _ctype(ref, "cache")
+        for c in caches:
+            if c.shape != ref.shape or c.dtype != ref.dtype or not c.flags.c_contiguous:
+                raise ValueError("all KV caches must be C-contiguous with one shape and dtype")
+        if len(key_caches) != len(value_caches):
+            raise ValueError("key_caches and value_caches must have one entry per layer")
+        block_bytes = int(np.prod(ref.shape[1:])) * ref.dtype.itemsize
+        word = src.copy_word_bytes(block_bytes)
+        kptr = self.xp.asarray(np.array([self._address(c) for c in key_caches], dtype=np.uint64))
+        vptr = self.xp.asarray(np.array([self._address(c) for c in value_caches], dtype=np.uint64))
+        # copy_blocks is dtype-free and in every module: use one that is already compiled if possible.
+        compiled = getattr(self._launch, "_modules", {})
+        act, cache = next((p for p in src.DTYPE_PAIRS if p[1] == cache and p in compiled), (cache, cache))
+        self._kernel(act, cache, f"copy_blocks_kernel<{word}>", (m.shape[0], len(key_caches), 1), (256, 1, 1),
+                     (kptr, vptr, m, _i64(block_bytes // word)))
+
+    # ------------------------------------------------------------------ dense layers
+    def rms_norm(self, x, weight, eps, residual=None):
+        """RMSNorm of ``x [num_tokens, hidden]`` (a new array); with ``residual``: ``residual += x`` in
+        place first and the norm of the sum is returned. weight ``[hidden]`` in x's dtype or float32."""
+        act = _ctype(x, "x")
+        wt = _ctype(weight, "weight")
+        if wt not in (act, src.F32):
+            raise ValueError(f"weight dtype {weight.dtype} must be float32 or match x ({x.dtype})")
+        if x.ndim != 2 or weight.shape != (x.shape[1],):
+            raise ValueError(f"x must be [num_tokens, hidden] and weight [hidden]; got {x.shape}, {weight.shape}")
+        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+            raise ValueError("residual must match x in shape and dtype")
+        num_tokens, hidden = x.shape
+        out = self.xp.empty((num_tokens, hidden), dtype=x.dtype)
+        if num_tokens == 0:
+            return out
+        weight = self.xp.ascontiguousarray(weight)
+        res = residual if residual is not None else np.uint64(0)
+        res_stride = _row_stride(residual, "residual", 1) if residual is not None else 0
+        self._kernel(act, act, f"rms_norm_kernel<{act}, {wt}>",
+                     (num_tokens, 1, 1), (src.round_threads(hidden, 1024), 1, 1),
+                     (out, _i64(hidden), x, _i64(_row_stride(x, "x", 1)), res, _i64(res_stride), weight,
+                      np.float32(eps), _i32(hidden), _i32(residual is not None)))
+        return out
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache):
+        """RoPE in place, HF rotate-half layout (see ``cpu.rotary_embedding``). positions int64
+        ``[num_tokens]``; query ``[num_tokens, num_heads, head_dim]``, key ``[num_tokens, num_kv_heads,
+        head_dim]`` (token strides free); cos_sin_cache float32 ``[max_position, head_dim]``."""
+        act = _ctype(query, "query")
+        if key.dtype != query.dtype or key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
+            raise ValueError(f"query {query.shape}/{query.dtype} and key {key.shape}/{key.dtype} disagree")
+        num_tokens, num_heads, head_dim = query.shape
+        if cos_sin_cache.dtype != np.float32 or cos_sin_cache.shape[-1] != head_dim:
+            raise ValueError("cos_sin_cache must be float32 [max_position, head_dim]")
+        if num_tokens == 0:
+            return
+        pos = self._dev(positions, np.int64)
+        cs = self.xp.ascontiguousarray(cos_sin_cache)
+        num_kv_heads = key.shape[1]
+        threads = src.round_threads((num_heads + num_kv_heads) * head_dim // 2, 512)
+        self._kernel(act, act, f"rotary_embedding_kernel<{act}>", (num_tokens, 1, 1), (threads, 1, 1),
+                     (pos, query, _i64(_row_stride(query, "query", 2)), key, _i64(_row_stride(key, "key", 2)), cs,
+                      _i32(num_heads), _i32(num_kv_heads), _i32(head_dim)))
+
+    def silu_and_mul(self, x):
+        """SwiGLU: ``x [num_tokens, 2 * inter]`` -> ``silu(x[:, :inter]) * x[:, inter:]`` (a new array)."""
+        act = _ctype(x, "x")
+        x = self.xp.ascontiguousarray(x)
+        num_tokens, two_inter = x.shape
+        inter = two_inter // 2
+        out = self.xp.empty((num_tokens, inter), dtype=x.dtype)
+        n = num_tokens * inter
+        if n == 0:
+            return out
+        threads = 256
+        self._kernel(act, act, f"silu_and_mul_kernel<{act}>", (src.elementwise_blocks(n, threads, self.num_sms), 1, 1),
+                     (threads, 1, 1), (out, x, _i64(num_tokens), _i32(inter)))
+        return out
+
+    # ------------------------------------------------------------------ arrays, matmul, embedding
+    def zeros(self, shape, dtype):
+        """A zero-filled device array (KV caches); ``ml_dtypes.bfloat16`` gives ``uint16`` bf16 bits."""
+        if _BF16 is not None and np.dtype(dtype) == _BF16:
+            dtype = np.uint16
+        return self.xp.zeros(shape, dtype=dtype)
+
+    def asarray(self, x, dtype=None):
+        """Host (or device) array -> device array. ``ml_dtypes.bfloat16`` input or ``dtype`` gives a
+        ``uint16`` array of bf16 bits."""
+        if dtype is not None and _BF16 is not None and np.dtype(dtype) == _BF16:
+            host = x.get() if hasattr(x, "get") else np.asarray(x)
+            if host.dtype == np.uint16:
+                return self.xp.asarray(host)
+            return self.xp.asarray(np.asarray(host, dtype=np.float32).astype(_BF16).view(np.uint16))
+        if isinstance(x, np.ndarray) and _BF16 is not None and x.dtype == _BF16:
+            x = x.view(np.uint16)
+        return self.xp.asarray(x, dtype=dtype)
+
+    def to_numpy(self, x):
+        """Device array -> NumPy; ``uint16`` (bf16 bits) comes back as ``ml_dtypes.bfloat16``."""
+        host = x.get() if hasattr(x, "get") else np.asarray(x)
+        if host.dtype == np.uint16 and _BF16 is not None:
+            return host.view(_BF16)
+        return host
+
+    def linear(self, x, weight, bias=None):
+        """``x @ weight.T (+ bias)``; x ``[n, in]``, weight ``[out, in]`` (HF layout), same dtype.
+
+        float32/float16: CuPy matmul (cuBLAS). bfloat16 (uint16 bits): ``cublasGemmEx`` with
+        CUDA_R_16BF A/B/C and CUBLAS_COMPUTE_32F (float32 accumulation, one rounding to bf16 at the end;
+        a bias is preloaded into C and added in the float32 epilogue with beta = 1).
+        """
+        if x.dtype != weight.dtype:
+            raise ValueError(f"x {x.dtype} and weight {weight.dtype} must have the same dtype")
+        if x.dtype != np.uint16:
+            y = x @ weight.T
+            if bias is not None:
+                y += bias
+            return y
+        return self._linear_bf16(x, weight, bias)
+
+    def _linear_bf16(self, x, weight, bias):
+        xp = self.xp
+        try:
+            from cupy_backends.cuda.libs import cublas
+        except ImportError:  # older CuPy
+            from cupy.cuda import cublas
+        x = xp.ascontiguousarray(x)
+        weight = xp.ascontiguousarray(weight)
+        n, k = x.shape
+        m = weight.shape[0]
+        if weight.shape[1] != k:
+            raise ValueError(f"x {x.shape} and weight {weight.shape} do not chain")
+        y = xp.empty((n, m), dtype=np.uint16)
+        beta_v = 0.0
+        if bias is not None:
+            y[...] = bias  # plain copy of the bf16 bits, broadcast over rows
+            beta_v = 1.0
+        if n == 0 or m == 0:
+            return y
+        alpha = np.array(1.0, dtype=np.float32)
+        beta = np.array(beta_v, dtype=np.float32)
+        handle = xp.cuda.device.get_cublas_handle()
+        # Row-major y[n, m] = x[n, k] W[m, k]^T is column-major y^T[m, n] = W (col-major [k, m])^T x^T.
+        cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k,
+                      alpha.ctypes.data, weight.data.ptr, _CUDA_R_16BF, k,
+                      x.data.ptr, _CUDA_R_16BF, k,
+                      beta.ctypes.data, y.data.ptr, _CUDA_R_16BF, m,
+                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        return y
+
+    def embedding(self, token_ids, table):
+        """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, in the table's dtype."""
+        ids = self._dev(token_ids, np.int64)
+        return self.xp.take(table, ids, axis=0)

@@ -1,0 +1,215 @@
+"""Everything about the CUDA kernels that needs no GPU and no CuPy: sources, compile options, the
+template instantiations (NVRTC name expressions) and the launch geometry.
+
+Imported by the runtime (``rawpaged/kernels/cuda.py``), the NVRTC compile test and the CPU emulation
+tests, so all three build and launch exactly the same thing. Never imports CuPy.
+
+Dtype names are the C++ ones: ``float``, ``__half``, ``__nv_bfloat16``. On the device, bf16 tensors are
+CuPy ``uint16`` arrays holding bfloat16 bit patterns (CuPy has no bfloat16 dtype).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from pathlib import Path
+
+# --------------------------------------------------------------------------- sources
+#: Directory of the ``.cu`` sources (``cuda/`` at the repository root); ``RAWPAGED_CUDA_SRC`` overrides it.
+CUDA_DIR = Path(os.environ.get("RAWPAGED_CUDA_SRC", Path(__file__).resolve().parents[2] / "cuda"))
+HEADER = "common.cuh"
+SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu")
+
+#: NVRTC options the runtime passes to ``cupy.RawModule`` (plus :func:`include_options`).
+RUNTIME_OPTIONS = ("--std=c++17",)
+#: Options CuPy adds on its own when it compiles a RawModule with NVRTC (mirrored by the compile test).
+CUPY_IMPLICIT_OPTIONS = ("-ftz=true",)
+
+# --------------------------------------------------------------------------- instantiations
+F32, F16, BF16 = "float", "__half", "__nv_bfloat16"
+#: (activation dtype, KV-cache dtype) pairs the runtime supports.
+DTYPE_PAIRS = ((F32, F32), (F32, BF16), (F32, F16), (F16, F16), (BF16, BF16))
+HEAD_DIMS = (64, 128)
+#: Compile-time upper bounds on the query heads one decode block serves (a group is padded up to one).
+DECODE_GMAX = (1, 2, 4, 8, 16)
+COPY_WORD_BYTES = (16, 8, 4, 2)
+
+# Kernel geometry (mirrors the constants in cuda/attention.cu).
+DEC_THREADS, DEC_WARPS, DEC_CHUNK = 128, 4, 128
+PF_THREADS, PF_KT = 128, 32
+#: Shortest context a decode partition gets (shorter partitions cost more in the merge than they save).
+MIN_SPLIT_TOKENS = 128
+
+
+def read_source(name: str) -> str:
+    return (CUDA_DIR / name).read_text()
+
+
+def module_source() -> str:
+    """The single translation unit handed to NVRTC: the header, then every ``.cu`` file with its
+    ``#include "common.cuh"`` line removed (its text is already there, so no include path is needed for
+    it and CuPy's cache key covers every byte that is compiled)."""
+    header = "\n".join("// (#pragma once: inlined once)" if line.strip() == "#pragma once" else line
+                       for line in read_source(HEADER).splitlines())
+    parts = [f"// ---- {HEADER}\n", header, "\n"]
+    for name in SOURCE_FILES:
+        text = "\n".join("// (common.cuh inlined above)" if line.strip() == f'#include "{HEADER}"' else line
+                         for line in read_source(name).splitlines())
+        parts += [f"\n// ---- {name}\n", text, "\n"]
+    return "".join(parts)
+
+
+def layer_names(act: str) -> list[str]:
+    """Name expressions of the dtype-generic kernels for activation dtype ``act``."""
+    weight_types = [act] if act == F32 else [act, F32]
+    names = [f"rms_norm_kernel<{act}, {w}>" for w in weight_types]
+    names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>"]
+    return names
+
+
+def name_expressions(act: str, cache: str) -> list[str]:
+    """Every instantiation the runtime may launch for activations ``act`` and a KV cache of ``cache``."""
+    if (act, cache) not in DTYPE_PAIRS:
+        raise ValueError(f"unsupported (activation, cache) dtypes: {(act, cache)}; supported: {DTYPE_PAIRS}")
+    names = [f"reshape_and_cache_kernel<{act}, {cache}>"]
+    names += [f"copy_blocks_kernel<{b}>" for b in COPY_WORD_BYTES]
+    for d in HEAD_DIMS:
+        names += [f"paged_attention_kernel<{act}, {cache}, {d}, {g}>" for g in DECODE_GMAX if g <= gmax_cap(d)]
+        names.append(f"prefill_attention_kernel<{act}, {cache}, {d}>")
+    names.append(f"paged_attention_reduce_kernel<{act}>")
+    names += layer_names(act)
+    return names
+
+
+def all_name_expressions() -> list[str]:
+    """The union over :data:`DTYPE_PAIRS`, each name once, in a stable order."""
+    seen: dict[str, None] = {}
+    for act, cache in DTYPE_PAIRS:
+        for n in name_expressions(act, cache):
+            seen.setdefault(n, None)
+    return list(seen)
+
+
+def names_in_file(names: list[str], filename: str) -> list[str]:
+    """The subset of ``names`` whose template is defined in ``filename``."""
+    text = read_source(filename)
+    return [n for n in names if f" {n.split('<')[0]}(" in text]
+
+
+# --------------------------------------------------------------------------- headers
+def cuda_include_dirs() -> list[str]:
+    """Directories holding ``cuda_fp16.h``/``cuda_bf16.h`` for NVRTC: the NVIDIA runtime wheels
+    (``nvidia-cuda-runtime-cu12`` -> ``nvidia/cuda_runtime/include``, CUDA 13's ``nvidia-cuda-runtime``
+    -> ``nvidia/cu13/include``), then ``CUDA_PATH``/``CUDA_HOME``, then ``/usr/local/cuda``."""
+    found: list[str] = []
+    for base in sys.path:
+        for pattern in ("nvidia/cuda_runtime/include", "nvidia/cu1[0-9]/include"):
+            for d in sorted(glob.glob(os.path.join(base, pattern))):
+                if os.path.isfile(os.path.join(d, "cuda_fp16.h")) and d not in found:
+                    found.append(d)
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            found.append(os.path.join(os.environ[env], "include"))
+    found.append("/usr/local/cuda/include")
+    return [d for d in dict.fromkeys(found) if os.path.isfile(os.path.join(d, "cuda_bf16.h"))]
+
+
+def include_options() -> tuple[str, ...]:
+    """``-I`` for the first directory of :func:`cuda_include_dirs` (empty if none: NVRTC then fails with
+    a clear 'cannot open source file cuda_fp16.h')."""
+    dirs = cuda_include_dirs()
+    return (f"-I{dirs[0]}",) if dirs else ()
+
+
+# --------------------------------------------------------------------------- launch geometry
+def gmax_cap(head_dim: int) -> int:
+    """Largest GMAX for a head size: bounded by registers (GMAX * head_dim / 32 accumulators per thread)."""
+    return 16 if head_dim <= 128 else 8
+
+
+def decode_gmax(group: int, head_dim: int) -> int:
+    """Smallest instantiated GMAX >= group (capped; larger groups are served in several chunks)."""
+    cap = gmax_cap(head_dim)
+    for g in DECODE_GMAX:
+        if g >= group or g == cap:
+            return g
+    return cap
+
+
+def decode_smem_floats(head_dim: int, gmax: int) -> int:
+    """Mirror of ``DecodeSmem<D, GMAX>::TOTAL`` in cuda/attention.cu."""
+    stats = gmax * head_dim
+    work = stats + ((3 * gmax + 3) // 4) * 4
+    return work + max(gmax * DEC_CHUNK, DEC_WARPS * gmax * head_dim)
+
+
+def decode_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                  num_sms: int) -> dict:
+    """Grid and partitioning of ``paged_attention_kernel`` (flash-decoding split-K).
+
+    The base grid has one block per (sequence, KV head, chunk of <= GMAX query heads). When that is too
+    few blocks to fill the GPU (2 blocks per SM) the context is split into partitions of at least
+    MIN_SPLIT_TOKENS positions, merged by ``paged_attention_reduce_kernel``.
+    """
+    group = num_heads // num_kv_heads
+    gmax = decode_gmax(group, head_dim)
+    gchunks = -(-group // gmax)
+    base_blocks = max(1, num_seqs * num_kv_heads * gchunks)
+    max_ctx = max(1, int(max_context_len))
+    want = -(-2 * num_sms // base_blocks)
+    splits = max(1, min(want, -(-max_ctx // MIN_SPLIT_TOKENS)))
+    split_len = -(-max_ctx // splits)
+    split_len = -(-split_len // 16) * 16
+    splits = -(-max_ctx // split_len)
+    return dict(gmax=gmax, gchunks=gchunks, num_splits=splits, split_len=split_len,
+                grid=(num_kv_heads * gchunks, num_seqs, splits), block=(DEC_THREADS, 1, 1),
+                smem_bytes=4 * decode_smem_floats(head_dim, gmax),
+                reduce_block=(min(256, -(-head_dim // 32) * 32), 1, 1))
+
+
+def prefill_rows(head_dim: int) -> int:
+    """Mirror of ``PrefillCfg<D>::ROWS``."""
+    return 16 * (4 if head_dim <= 128 else 2)
+
+
+def prefill_smem_floats(head_dim: int) -> int:
+    """Mirror of ``PrefillCfg<D>::TOTAL``."""
+    rows = prefill_rows(head_dim)
+    qs = head_dim + 1
+    return rows * qs + 2 * PF_KT * qs + rows * (PF_KT + 1)
+
+
+def prefill_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   max_query_len: int) -> dict:
+    """Grid of ``prefill_attention_kernel``: query tiles of ROWS (token, head) rows per KV head."""
+    group = num_heads // num_kv_heads
+    rows = prefill_rows(head_dim)
+    heads_per_block = min(group, rows)
+    hchunks = -(-group // heads_per_block)
+    tokens_per_tile = rows // heads_per_block
+    tiles = max(1, -(-int(max_query_len) // tokens_per_tile))
+    return dict(heads_per_block=heads_per_block, tokens_per_tile=tokens_per_tile,
+                grid=(tiles, num_kv_heads * hchunks, num_seqs), block=(PF_THREADS, 1, 1),
+                smem_bytes=4 * prefill_smem_floats(head_dim))
+
+
+def round_threads(n: int, cap: int) -> int:
+    """Threads for a per-row kernel: n rounded up to a warp multiple, within [32, cap]."""
+    return max(32, min(cap, -(-n // 32) * 32))
+
+
+def copy_word_bytes(block_bytes: int) -> int:
+    """Widest copy word in COPY_WORD_BYTES dividing the byte size of one KV block."""
+    for b in COPY_WORD_BYTES:
+        if block_bytes % b == 0:
+            return b
+    raise ValueError(f"KV block of {block_bytes} bytes is not a multiple of 2 bytes")
+
+
+def elementwise_blocks(n: int, threads: int, num_sms: int) -> int:
+    """Blocks for a grid-stride elementwise kernel: enough to cover n, at most 32 waves of SMs."""
+    return max(1, min(-(-n // threads), 32 * max(1, num_sms)))
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("glob", "os", "sys", "Path", "annotations")]

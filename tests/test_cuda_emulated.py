@@ -1,0 +1,427 @@
+"""The real CUDA kernels (cuda/*.cu) executed on the CPU through the g++ emulation in tests/cuda_emu,
+launched by the real runtime code (``CudaBackend`` over NumPy arrays), compared against the Numba CPU
+backend and the float64 references. Outputs are NaN-poisoned before the kernels write them, pools hold
+NaN in every unused slot, blocks are scattered randomly. A replay of the launches under ThreadSanitizer
+checks the kernels for shared-memory races (and that the check itself can fail).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cpu
+from rawpaged.kernels import cuda_sources as src
+from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
+                            read_replay_output)
+from tests.kv_reference import BF16, attention_ref, make_paged_kv
+
+_why = missing_requirements()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA emulation unavailable: {_why}")
+
+CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 700]  # 700: several flash-decoding partitions, ends mid-block
+GROUPS = [1, 2, 4, 8, 16, 3, 6]
+F16 = np.dtype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return Emulator(build())
+
+
+def backend(emu, num_sms=64):
+    """num_sms=64 makes small grids split the context (flash-decoding path); num_sms=1 never splits."""
+    return emulated_backend(emu, num_sms=num_sms)
+
+
+def dev(a):
+    """Host array -> the emulated backend's representation (bf16 as uint16 bits, shares memory)."""
+    return a.view(np.uint16) if a.dtype == BF16 else a
+
+
+def host(a, dtype):
+    return a.view(BF16) if dtype == BF16 else a
+
+
+def tol(act):
+    if act == BF16:
+        return dict(rtol=1e-2, atol=1e-2)
+    if act == F16:
+        return dict(rtol=2e-3, atol=2e-3)
+    return dict(rtol=2e-4, atol=2e-5)
+
+
+def _decode_case(rng, contexts, num_kv_heads, group, head_dim, block_size, cache_dtype):
+    kc, vc, bt, keys, values = make_paged_kv(rng, contexts, num_kv_heads, head_dim, block_size, cache_dtype)
+    q = rng.standard_normal((len(contexts), num_kv_heads * group, head_dim)).astype(np.float32)
+    return kc, vc, bt, keys, values, q
+
+
+# ------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_attention_split_k_matches_cpu_and_float64(emu, cache_dtype, head_dim, group):
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    num_kv_heads = 2
+    kc, vc, bt, keys, values, q = _decode_case(rng, CONTEXTS, num_kv_heads, group, head_dim, 16, cache_dtype)
+    ctx = np.array(CONTEXTS, np.int32)
+    scale = head_dim ** -0.5
+    be = backend(emu)
+    emu.launches.clear()
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, dev(kc), dev(vc), bt, ctx, scale)
+    assert [n.split("<")[0] for n, *_ in emu.launches] == ["paged_attention_kernel", "paged_attention_reduce_kernel"]
+    assert emu.launches[0][1][2] >= 4, "the long context should span several partitions"
+    ref_cpu = np.full_like(q, np.nan)
+    cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    for s, c in enumerate(CONTEXTS):
+        ref = attention_ref(q[s:s + 1], keys[s], values[s], scale)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}")
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_attention_single_partition_path(emu, group):
+    """num_splits == 1: the decode kernel writes the output itself (no merge kernel)."""
+    rng = np.random.default_rng(group)
+    contexts = [1, 16, 17, 33, 200]
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 3, group, 64, 16, np.float32)
+    be = backend(emu, num_sms=1)
+    emu.launches.clear()
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125)
+    assert [n.split("<")[0] for n, *_ in emu.launches] == ["paged_attention_kernel"]
+    for s in range(len(contexts)):
+        ref = attention_ref(q[s:s + 1], keys[s], values[s], 0.125)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
+
+
+def test_paged_attention_group_beyond_gmax_and_empty_context(emu):
+    """Group 24 > GMAX 16 (two head chunks per KV head, the second partial), an empty context (zeros, as
+    on the CPU), strided query/out views of a wider buffer, both kernel paths."""
+    rng = np.random.default_rng(7)
+    contexts = [0, 5, 300]
+    group, head_dim = 24, 64
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 1, group, head_dim, 16, np.float32)
+    for num_sms in (1, 64):
+        wide = np.full((len(contexts), group + 5, head_dim), np.nan, np.float32)
+        out = wide[:, 2:2 + group]
+        qwide = np.zeros((len(contexts), group + 3, head_dim), np.float32)
+        qwide[:, 1:1 + group] = q
+        backend(emu, num_sms).paged_attention(out, qwide[:, 1:1 + group], kc, vc, bt, np.array(contexts, np.int32), 0.1)
+        np.testing.assert_array_equal(out[0], 0.0)
+        for s in (1, 2):
+            ref = attention_ref(q[s:s + 1], keys[s], values[s], 0.1)[0]
+            np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
+        assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, 2 + group:]).all(), "wrote outside the out view"
+
+
+@pytest.mark.parametrize("act,cache", [(np.float32, F16), (F16, F16), (BF16, BF16)], ids=["f32-f16", "f16", "bf16"])
+def test_paged_attention_half_precision_activations(emu, act, cache):
+    rng = np.random.default_rng(11)
+    contexts = [3, 16, 47, 400]
+    kc, vc, bt, keys, values, q32 = _decode_case(rng, contexts, 2, 4, 128, 16, cache)
+    q = q32.astype(act)
+    out = np.full(q.shape, np.nan, np.float32).astype(act)
+    backend(emu).paged_attention(dev(out), dev(q), dev(kc), dev(vc), bt, np.array(contexts, np.int32), 128 ** -0.5)
+    for s in range(len(contexts)):
+        ref = attention_ref(q[s:s + 1].astype(np.float64), keys[s], values[s], 128 ** -0.5)[0]
+        np.testing.assert_allclose(out[s].astype(np.float64), ref, **tol(act))
+
+
+# ------------------------------------------------------------------------------------------ prefill
+@pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefill_attention_causal_chunked(emu, cache_dtype, block_size):
+    """Full prefill, prefill after a cached prefix, and one-token chunks in one call (the CPU test's case)."""
+    rng = np.random.default_rng(block_size)
+    num_kv_heads, group, head_dim = 3, 3, 64
+    seq_lens = [17, 33, 40, 1, 100, 16]
+    new_tokens = [17, 1, 24, 1, 37, 16]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, block_size, cache_dtype)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    lens = np.array(seq_lens, np.int32)
+    backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, lens, head_dim ** -0.5)
+    ref_cpu = np.full_like(q, np.nan)
+    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
+        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 128), (1, 16, 64), (2, 6, 128), (1, 8, 64)])
+def test_prefill_attention_gqa_shapes(emu, num_kv_heads, group, head_dim):
+    """Tile geometry across GQA groups: 64 tokens x 1 head ... 4 tokens x 16 heads per tile, partial
+    tiles, several key tiles, a 2-token chunk after a prefix that ends mid-block."""
+    rng = np.random.default_rng(group * 10 + head_dim)
+    seq_lens = [70, 37, 9]
+    new_tokens = [70, 2, 9]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, 16, BF16)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, np.array(seq_lens, np.int32), 0.1)
+    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
+        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], 0.1, causal_offset=L - n)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+
+
+def test_prefill_attention_group_larger_than_a_tile(emu):
+    """Group 80 > 64 rows per tile: two head chunks per KV head, one token per tile."""
+    rng = np.random.default_rng(80)
+    seq_lens, new_tokens = [5, 3], [3, 3]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 1, 64, 8, np.float32)
+    qsl = np.array([0, 3, 6], np.int32)
+    q = rng.standard_normal((6, 80, 64)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    backend(emu).prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), 0.125)
+    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
+        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], 0.125, causal_offset=L - n)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+
+
+@pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
+def test_prefill_attention_half_precision(emu, act):
+    rng = np.random.default_rng(5)
+    seq_lens, new_tokens = [20, 45], [20, 13]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 128, 16, act)
+    qsl = np.array([0, 20, 33], np.int32)
+    q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
+    out = np.full(q.shape, np.nan, np.float32).astype(act)
+    # Device-side query_start_loc/seq_lens: no host validation, max_query_len given explicitly.
+    backend(emu).prefill_attention(dev(out), dev(q), dev(kc), dev(vc), bt, qsl,
+                                   np.array(seq_lens, np.int32), 128 ** -0.5, max_query_len=20)
+    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
+        ref = attention_ref(q[qsl[s]:qsl[s + 1]].astype(np.float64), keys[s], values[s], 128 ** -0.5,
+                            causal_offset=L - n)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]].astype(np.float64), ref, **tol(act))
+
+
+# ------------------------------------------------------------------------------------------ caches
+@pytest.mark.parametrize("act,cache", [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16),
+                                       (F16, F16)], ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"])
+def test_reshape_and_cache_writes_slots_and_skips_padding(emu, act, cache):
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, H, D = 9, 16, 3, 64
+    kc = np.full((num_blocks, block_size, H, D), np.nan, np.float32).astype(cache)
+    vc = kc.copy()
+    slots = rng.permutation(num_blocks * block_size)[:40].astype(np.int64)
+    slots[[3, 17]] = -1
+    # key/value as views into a fused [tokens, (Hq + 2 Hkv) * D] projection output (token stride != H * D).
+    qkv = rng.standard_normal((40, (5 + 2 * H) * D)).astype(np.float32).astype(act)
+    key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
+    value = qkv[:, (5 + H) * D:].reshape(40, H, D)
+    backend(emu).reshape_and_cache(dev(key), dev(value), dev(kc), dev(vc), slots)
+    written = np.zeros(num_blocks * block_size, bool)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        written[slot] = True
+        b, o = divmod(int(slot), block_size)
+        np.testing.assert_array_equal(kc[b, o], key[t].astype(np.float32).astype(cache))
+        np.testing.assert_array_equal(vc[b, o], value[t].astype(np.float32).astype(cache))
+    assert np.isnan(kc.reshape(-1, H, D)[~written].astype(np.float32)).all(), "a skipped or unused slot was written"
+
+
+def test_bf16_rounding_is_nearest_even(emu):
+    vals = np.array([1.0, 1.00390625, 1.01171875, -3.3e38, 1e-40, 65504.0, np.inf, -np.inf], np.float32)
+    key = np.tile(vals[:, None, None], (1, 1, 2)).astype(np.float32)
+    kc = np.zeros((1, 8, 1, 2), np.uint16)
+    vc = np.zeros_like(kc)
+    backend(emu).reshape_and_cache(key, key, kc, vc, np.arange(8, dtype=np.int64))
+    np.testing.assert_array_equal(kc[0, :, 0, 0], vals.astype(BF16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype,shape", [(np.float32, (10, 16, 3, 64)), (BF16, (10, 16, 2, 128)),
+                                         (F16, (10, 3, 1, 6)), (F16, (10, 1, 1, 3))],
+                         ids=["f32-w16", "bf16-w16", "f16-w4", "f16-w2"])
+def test_copy_blocks_all_layers_one_launch(emu, dtype, shape):
+    rng = np.random.default_rng(1)
+    kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    before_k = [k.copy() for k in kcs]
+    before_v = [v.copy() for v in vcs]
+    mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    emu.launches.clear()
+    backend(emu).copy_blocks([dev(k) for k in kcs], [dev(v) for v in vcs], mapping)
+    assert len(emu.launches) == 1
+    for layer in range(3):
+        exp_k, exp_v = before_k[layer].copy(), before_v[layer].copy()
+        for s, d in mapping:
+            exp_k[d] = before_k[layer][s]
+            exp_v[d] = before_v[layer][s]
+        np.testing.assert_array_equal(kcs[layer].view(np.uint8), exp_k.view(np.uint8))
+        np.testing.assert_array_equal(vcs[layer].view(np.uint8), exp_v.view(np.uint8))
+
+
+# ------------------------------------------------------------------------------------------ dense layers
+def test_rms_norm_rotary_silu_against_float64_and_cpu(emu):
+    be = backend(emu)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    res = rng.standard_normal((5, 576)).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    s = x.astype(np.float64) + res
+    ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    res_in = res.copy()
+    out = be.rms_norm(x, w, 1e-5, residual=res_in)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(res_in, x + res)
+    plain = be.rms_norm(x, w, 1e-5)
+    np.testing.assert_allclose(plain, cpu.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+    D, theta = 64, 100000.0
+    inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+    ang = np.arange(50)[:, None] * inv[None]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    pos = np.array([0, 3, 49, 7], np.int64)
+    qkv = rng.standard_normal((4, (9 + 3 + 3) * D)).astype(np.float32)
+    q = qkv[:, :9 * D].reshape(4, 9, D)  # views into a fused projection: token stride (9+3+3)*D
+    k = qkv[:, 9 * D:12 * D].reshape(4, 3, D)
+    v_before = qkv[:, 12 * D:].copy()
+
+    def rope_ref(a):
+        a = a.astype(np.float64)
+        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
+        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
+        rot = np.concatenate([-a[..., D // 2:], a[..., : D // 2]], -1)
+        return a * cos + rot * sin
+
+    rq, rk = rope_ref(q), rope_ref(k)
+    be.rotary_embedding(pos, q, k, cache)
+    np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(qkv[:, 12 * D:], v_before)
+
+    g = rng.standard_normal((3, 2 * 300)).astype(np.float32)
+    gd = g.astype(np.float64)
+    np.testing.assert_allclose(be.silu_and_mul(g), gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:],
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
+def test_dense_layers_half_precision(emu, act):
+    be = backend(emu)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 200)).astype(np.float32).astype(act)
+    res = rng.standard_normal((4, 200)).astype(np.float32).astype(act)
+    res_in = res.copy()
+    for w in (rng.standard_normal(200).astype(np.float32).astype(act), rng.standard_normal(200).astype(np.float32)):
+        res_in = res.copy()
+        out = host(be.rms_norm(dev(x), dev(w), 1e-6, residual=dev(res_in)), act)
+        summed = (x.astype(np.float32) + res.astype(np.float32)).astype(act)
+        np.testing.assert_array_equal(res_in.view(np.uint16), summed.view(np.uint16))  # one rounding, like T(x + r)
+        s = summed.astype(np.float64)
+        ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-6) * w.astype(np.float64)
+        np.testing.assert_allclose(out.astype(np.float64), ref, **tol(act))
+    g = rng.standard_normal((3, 64)).astype(np.float32).astype(act)
+    gd = g.astype(np.float64)
+    np.testing.assert_allclose(host(be.silu_and_mul(dev(g)), act).astype(np.float64),
+                               gd[:, :32] / (1 + np.exp(-gd[:, :32])) * gd[:, 32:], **tol(act))
+    ang = np.arange(10)[:, None] * 0.3 ** np.arange(16)[None]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    q = rng.standard_normal((2, 2, 32)).astype(np.float32).astype(act)
+    k = rng.standard_normal((2, 1, 32)).astype(np.float32).astype(act)
+    pos = np.array([9, 4], np.int64)
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    be.rotary_embedding(pos, dev(q), dev(k), cache)
+    for before, after in ((q64, q), (k64, k)):
+        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
+        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
+        rot = np.concatenate([-before[..., 16:], before[..., :16]], -1)
+        np.testing.assert_allclose(after.astype(np.float64), before * cos + rot * sin, **tol(act))
+
+
+# ------------------------------------------------------------------------------------------ launch rules
+def test_argument_checking_catches_a_wrong_scalar_type(emu):
+    """The emulator rejects what CuPy would silently misread (a Python int is passed as 64-bit)."""
+    out = np.zeros(64, np.float32)
+    with pytest.raises(TypeError):
+        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1), (out, out, np.int64(1), 32))
+    with pytest.raises(TypeError):
+        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1), (out, out, np.int32(1), np.int32(32)))
+    with pytest.raises(TypeError):
+        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1),
+                   (out, out.view(np.uint16), np.int64(1), np.int32(32)))
+
+
+def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
+    """Dynamic shared memory is NaN-filled before each block and fenced: a decode launch with too little
+    shared memory must be refused (guard bytes overwritten), not pass by luck."""
+    rng = np.random.default_rng(0)
+    kc, vc, bt, *_ , q = _decode_case(rng, [40], 1, 4, 64, 16, np.float32)
+    out = np.full_like(q, np.nan)
+    cfg = src.decode_config(1, 4, 1, 64, 48, num_sms=1)
+    args = (out, np.int64(4 * 64), np.uint64(0), np.uint64(0), q, np.int64(4 * 64), kc, vc, bt, np.int32(bt.shape[1]),
+            np.array([40], np.int32), np.int32(4), np.int32(1), np.int32(16), np.float32(0.125),
+            np.int32(cfg["split_len"]), np.int32(1))
+    with pytest.raises(RuntimeError, match="outside"):
+        emu.launch("paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args,
+                   cfg["smem_bytes"] - 64)
+    emu.launch("paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args, cfg["smem_bytes"])
+    assert np.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------ ThreadSanitizer
+def _replay_under_tsan(names, record, tmp_path):
+    """Record launches with the normal emulation, replay them in a -fsanitize=thread build."""
+    try:
+        exe = build(names, tsan=True, replay=True)
+    except RuntimeError as e:
+        if "tsan" in str(e).lower() or "sanitize" in str(e).lower():
+            pytest.skip(f"g++ cannot build with -fsanitize=thread here: {str(e)[-300:]}")
+        raise
+    rec = Recorder(Emulator(build(names)))
+    record(rec)
+    rec.write(tmp_path / "in.bin")
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
+    r = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if "unexpected memory mapping" in r.stderr:  # TSan vs. a kernel with high mmap entropy
+        pytest.skip("ThreadSanitizer cannot run on this kernel (unexpected memory mapping)")
+    return rec, r
+
+
+def test_kernels_have_no_data_races_under_tsan(tmp_path):
+    names = ["paged_attention_kernel<float, __nv_bfloat16, 64, 4>", "paged_attention_reduce_kernel<float>",
+             "prefill_attention_kernel<float, __nv_bfloat16, 64>", "rms_norm_kernel<float, float>",
+             "reshape_and_cache_kernel<float, __nv_bfloat16>"]
+
+    def record(rec):
+        be = emulated_backend(rec, num_sms=64)
+        rng = np.random.default_rng(0)
+        contexts = [1, 17, 300]
+        kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 1, 3, 64, 16, BF16)
+        out = np.full_like(q, np.nan)
+        be.paged_attention(out, q, dev(kc), dev(vc), bt, np.array(contexts, np.int32), 0.125)
+        qsl = np.array([0, 2, 42], np.int32)  # rows 1 and 2 of the block table: 2 new of 17, 40 new of 40
+        qp = rng.standard_normal((42, 3, 64)).astype(np.float32)
+        be.prefill_attention(np.full_like(qp, np.nan), qp, dev(kc), dev(vc), bt[1:], qsl, np.array([17, 40], np.int32),
+                             0.1)
+        x = rng.standard_normal((2, 300)).astype(np.float32)
+        be.rms_norm(x, rng.standard_normal(300).astype(np.float32), 1e-5, residual=x.copy())
+        be.reshape_and_cache(qp[:5, :1], qp[:5, 1:2], dev(kc), dev(vc), np.arange(5, dtype=np.int64))
+
+    rec, r = _replay_under_tsan(names, record, tmp_path)
+    assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-6000:]
+    got = read_replay_output(tmp_path / "out.bin")
+    assert got == rec.final(), "the TSan replay computed different results"
+
+
+def test_tsan_replay_detects_a_missing_syncthreads(tmp_path):
+    """The race check can fail: the same exchange kernel without its __syncthreads() is reported."""
+    for sync, expect_race in (("true", False), ("false", True)):
+        def record(rec):
+            rec.launch(f"neighbour_exchange_kernel<{sync}>", (1, 1, 1), (64, 1, 1), (np.zeros(64, np.float32),))
+
+        _, r = _replay_under_tsan(list(SELFTEST_NAMES), record, tmp_path)
+        raced = "ThreadSanitizer: data race" in r.stderr
+        assert raced == expect_race, r.stderr[-3000:]
+        assert (r.returncode == 66) == expect_race
