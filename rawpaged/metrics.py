@@ -1,0 +1,102 @@
+"""Prometheus metrics of one server, in its own ``CollectorRegistry`` (never the global default one, so
+several servers can live in one process, e.g. in tests).
+
+Latency histograms are observed by the ``AsyncEngine`` as outputs reach the asyncio side; gauges and
+token counters are read from ``LLMEngine.stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0)
+
+
+class _EngineStatsCollector:
+    """Exposes the last ``stats()`` snapshot handed to ``ServerMetrics.render``."""
+
+    def __init__(self, owner: "ServerMetrics"):
+        self.owner = owner
+
+    def collect(self):
+        s = self.owner.stats
+        if not s:
+            return
+        gauges = (
+            ("rawpaged:num_requests_running", "Sequences in the running batch.", s.get("num_running", 0)),
+            ("rawpaged:num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0)),
+            ("rawpaged:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+             s.get("kv_cache_usage", 0.0)),
+            ("rawpaged:num_free_blocks", "Free KV-cache blocks (including evictable prefix-cache blocks).",
+             s.get("num_free_blocks", 0)),
+            ("rawpaged:num_total_blocks", "KV-cache blocks in the pool.", s.get("num_total_blocks", 0)),
+            ("rawpaged:num_cached_blocks", "Free blocks still holding a reusable prefix.",
+             s.get("num_cached_blocks", 0)),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+        counters = (
+            ("rawpaged:num_preemptions", "Sequences preempted (recomputed later) so far.", "num_preemptions"),
+            ("rawpaged:prompt_tokens", "Prompt tokens computed (prefill) so far.", "prompt_tokens_total"),
+            ("rawpaged:generation_tokens", "Tokens generated so far.", "generation_tokens_total"),
+            ("rawpaged:prefix_cache_queries", "Prefix-cache lookups (blocks).", "prefix_cache_queries"),
+            ("rawpaged:prefix_cache_hits", "Prefix-cache hits (blocks).", "prefix_cache_hits"),
+        )
+        for name, doc, key in counters:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(s.get(key, 0)))
+            yield c
+
+
+class ServerMetrics:
+    """All metrics of one server. ``render(stats)`` returns the Prometheus text exposition."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.stats: dict = {}
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "rawpaged:time_to_first_token_seconds", "Time from request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "rawpaged:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+            buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "rawpaged:e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            buckets=_E2E_BUCKETS, registry=r)
+        self.request_success = Counter(
+            "rawpaged:request_success", "Requests finished, by finish reason (stop, length, abort).",
+            ["finished_reason"], registry=r)
+        self.http_errors = Counter(
+            "rawpaged:http_request_errors", "Requests refused with an HTTP error, by status.",
+            ["status"], registry=r)
+        r.register(_EngineStatsCollector(self))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def observe_finished(self, seconds: float, finish_reason: str) -> None:
+        if finish_reason != "abort":
+            self.e2e_request_latency.observe(seconds)
+        self.request_success.labels(finished_reason=finish_reason).inc()
+
+    def count_error(self, status: int) -> None:
+        self.http_errors.labels(status=str(status)).inc()
+
+    def render(self, stats: dict | None = None) -> bytes:
+        if stats is not None:
+            self.stats = dict(stats)
+        return generate_latest(self.registry)
