@@ -40,6 +40,9 @@ class _EngineStatsCollector:
             ("rawpaged:num_total_blocks", "KV-cache blocks in the pool.", s.get("num_total_blocks", 0)),
             ("rawpaged:num_cached_blocks", "Free blocks still holding a reusable prefix.",
              s.get("num_cached_blocks", 0)),
+            ("rawpaged:num_used_blocks", "KV-cache blocks referenced by some sequence.", s.get("num_used_blocks", 0)),
+            ("rawpaged:num_shared_blocks", "KV-cache blocks referenced by more than one sequence.",
+             s.get("num_shared_blocks", 0)),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -51,6 +54,7 @@ class _EngineStatsCollector:
             ("rawpaged:generation_tokens", "Tokens generated so far.", "generation_tokens_total"),
             ("rawpaged:prefix_cache_queries", "Prefix-cache lookups (blocks).", "prefix_cache_queries"),
             ("rawpaged:prefix_cache_hits", "Prefix-cache hits (blocks).", "prefix_cache_hits"),
+            ("rawpaged:cow_copies", "Copy-on-write block copies.", "num_cow_copies"),
         )
         for name, doc, key in counters:
             c = CounterMetricFamily(name, doc)

@@ -445,8 +445,13 @@ def test_openai_client_errors(server, client):
 @model
 def test_metrics(server):
     async def main():
-        async with aiohttp.ClientSession() as s, s.get(server.url + "/metrics") as r:
-            return r.status, r.headers["Content-Type"], await r.text()
+        async with aiohttp.ClientSession() as s:
+            # At least one finished request, so the counters and histograms have something to show.
+            async with s.post(server.url + "/v1/completions",
+                              json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}) as r:
+                assert r.status == 200, await r.text()
+            async with s.get(server.url + "/metrics") as r:
+                return r.status, r.headers["Content-Type"], await r.text()
 
     status, ctype, text = run(main())
     assert status == 200 and ctype.startswith("text/plain")
@@ -456,7 +461,10 @@ def test_metrics(server):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     for name in ("rawpaged:num_requests_running", "rawpaged:num_requests_waiting", "rawpaged:kv_cache_usage_perc",
-                 "rawpaged:num_preemptions_total", "rawpaged:num_free_blocks", "rawpaged:num_total_blocks"):
+                 "rawpaged:num_preemptions_total", "rawpaged:num_free_blocks", "rawpaged:num_total_blocks",
+                 "rawpaged:num_used_blocks", "rawpaged:num_shared_blocks", "rawpaged:num_cached_blocks",
+                 "rawpaged:prefix_cache_queries_total", "rawpaged:prefix_cache_hits_total",
+                 "rawpaged:cow_copies_total"):
         assert name in values, name
     assert values["rawpaged:num_total_blocks"] == 256
     assert values["rawpaged:prompt_tokens_total"] > 0 and values["rawpaged:generation_tokens_total"] > 0
