@@ -106,89 +106,103 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 # ---------------------------------------------------------------- attention core
 @nb.njit(**_JIT)
-def _load_block(cache, b, n, kv_head, dst, dst_bits, is_bf16):
-    """dst[:n] = float32 rows 0..n-1 of block ``b`` of one KV head (bf16 bits widened exactly)."""
-    head_dim = dst.shape[1]
+def _load_block(cache, b, n, kv0, dst, dst_bits, is_bf16):
+    """dst[:n] = float32 rows 0..n-1 of block ``b``, KV heads ``kv0 .. kv0 + dst.shape[1] - 1``
+    (bf16 bits widened exactly). With all heads, this is one contiguous read of the block."""
+    nkv = dst.shape[1]
+    head_dim = dst.shape[2]
     if is_bf16:
         for t in range(n):
-            for d in range(head_dim):
-                dst_bits[t, d] = np.uint32(cache[b, t, kv_head, d]) << np.uint32(16)
+            for h in range(nkv):
+                for d in range(head_dim):
+                    dst_bits[t, h, d] = np.uint32(cache[b, t, kv0 + h, d]) << np.uint32(16)
     else:
         for t in range(n):
-            for d in range(head_dim):
-                dst[t, d] = cache[b, t, kv_head, d]
+            for h in range(nkv):
+                for d in range(head_dim):
+                    dst[t, h, d] = cache[b, t, kv0 + h, d]
 
 
 @nb.njit(**_JIT)
-def _attend_one_group(q, out, kc, vc, block_row, kv_head, group, causal_limit, scale, is_bf16):
-    """Attention of ``group`` query rows (one GQA group) over positions ``0 .. causal_limit-1``.
+def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_bf16):
+    """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
+    positions ``0 .. causal_limit-1`` of one sequence.
 
-    Block by block: scores for the whole block, one rescale of the running (max, sum, acc) per block
-    (online softmax, Milakov & Gimelshein 2018), then the block's V rows accumulated. Each K/V row is
-    read from the cache once for the whole group. q: [group, head_dim]; out: [group, head_dim] written.
+    Block by block: the block's K/V rows are read once for all those heads, scores for the whole
+    block, one rescale of the running (max, sum, acc) per block (online softmax, Milakov &
+    Gimelshein 2018), then the block's V rows accumulated. q, out: ``[nkv * group, head_dim]``.
     """
     block_size = kc.shape[1]
     head_dim = kc.shape[3]
-    acc = np.zeros((group, head_dim), dtype=np.float32)
-    m = np.full(group, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
-    l = np.zeros(group, dtype=np.float32)
-    kbits = np.empty((block_size, head_dim), dtype=np.uint32)
+    rows = nkv * group
+    acc = np.zeros((rows, head_dim), dtype=np.float32)
+    m = np.full(rows, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
+    l = np.zeros(rows, dtype=np.float32)
+    kbits = np.empty((block_size, nkv, head_dim), dtype=np.uint32)
     kbuf = kbits.view(np.float32)
-    vbits = np.empty((block_size, head_dim), dtype=np.uint32)
+    vbits = np.empty((block_size, nkv, head_dim), dtype=np.uint32)
     vbuf = vbits.view(np.float32)
-    s = np.empty((group, block_size), dtype=np.float32)
-    qs = np.empty((group, head_dim), dtype=np.float32)
-    for g in range(group):
+    s = np.empty((rows, block_size), dtype=np.float32)
+    qs = np.empty((rows, head_dim), dtype=np.float32)
+    for r in range(rows):
         for d in range(head_dim):
-            qs[g, d] = q[g, d] * scale
+            qs[r, d] = q[r, d] * scale
     num_blocks = (causal_limit + block_size - 1) // block_size
     for j in range(num_blocks):
         b = np.int64(block_row[j])
         n = min(block_size, causal_limit - j * block_size)
-        _load_block(kc, b, n, kv_head, kbuf, kbits, is_bf16)
-        _load_block(vc, b, n, kv_head, vbuf, vbits, is_bf16)
-        for g in range(group):
+        _load_block(kc, b, n, kv0, kbuf, kbits, is_bf16)
+        _load_block(vc, b, n, kv0, vbuf, vbits, is_bf16)
+        for r in range(rows):
+            h = r // group
             bm = np.float32(-1e30)
             for t in range(n):
                 dot = np.float32(0.0)
                 for d in range(head_dim):
-                    dot += qs[g, d] * kbuf[t, d]
-                s[g, t] = dot
+                    dot += qs[r, d] * kbuf[t, h, d]
+                s[r, t] = dot
                 bm = max(bm, dot)
-            new_m = max(m[g], bm)
-            corr = np.float32(math.exp(m[g] - new_m))
-            m[g] = new_m
-            total = l[g] * corr
+            new_m = max(m[r], bm)
+            corr = np.float32(math.exp(m[r] - new_m))
+            m[r] = new_m
+            total = l[r] * corr
             for t in range(n):
-                p = np.float32(math.exp(s[g, t] - new_m))
-                s[g, t] = p
+                p = np.float32(math.exp(s[r, t] - new_m))
+                s[r, t] = p
                 total += p
-            l[g] = total
+            l[r] = total
             for d in range(head_dim):
-                acc[g, d] *= corr
+                acc[r, d] *= corr
             for t in range(n):
-                p = s[g, t]
+                p = s[r, t]
                 for d in range(head_dim):
-                    acc[g, d] += p * vbuf[t, d]
-    for g in range(group):
-        inv = np.float32(1.0) / l[g] if l[g] > 0 else np.float32(0.0)
+                    acc[r, d] += p * vbuf[t, h, d]
+    for r in range(rows):
+        inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
         for d in range(head_dim):
-            out[g, d] = acc[g, d] * inv
+            out[r, d] = acc[r, d] * inv
+
+
+def _kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
+    """All KV heads in one task (contiguous block reads) when there are enough items to keep every
+    thread busy; one KV head per task otherwise (a batch of one still uses all threads)."""
+    return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
 
 
 @nb.njit(parallel=True, **_JIT)
-def _paged_attention(out, query, kc, vc, block_tables, context_lens, scale, is_bf16):
+def _paged_attention(out, query, kc, vc, block_tables, context_lens, scale, is_bf16, nkv):
     num_seqs = query.shape[0]
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
     group = num_heads // num_kv_heads
-    for task in nb.prange(num_seqs * num_kv_heads):
-        s = task // num_kv_heads
-        kvh = task % num_kv_heads
-        h0 = kvh * group
+    chunks = num_kv_heads // nkv
+    for task in nb.prange(num_seqs * chunks):
+        s = task // chunks
+        kv0 = (task % chunks) * nkv
+        h0 = kv0 * group
         ctx = np.int64(context_lens[s])
-        _attend_one_group(query[s, h0:h0 + group], out[s, h0:h0 + group], kc, vc, block_tables[s], kvh,
-                          group, ctx, scale, is_bf16)
+        _attend(query[s, h0:h0 + nkv * group], out[s, h0:h0 + nkv * group], kc, vc, block_tables[s], kv0, nkv,
+                group, ctx, scale, is_bf16)
 
 
 def _check_attention_args(out, query, key_cache, value_cache, block_tables):
@@ -221,27 +235,29 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, context_le
     _check_attention_args(out, query, key_cache, value_cache, block_tables)
     kc, is_bf16 = _cache_view(key_cache)
     vc, _ = _cache_view(value_cache)
-    _paged_attention(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16)
+    nkv = _kv_heads_per_task(query.shape[0], key_cache.shape[2])
+    _paged_attention(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv)
 
 
 @nb.njit(parallel=True, **_JIT)
 def _prefill_attention(out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16,
-                       token_seq):
+                       token_seq, nkv):
     num_tokens = query.shape[0]
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
     group = num_heads // num_kv_heads
-    for task in nb.prange(num_tokens * num_kv_heads):
-        t = task // num_kv_heads
-        kvh = task % num_kv_heads
+    chunks = num_kv_heads // nkv
+    for task in nb.prange(num_tokens * chunks):
+        t = task // chunks
+        kv0 = (task % chunks) * nkv
         s = token_seq[t]
         q_start = np.int64(query_start_loc[s])
         n_new = np.int64(query_start_loc[s + 1]) - q_start
         seq_len = np.int64(seq_lens[s])
         pos = seq_len - n_new + (t - q_start)  # absolute position of this query token
-        h0 = kvh * group
-        _attend_one_group(query[t, h0:h0 + group], out[t, h0:h0 + group], kc, vc, block_tables[s], kvh,
-                          group, pos + 1, scale, is_bf16)
+        h0 = kv0 * group
+        _attend(query[t, h0:h0 + nkv * group], out[t, h0:h0 + nkv * group], kc, vc, block_tables[s], kv0, nkv,
+                group, pos + 1, scale, is_bf16)
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
@@ -271,7 +287,8 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, query_st
     if (np.asarray(seq_lens) < counts).any():
         raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
     token_seq = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    _prefill_attention(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_seq)
+    nkv = _kv_heads_per_task(query.shape[0], key_cache.shape[2])
+    _prefill_attention(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_seq, nkv)
 
 
 # ---------------------------------------------------------------- copy_blocks
