@@ -139,3 +139,20 @@ def test_rms_norm_rotary_silu_against_float64():
     gd = g.astype(np.float64)
     np.testing.assert_allclose(cpu.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:],
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_prefill_attention_long_sequences_cross_kv_tiles(dtype):
+    """Prompts longer than one KV tile, after a cached prefix, beside a short chunk: both prefill paths."""
+    rng = np.random.default_rng(11)
+    num_kv_heads, group, head_dim, block_size = 3, 3, 64, 16
+    seq_lens = [520, 300, 40]
+    new_tokens = [300, 300, 5]  # after a 220-token prefix / whole prompt / short chunk (Numba kernel)
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim ** -0.5)
+    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
+        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
+        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, **_tol(dtype), err_msg=f"seq {s}")

@@ -19,6 +19,7 @@ All index arithmetic is 64-bit.
 from __future__ import annotations
 
 import math
+import types
 
 import ml_dtypes
 import numba as nb
@@ -36,6 +37,14 @@ def _f32_to_bf16_bits(u):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     rounding = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return np.uint16((u + rounding) >> np.uint32(16))
+
+
+def copy_function(fn, name):
+    """A copy of a plain function under another name (so two jitted variants cache separately)."""
+    new = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
+                             fn.__closure__)
+    new.__qualname__ = name
+    return new
 
 
 def _cache_view(cache):
@@ -189,8 +198,7 @@ def _kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
     return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
 
 
-@nb.njit(parallel=True, **_JIT)
-def _paged_attention(out, query, kc, vc, block_tables, context_lens, scale, is_bf16, nkv):
+def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scale, is_bf16, nkv):
     num_seqs = query.shape[0]
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
@@ -236,21 +244,23 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, context_le
     kc, is_bf16 = _cache_view(key_cache)
     vc, _ = _cache_view(value_cache)
     nkv = _kv_heads_per_task(query.shape[0], key_cache.shape[2])
-    _paged_attention(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv)
+    work = query.shape[0] * query.shape[1] * (int(max_context_len) if max_context_len else block_tables.shape[1]
+                                              * key_cache.shape[1])
+    kernel = _paged_attention_parallel if work >= PARALLEL_MIN_WORK else _paged_attention_serial
+    kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv)
 
 
-@nb.njit(parallel=True, **_JIT)
-def _prefill_attention(out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16,
-                       token_seq, nkv):
-    num_tokens = query.shape[0]
+def _prefill_attention_kernel(out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16,
+                              token_rows, token_seq, nkv):
+    """Causal attention for the query rows ``token_rows`` (sequence ``token_seq`` of each)."""
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
     group = num_heads // num_kv_heads
     chunks = num_kv_heads // nkv
-    for task in nb.prange(num_tokens * chunks):
-        t = task // chunks
+    for task in nb.prange(token_rows.shape[0] * chunks):
+        t = token_rows[task // chunks]
+        s = token_seq[task // chunks]
         kv0 = (task % chunks) * nkv
-        s = token_seq[t]
         q_start = np.int64(query_start_loc[s])
         n_new = np.int64(query_start_loc[s + 1]) - q_start
         seq_len = np.int64(seq_lens[s])
@@ -258,6 +268,20 @@ def _prefill_attention(out, query, kc, vc, block_tables, query_start_loc, seq_le
         h0 = kv0 * group
         _attend(query[t, h0:h0 + nkv * group], out[t, h0:h0 + nkv * group], kc, vc, block_tables[s], kv0, nkv,
                 group, pos + 1, scale, is_bf16)
+
+
+def _jit_serial_and_parallel(fn):
+    """Two compiled versions of a prange kernel: parallel, and serial for small work, where waking
+    the thread pool (next to BLAS's own threads) costs more than the work itself."""
+    serial = nb.njit(**_JIT)(fn)
+    parallel = nb.njit(parallel=True, **_JIT)(copy_function(fn, fn.__name__ + "_parallel"))
+    return serial, parallel
+
+
+_paged_attention_serial, _paged_attention_parallel = _jit_serial_and_parallel(_paged_attention_kernel)
+_prefill_attention_serial, _prefill_attention_parallel = _jit_serial_and_parallel(_prefill_attention_kernel)
+# Below this many (query row x cached position) pairs a kernel runs on the calling thread.
+PARALLEL_MIN_WORK = 1 << 16
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
@@ -286,9 +310,59 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, query_st
         raise ValueError("query_start_loc must start at 0, be non-decreasing and end at num_tokens")
     if (np.asarray(seq_lens) < counts).any():
         raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
+    tiled = counts >= TILED_PREFILL_MIN_TOKENS
+    for s in np.flatnonzero(tiled):
+        _prefill_tiled(out, query, key_cache, value_cache, block_tables[s], int(qsl[s]), int(qsl[s + 1]),
+                       int(seq_lens[s]), np.float32(scale))
+    if tiled.all():
+        return
+    # The rest: the Numba kernel, one task per (token, KV heads).
     token_seq = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    nkv = _kv_heads_per_task(query.shape[0], key_cache.shape[2])
-    _prefill_attention(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_seq, nkv)
+    keep = ~tiled[token_seq]
+    token_rows = np.flatnonzero(keep).astype(np.int64)
+    token_seq = token_seq[keep]
+    nkv = _kv_heads_per_task(len(token_rows), key_cache.shape[2])
+    work = len(token_rows) * query.shape[1] * int(np.max(seq_lens, initial=0))
+    kernel = _prefill_attention_parallel if work >= PARALLEL_MIN_WORK else _prefill_attention_serial
+    kernel(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_rows, token_seq, nkv)
+
+
+# Sequences with at least this many new tokens use the BLAS-tiled path.
+TILED_PREFILL_MIN_TOKENS = 32
+PREFILL_KV_TILE = 256  # key positions per tile (a multiple of every supported block_size)
+
+
+def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end, seq_len, scale):
+    """FlashAttention-style prefill of one sequence in NumPy/BLAS (Dao et al. 2022, Alg. 1): K/V are
+    gathered from the paged cache one tile of ``PREFILL_KV_TILE`` positions at a time (like a GPU
+    kernel staging tiles in shared memory), scores for all new tokens x tile via SGEMM, online softmax
+    across tiles, causal mask only where a tile reaches the new tokens."""
+    n = q_end - q_start
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    first = seq_len - n  # absolute position of the first new token
+    qpos = first + np.repeat(np.arange(n), group)  # position of each (token, head-in-group) row
+    for kvh in range(num_kv_heads):
+        q = query[q_start:q_end, kvh * group:(kvh + 1) * group].reshape(n * group, head_dim) * scale
+        m = np.full(n * group, -np.inf, np.float32)
+        l = np.zeros(n * group, np.float32)
+        acc = np.zeros((n * group, head_dim), np.float32)
+        for k0 in range(0, seq_len, PREFILL_KV_TILE):
+            k1 = min(k0 + PREFILL_KV_TILE, seq_len)
+            blocks = block_row[k0 // block_size:-(-k1 // block_size)]
+            k = key_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
+            v = value_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
+            scores = q @ k.T
+            if k1 - 1 > first:  # the tile reaches new tokens: hide keys after each query's position
+                np.putmask(scores, np.arange(k0, k1)[None, :] > qpos[:, None], -np.inf)
+            m_new = np.maximum(m, scores.max(axis=1))
+            p = np.exp(scores - m_new[:, None])
+            corr = np.exp(m - m_new)
+            l = l * corr + p.sum(axis=1)
+            acc = acc * corr[:, None] + p @ v
+            m = m_new
+        out[q_start:q_end, kvh * group:(kvh + 1) * group] = (acc / l[:, None]).reshape(n, group, head_dim)
 
 
 # ---------------------------------------------------------------- copy_blocks
@@ -390,9 +464,15 @@ class CPUBackend:
         return np.asarray(x)
 
     @staticmethod
+    def prepare_linear(weight):
+        """HF ``[out, in]`` weight -> the ``[in, out]`` contiguous layout ``linear`` takes: OpenBLAS
+        SGEMM is up to 1.8x faster on it at batch 32 (``x @ W`` rather than ``x @ W.T``)."""
+        return np.ascontiguousarray(np.asarray(weight).T)
+
+    @staticmethod
     def linear(x, weight, bias=None):
-        """``x @ weight.T (+ bias)``; x ``[n, in]``, weight ``[out, in]`` (HF layout)."""
-        y = x @ weight.T
+        """``x @ weight (+ bias)``; x ``[n, in]``, weight ``[in, out]`` from ``prepare_linear``."""
+        y = x @ weight
         if bias is not None:
             y += bias
         return y

@@ -404,6 +404,10 @@ class CudaBackend:
             return host.view(_BF16)
         return host
 
+    def prepare_linear(self, weight):
+        """HF ``[out, in]`` host weight -> device array in the same layout (cuBLAS takes it transposed)."""
+        return self.asarray(weight)
+
     def linear(self, x, weight, bias=None):
         """``x @ weight.T (+ bias)``; x ``[n, in]``, weight ``[out, in]`` (HF layout), same dtype.
 

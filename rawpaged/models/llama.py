@@ -63,33 +63,36 @@ class LlamaModel:
         self.config = config
         self.backend = backend
         self.dtype = np.dtype(dtype)
-        put = self._put
+        put, lin = self._put, self._put_linear
         self.embed_tokens = put(weights["model.embed_tokens.weight"])
         self.norm = put(weights["model.norm.weight"])
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else put(weights["lm_head.weight"])
+        self.lm_head = lin(weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+
+            def cat(names):
+                return np.concatenate([np.asarray(weights[p + n], dtype=self.dtype) for n in names])
+
             layer = {
                 "input_layernorm": put(weights[p + "input_layernorm.weight"]),
                 "post_attention_layernorm": put(weights[p + "post_attention_layernorm.weight"]),
-                "qkv_proj": put(np.concatenate([np.asarray(w, dtype=self.dtype) for w in qkv])),
-                "qkv_bias": None,
-                "o_proj": put(weights[p + "self_attn.o_proj.weight"]),
-                "gate_up_proj": put(np.concatenate([np.asarray(weights[p + f"mlp.{n}_proj.weight"], dtype=self.dtype)
-                                                    for n in ("gate", "up")])),
-                "down_proj": put(weights[p + "mlp.down_proj.weight"]),
+                "qkv_proj": lin(cat([f"self_attn.{n}_proj.weight" for n in "qkv"])),
+                "qkv_bias": put(cat([f"self_attn.{n}_proj.bias" for n in "qkv"])) if config.attention_bias else None,
+                "o_proj": lin(weights[p + "self_attn.o_proj.weight"]),
+                "gate_up_proj": lin(cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"])),
+                "down_proj": lin(weights[p + "mlp.down_proj.weight"]),
             }
-            if config.attention_bias:
-                layer["qkv_bias"] = put(np.concatenate([np.asarray(weights[p + f"self_attn.{n}_proj.bias"], dtype=self.dtype)
-                                                        for n in "qkv"]))
             self.layers.append(layer)
         self.cos_sin_cache = backend.asarray(rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta))
         self.scale = config.head_dim ** -0.5
 
     def _put(self, host_array):
         return self.backend.asarray(np.ascontiguousarray(np.asarray(host_array, dtype=self.dtype)))
+
+    def _put_linear(self, host_weight):
+        """An HF ``[out, in]`` weight in the layout the backend's ``linear`` wants."""
+        return self.backend.prepare_linear(np.asarray(host_weight, dtype=self.dtype))
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
         """Hidden states after the final norm.
