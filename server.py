@@ -682,12 +682,19 @@ def _positive_int(text: str) -> int:
     return v
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those options describe their default in words)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python server.py",
         description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                     "/v1/models), websocket streaming (/v1/ws), /health and Prometheus /metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--model", default=None,
                    help="HF-style model directory; default: SmolLM2-135M-Instruct, downloaded and prepared into "
                         "weights/ on first use")
