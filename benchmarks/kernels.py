@@ -86,10 +86,14 @@ def main(argv=None):
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--device", default="cpu", choices=["cpu"],
-                    help="cpu only here; the CUDA benchmark is benchmarks/kernels_cuda.py")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda runs benchmarks/kernels_cuda.py (head_dim 64 and 128, fp32 and bf16)")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        from benchmarks import kernels_cuda
+
+        return kernels_cuda.main(["--out", args.out])
     rng = np.random.default_rng(0)
     bw = copy_bandwidth()
     print(f"measured copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")

@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--token-id-range", type=_ints, default=[1000, 30000],
                    help="prompt token ids are drawn uniformly from [low, high)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default="benchmarks/out/serve.json", help="write the results as JSON here")
     args = p.parse_args(argv)
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -283,6 +283,7 @@ def main(argv=None) -> int:
         "table": table,
     }
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}", file=sys.stderr)
     return 0 if all(r["failed"] == 0 for r in runs) else 1
