@@ -177,3 +177,16 @@ def test_engine_state_machine(tiny_dir):
     machine = EngineMachine.TestCase
     machine.settings = settings(max_examples=25, stateful_step_count=20, deadline=None)
     machine().runTest()
+
+
+def test_cuda_unavailable_is_one_clear_line():
+    from rawpaged.kernels import get_backend
+
+    try:
+        get_backend("cuda")
+    except RuntimeError as e:
+        assert "\n" not in str(e) and "cuda" in str(e).lower()
+    else:
+        pytest.skip("a CUDA device is available here")
+    with pytest.raises(ValueError, match="device"):
+        get_backend("tpu")

@@ -281,7 +281,7 @@ def _jit_serial_and_parallel(fn):
 _paged_attention_serial, _paged_attention_parallel = _jit_serial_and_parallel(_paged_attention_kernel)
 _prefill_attention_serial, _prefill_attention_parallel = _jit_serial_and_parallel(_prefill_attention_kernel)
 # Below this many (query row x cached position) pairs a kernel runs on the calling thread.
-PARALLEL_MIN_WORK = 1 << 16
+PARALLEL_MIN_WORK = 1 << 15
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
