@@ -378,6 +378,15 @@ class CudaBackend:
                      (threads, 1, 1), (out, x, _i64(num_tokens), _i32(inter)))
         return out
 
+    def kv_cache_budget(self, gpu_memory_utilization: float) -> int:
+        """Bytes the KV pool may take: ``gpu_memory_utilization`` of the device's total memory minus
+        what is already in use (weights, CuPy's pool; blocks CuPy holds but does not use count as free).
+        Call after the weights are loaded."""
+        free, total = self.xp.cuda.runtime.memGetInfo()
+        reusable = self.xp.get_default_memory_pool().free_bytes()
+        in_use = total - free - reusable
+        return max(0, int(gpu_memory_utilization * total) - in_use)
+
     # ------------------------------------------------------------------ arrays, matmul, embedding
     def zeros(self, shape, dtype):
         """A zero-filled device array (KV caches); ``ml_dtypes.bfloat16`` gives ``uint16`` bf16 bits."""
