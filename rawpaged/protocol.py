@@ -216,6 +216,21 @@ def _parse_common(body: dict, limits: Limits, kind: str) -> GenerateRequest:
     if req.stream and s.get("best_of", s["n"]) > s["n"]:
         raise ProtocolError("best_of > n cannot be streamed", param="best_of")
 
+    # Beam search, as vLLM's extra parameters: the beam width is best_of (or n); greedy by nature.
+    beam = _opt(body, "use_beam_search", lambda x: isinstance(x, bool), "a boolean")
+    v = _opt(body, "length_penalty", _is_num, "a number")
+    if beam:
+        if req.stream:
+            raise ProtocolError("beam search cannot be streamed (beams are chosen at the end)",
+                                param="use_beam_search")
+        s["beam_width"] = max(s.pop("best_of", s["n"]), s["n"], 2)
+        s["temperature"] = 0.0
+        if v is not None:
+            s["length_penalty"] = float(v)
+    elif v is not None:
+        raise ProtocolError("length_penalty applies to beam search only (use_beam_search: true)",
+                            param="length_penalty")
+
     # Parameters this server does not implement: accepted only at their neutral values.
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
         v = _opt(body, name, _is_num, "a number")

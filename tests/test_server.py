@@ -650,3 +650,25 @@ def test_async_engine_errors_reach_the_caller_and_the_loop_survives():
             await ae.add_request("c", SamplingParams(max_tokens=3))
 
     run(main())
+
+
+@model
+def test_beam_search_over_http_matches_hf(server):
+    ref = json.loads((Path(__file__).parent / "fixtures" / "reference_beam.json").read_text())
+    p = ref["prompts"][0]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": p["prompt_token_ids"], "max_tokens": 16, "n": 4, "use_beam_search": True,
+                    "length_penalty": 1.0}
+            async with s.post(server.url + "/v1/completions", json=body) as r:
+                ok = (r.status, await r.json())
+            async with s.post(server.url + "/v1/completions", json={**body, "stream": True}) as r:
+                bad = (r.status, await r.json())
+        return ok, bad
+
+    (status, out), (bad_status, bad) = run(main())
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["choices"][0]["text"] == p["beams"][0]["output_text"].replace("<|im_end|>", "")
+    assert bad_status == 400 and bad["error"]["param"] == "use_beam_search"
