@@ -219,10 +219,12 @@ class LLMEngine:
                 self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         touched = {}
         now = time.monotonic()
+        full_rows = [row for row, seq in enumerate(sampling) if self._needs_distribution(seq.sampling_params)]
+        argmax_ids, rows = self.runner.fetch(logits, full_rows)
         for row, seq in enumerate(sampling):
             req = self.requests[seq.request_id]
             if req.beam is not None:
-                seq.pending_logprobs = log_softmax(logits[row])
+                seq.pending_logprobs = log_softmax(rows[row])
                 if all(b.pending_logprobs is not None for b in req.beams):
                     self._beam_step(req, now)
                     if req.beam.done:
@@ -233,12 +235,18 @@ class LLMEngine:
                 targets += self._fork(req, seq)
             req.forked = True
             need_lp = req.params.logprobs is not None or req.params.best_of > req.params.n
-            lp_row = log_softmax(logits[row]) if need_lp else None
+            lp_row = log_softmax(rows[row]) if need_lp else None
             for target in targets:
-                token = sample_row(logits[row], req.params, target.rng)[0]
+                token = sample_row(rows[row], req.params, target.rng)[0] if row in rows else int(argmax_ids[row])
                 self._append_token(target, token, lp_row, now)
             touched[req.request_id] = req
         return [self._output(req) for req in touched.values()]
+
+    @staticmethod
+    def _needs_distribution(params: SamplingParams) -> bool:
+        """False for plain greedy requests, which need only the argmax id of their logits row."""
+        return (not params.greedy or params.logprobs is not None or params.best_of > params.n
+                or params.use_beam_search)
 
     def _fork(self, req: Request, parent: Sequence) -> list:
         children = []

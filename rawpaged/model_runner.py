@@ -36,9 +36,9 @@ class ModelRunner:
     def execute(self, scheduled: list, block_copies: list):
         """Run the model for ``scheduled`` = [(seq, num_new_tokens)].
 
-        Copies the ``(src, dst)`` COW blocks first. Returns ``(logits, sampling_seqs)``: float32
-        logits ``[len(sampling_seqs), vocab]`` (host NumPy) for the sequences whose last scheduled
-        token is their last token (they sample next), in ``scheduled`` order.
+        Copies the ``(src, dst)`` COW blocks first. Returns ``(logits, sampling_seqs)``: logits
+        ``[len(sampling_seqs), vocab]`` on the backend (see ``fetch``) for the sequences whose last
+        scheduled token is their last token (they sample next), in ``scheduled`` order.
         """
         be = self.backend
         if block_copies:
@@ -85,5 +85,18 @@ class ModelRunner:
         if not sampling:
             return np.zeros((0, self.model.config.vocab_size), np.float32), []
         rows = be.asarray(np.array([last_row[id(s)] for s in sampling], dtype=np.int64))
-        logits = self.model.compute_logits(hidden[rows])
-        return be.to_numpy(logits).astype(np.float32, copy=False), sampling
+        return self.model.compute_logits(hidden[rows]), sampling
+
+    def fetch(self, logits, full_rows: list):
+        """What the sampler needs on the host: the argmax id of every row (computed on the backend, so
+        greedy rows move one id each) and float32 logits of ``full_rows`` only (rows that sample or
+        report logprobs). Returns ``(argmax_ids int64 [rows], {row: float32 [vocab]})``."""
+        be = self.backend
+        if logits.dtype == np.uint16:  # bf16 bits on the device: widen on the host
+            host = be.to_numpy(logits).astype(np.float32)
+            return host.argmax(axis=1), {r: host[r] for r in full_rows}
+        ids = be.to_numpy(be.xp.argmax(logits, axis=1)).astype(np.int64)
+        if not full_rows:
+            return ids, {}
+        host = be.to_numpy(logits[be.asarray(np.array(full_rows, dtype=np.int64))]).astype(np.float32, copy=False)
+        return ids, dict(zip(full_rows, host))
