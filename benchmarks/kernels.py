@@ -88,12 +88,17 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda runs benchmarks/kernels_cuda.py (head_dim 64 and 128, fp32 and bf16)")
+    ap.add_argument("--engine-dispatch", action="store_true",
+                    help="keep the engine's serial/parallel choice (small calls serial, which wins next to "
+                         "BLAS in the engine); default: always the parallel kernel")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         from benchmarks import kernels_cuda
 
         return kernels_cuda.main(["--out", args.out])
+    if not args.engine_dispatch:
+        cpu.PARALLEL_MIN_WORK = 0  # measure the parallel kernel everywhere (see --engine-dispatch)
     rng = np.random.default_rng(0)
     bw = copy_bandwidth()
     print(f"measured copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
@@ -107,6 +112,7 @@ def main(argv=None):
                        "paged_over_contiguous", "paged_GBps", "contiguous_GBps", "paged_pct_of_copy_bw"])
     write_json(Path(args.out) / "kernels_cpu.json", {
         "conditions": conditions(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                                 dispatch="engine" if args.engine_dispatch else "parallel kernel always",
                                  head_dim=args.head_dim, block_size=args.block_size, kv_dtype="float32"),
         "copy_bandwidth_GBps": bw / 1e9, "rows": rows})
 

@@ -15,10 +15,17 @@ def _tol(dtype):
     return dict(rtol=2e-4, atol=2e-5)
 
 
+@pytest.fixture(params=["serial", "parallel"])
+def numba_mode(request, monkeypatch):
+    """Run the Numba attention kernels in their serial and their parallel (prange) build."""
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", GROUPS)
-def test_paged_attention_matches_float64(dtype, head_dim, group):
+def test_paged_attention_matches_float64(dtype, head_dim, group, numba_mode):
     rng = np.random.default_rng(group * 1000 + head_dim)
     num_kv_heads, block_size = 2, 16
     num_heads = num_kv_heads * group
@@ -34,7 +41,7 @@ def test_paged_attention_matches_float64(dtype, head_dim, group):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_prefill_attention_causal_chunked(dtype, block_size):
+def test_prefill_attention_causal_chunked(dtype, block_size, numba_mode):
     """Full prefill, prefill after a cached prefix, and a one-token chunk, in one call."""
     rng = np.random.default_rng(block_size)
     num_kv_heads, group, head_dim = 3, 3, 64

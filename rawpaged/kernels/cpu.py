@@ -280,8 +280,10 @@ def _jit_serial_and_parallel(fn):
 
 _paged_attention_serial, _paged_attention_parallel = _jit_serial_and_parallel(_paged_attention_kernel)
 _prefill_attention_serial, _prefill_attention_parallel = _jit_serial_and_parallel(_prefill_attention_kernel)
-# Below this many (query row x cached position) pairs a kernel runs on the calling thread.
-PARALLEL_MIN_WORK = 1 << 15
+# Below this many (query row x cached position) pairs a kernel runs on the calling thread: in the
+# engine, waking Numba's pool right after an OpenBLAS call (whose threads still spin) cost ~0.8 ms per
+# call on a quiet 2-core machine, more than serial attention below ~1.6 ms of work.
+PARALLEL_MIN_WORK = 1 << 17
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
