@@ -58,3 +58,22 @@ def attention_ref(q, k, v, scale, causal_offset=None):
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
     return np.einsum("hqk,khd->qhd", p, vv)
+
+
+def rope_cache(head_dim, max_position, theta):
+    """float32 ``[max_position, head_dim]`` concat(cos, sin) table, as ``rotary_embedding`` takes it."""
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(max_position)[:, None] * inv[None]
+    return np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+
+
+def rope_ref(x, positions, theta):
+    """float64 RoPE of ``x [tokens, heads, head_dim]`` at ``positions``, HF rotate-half layout."""
+    d = x.shape[-1]
+    inv = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None]
+    cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None]
+    sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None]
+    x = x.astype(np.float64)
+    rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + rot * sin

@@ -17,7 +17,7 @@ from rawpaged.kernels import cpu
 from rawpaged.kernels import cuda_sources as src
 from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
                             read_replay_output)
-from tests.kv_reference import BF16, attention_ref, make_paged_kv
+from tests.kv_reference import BF16, attention_ref, make_paged_kv, rope_cache, rope_ref
 
 _why = missing_requirements()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA emulation unavailable: {_why}")
@@ -278,23 +278,14 @@ def test_rms_norm_rotary_silu_against_float64_and_cpu(emu):
     np.testing.assert_allclose(plain, cpu.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
 
     D, theta = 64, 100000.0
-    inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-    ang = np.arange(50)[:, None] * inv[None]
-    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    cache = rope_cache(D, 50, theta)
     pos = np.array([0, 3, 49, 7], np.int64)
     qkv = rng.standard_normal((4, (9 + 3 + 3) * D)).astype(np.float32)
     q = qkv[:, :9 * D].reshape(4, 9, D)  # views into a fused projection: token stride (9+3+3)*D
     k = qkv[:, 9 * D:12 * D].reshape(4, 3, D)
     v_before = qkv[:, 12 * D:].copy()
 
-    def rope_ref(a):
-        a = a.astype(np.float64)
-        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
-        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
-        rot = np.concatenate([-a[..., D // 2:], a[..., : D // 2]], -1)
-        return a * cos + rot * sin
-
-    rq, rk = rope_ref(q), rope_ref(k)
+    rq, rk = rope_ref(q, pos, theta), rope_ref(k, pos, theta)
     be.rotary_embedding(pos, q, k, cache)
     np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)

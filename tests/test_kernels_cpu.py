@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import BF16, attention_ref, make_paged_kv
+from tests.kv_reference import BF16, attention_ref, make_paged_kv, rope_cache, rope_ref
 
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
 GROUPS = [1, 2, 4, 8, 16, 3, 6]
@@ -123,21 +123,12 @@ def test_rms_norm_rotary_silu_against_float64():
     np.testing.assert_allclose(res_in, s, rtol=1e-6)
 
     D, theta = 64, 100000.0
-    inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-    ang = np.arange(50)[:, None] * inv[None]
-    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    cache = rope_cache(D, 50, theta)
     pos = np.array([0, 3, 49, 7], np.int64)
     q = rng.standard_normal((4, 9, D)).astype(np.float32)
     k = rng.standard_normal((4, 3, D)).astype(np.float32)
 
-    def rope_ref(x):
-        x = x.astype(np.float64)
-        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
-        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
-        rot = np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1)
-        return x * cos + rot * sin
-
-    rq, rk = rope_ref(q), rope_ref(k)
+    rq, rk = rope_ref(q, pos, theta), rope_ref(k, pos, theta)
     cpu.rotary_embedding(pos, q, k, cache)
     np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
