@@ -23,7 +23,7 @@ from rawpaged.models.llama import LlamaModel
 from rawpaged.sampler import log_softmax, sample_row, top_logprobs
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.scheduler import Scheduler
-from rawpaged.sequence import Sequence, SequenceStatus
+from rawpaged.sequence import Sequence
 from rawpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30

@@ -43,8 +43,9 @@ class ModelRunner:
         be = self.backend
         if block_copies:
             be.copy_blocks(self.key_caches, self.value_caches, np.asarray(block_copies, dtype=np.int64))
-        decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens == s.num_tokens - 1]
-        prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens == s.num_tokens - 1)]
+        decodes, prefills = [], []
+        for s, n in scheduled:  # a decode computes exactly the last token
+            (decodes if n == 1 and s.num_computed_tokens == s.num_tokens - 1 else prefills).append((s, n))
         ordered = decodes + prefills
         ids, positions, slots = [], [], []
         for seq, n in ordered:

@@ -371,13 +371,18 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
-                     include_usage: bool = False) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": None}
+def _chunk(obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None,
+           include_usage: bool) -> dict:
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+             "system_fingerprint": None}
     if include_usage:
         chunk["usage"] = usage_
     return chunk
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
+                     include_usage: bool = False) -> dict:
+    return _chunk("text_completion", rid, created, model, choices, usage_, include_usage)
 
 
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
@@ -392,11 +397,7 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict
 
 def chat_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
                include_usage: bool = False) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices, "system_fingerprint": None}
-    if include_usage:
-        chunk["usage"] = usage_
-    return chunk
+    return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage)
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:

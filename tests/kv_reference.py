@@ -77,3 +77,14 @@ def rope_ref(x, positions, theta):
     x = x.astype(np.float64)
     rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
     return x * cos + rot * sin
+
+
+def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scale, **tol):
+    """Each sequence's rows of ``out`` equal the float64 causal attention of its new tokens (the last
+    ``query_start_loc[s+1] - query_start_loc[s]`` positions of a sequence of ``seq_lens[s]``)."""
+    tol = tol or dict(rtol=2e-4, atol=2e-5)
+    for s, seq_len in enumerate(seq_lens):
+        rows = slice(int(query_start_loc[s]), int(query_start_loc[s + 1]))
+        n = rows.stop - rows.start
+        ref = attention_ref(np.asarray(q[rows], np.float64), keys[s], values[s], scale, causal_offset=seq_len - n)
+        np.testing.assert_allclose(np.asarray(out[rows], np.float64), ref, err_msg=f"seq {s}", **tol)

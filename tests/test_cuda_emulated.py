@@ -17,7 +17,7 @@ from rawpaged.kernels import cpu
 from rawpaged.kernels import cuda_sources as src
 from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
                             read_replay_output)
-from tests.kv_reference import BF16, attention_ref, make_paged_kv, rope_cache, rope_ref
+from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv, rope_cache, rope_ref
 
 _why = missing_requirements()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA emulation unavailable: {_why}")
@@ -151,9 +151,7 @@ def test_prefill_attention_causal_chunked(emu, cache_dtype, block_size):
     ref_cpu = np.full_like(q, np.nan)
     cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5)
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 128), (1, 16, 64), (2, 6, 128), (1, 8, 64)])
@@ -168,29 +166,25 @@ def test_prefill_attention_gqa_shapes(emu, num_kv_heads, group, head_dim):
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
     backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, np.array(seq_lens, np.int32), 0.1)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], 0.1, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.1)
 
 
 def test_prefill_attention_group_larger_than_a_tile(emu):
     """Group 80 > 64 rows per tile: two head chunks per KV head, one token per tile."""
     rng = np.random.default_rng(80)
-    seq_lens, new_tokens = [5, 3], [3, 3]
+    seq_lens = [5, 3]  # 3 new tokens each
     kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 1, 64, 8, np.float32)
     qsl = np.array([0, 3, 6], np.int32)
     q = rng.standard_normal((6, 80, 64)).astype(np.float32)
     out = np.full_like(q, np.nan)
     backend(emu).prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), 0.125)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], 0.125, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125)
 
 
 @pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
 def test_prefill_attention_half_precision(emu, act):
     rng = np.random.default_rng(5)
-    seq_lens, new_tokens = [20, 45], [20, 13]
+    seq_lens = [20, 45]  # 20 and 13 new tokens
     kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 128, 16, act)
     qsl = np.array([0, 20, 33], np.int32)
     q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
@@ -198,10 +192,7 @@ def test_prefill_attention_half_precision(emu, act):
     # Device-side query_start_loc/seq_lens: no host validation, max_query_len given explicitly.
     backend(emu).prefill_attention(dev(out), dev(q), dev(kc), dev(vc), bt, qsl,
                                    np.array(seq_lens, np.int32), 128 ** -0.5, max_query_len=20)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]].astype(np.float64), keys[s], values[s], 128 ** -0.5,
-                            causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]].astype(np.float64), ref, **tol(act))
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128 ** -0.5, **tol(act))
 
 
 # ------------------------------------------------------------------------------------------ caches

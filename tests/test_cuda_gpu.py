@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import BF16, attention_ref, make_paged_kv
+from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv
 
 
 def _gpu_available() -> bool:
@@ -114,15 +114,13 @@ def test_prefill_attention(be, cache_dtype, num_kv_heads, group, head_dim, block
     ref_cpu = np.full_like(q, np.nan)
     cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, rtol=2e-4, atol=2e-5, err_msg=f"seq {s}")
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5)
 
 
 @pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
 def test_prefill_attention_half_precision(be, act):
     rng = np.random.default_rng(5)
-    seq_lens, new_tokens = [20, 45], [20, 13]
+    seq_lens = [20, 45]  # 20 and 13 new tokens
     kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 128, 16, act)
     qsl = np.array([0, 20, 33], np.int32)
     q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
@@ -130,9 +128,7 @@ def test_prefill_attention_half_precision(be, act):
     be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), be.asarray(bt), be.asarray(qsl),
                          be.asarray(np.array(seq_lens, np.int32)), 128 ** -0.5, max_query_len=20)
     out = f64(be.to_numpy(out_d))
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(f64(q[qsl[s]:qsl[s + 1]]), keys[s], values[s], 128 ** -0.5, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, **tol(act))
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128 ** -0.5, **tol(act))
 
 
 @pytest.mark.parametrize("act,cache", [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16),

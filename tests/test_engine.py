@@ -1,7 +1,6 @@
 """The engine on the real default model: greedy ids against HF transformers' recorded ids, batching
 invariance, preemption under a tiny pool, sampling semantics, and every block back at the end."""
 
-import numpy as np
 import pytest
 
 from rawpaged import LLM, SamplingParams

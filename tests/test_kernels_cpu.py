@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import BF16, attention_ref, make_paged_kv, rope_cache, rope_ref
+from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv, rope_cache, rope_ref
 
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
 GROUPS = [1, 2, 4, 8, 16, 3, 6]
@@ -53,9 +53,7 @@ def test_prefill_attention_causal_chunked(dtype, block_size, numba_mode):
     q = rng.standard_normal((qsl[-1], num_heads, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
     cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim ** -0.5)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, **_tol(dtype), err_msg=f"seq {s}")
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
@@ -151,6 +149,4 @@ def test_prefill_attention_long_sequences_cross_kv_tiles(dtype):
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
     cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim ** -0.5)
-    for s, (L, n) in enumerate(zip(seq_lens, new_tokens)):
-        ref = attention_ref(q[qsl[s]:qsl[s + 1]], keys[s], values[s], head_dim ** -0.5, causal_offset=L - n)
-        np.testing.assert_allclose(out[qsl[s]:qsl[s + 1]], ref, **_tol(dtype), err_msg=f"seq {s}")
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5, **_tol(dtype))

@@ -105,10 +105,12 @@ class LlamaModel:
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         nd = attn.num_decode_tokens
         residual = be.embedding(input_ids, self.embed_tokens)
-        x = be.rms_norm(residual, self.layers[0]["input_layernorm"], cfg.rms_norm_eps)
         attn_out = be.xp.empty((T, Hq, D), dtype=residual.dtype)
+        h = None  # the previous layer's output, added into ``residual`` by the next fused norm
         for i, layer in enumerate(self.layers):
-            if i > 0:
+            if h is None:
+                x = be.rms_norm(residual, layer["input_layernorm"], cfg.rms_norm_eps)
+            else:
                 x = be.rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps, residual=residual)
             qkv = be.linear(x, layer["qkv_proj"], layer["qkv_bias"])
             q = be.xp.ascontiguousarray(qkv[:, : Hq * D]).reshape(T, Hq, D)
