@@ -35,7 +35,7 @@ def _first_logits(llm, prompt_ids):
     assert eng.allocator.allocate_slots(seq.block_table, len(prompt_ids))
     logits, _ = eng.runner.execute([(seq, len(prompt_ids))], [])
     eng.allocator.free(seq.block_table)
-    return eng.runner.fetch(logits, [0])[1][0]
+    return eng.runner.fetch_rows(logits, [0])[0]
 
 
 def check_shape(name, shape, tmp, rng):

@@ -20,7 +20,7 @@ from rawpaged.kernels import get_backend
 from rawpaged.loader import load_config, load_weights
 from rawpaged.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.models.llama import LlamaModel
-from rawpaged.sampler import log_softmax, sample_row, top_logprobs
+from rawpaged.sampler import draw_uniform, log_softmax, top_logprobs
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.scheduler import Scheduler
 from rawpaged.sequence import Sequence
@@ -220,7 +220,8 @@ class LLMEngine:
         touched = {}
         now = time.monotonic()
         full_rows = [row for row, seq in enumerate(sampling) if self._needs_distribution(seq.sampling_params)]
-        argmax_ids, rows = self.runner.fetch(logits, full_rows)
+        rows = self.runner.fetch_rows(logits, full_rows)
+        draws, appends = [], []  # one token per target sequence, all drawn in one backend call
         for row, seq in enumerate(sampling):
             req = self.requests[seq.request_id]
             if req.beam is not None:
@@ -237,16 +238,18 @@ class LLMEngine:
             need_lp = req.params.logprobs is not None or req.params.best_of > req.params.n
             lp_row = log_softmax(rows[row]) if need_lp else None
             for target in targets:
-                token = sample_row(rows[row], req.params, target.rng)[0] if row in rows else int(argmax_ids[row])
-                self._append_token(target, token, lp_row, now)
+                draws.append((row, req.params, draw_uniform(req.params, target.rng)))
+                appends.append((target, lp_row))
             touched[req.request_id] = req
+        for (target, lp_row), token in zip(appends, self.runner.sample(logits, draws)):
+            self._append_token(target, int(token), lp_row, now)
         return [self._output(req) for req in touched.values()]
 
     @staticmethod
     def _needs_distribution(params: SamplingParams) -> bool:
-        """False for plain greedy requests, which need only the argmax id of their logits row."""
-        return (not params.greedy or params.logprobs is not None or params.best_of > params.n
-                or params.use_beam_search)
+        """Whether a row's whole distribution must reach the host (logprobs, best_of, beams); sampling
+        itself runs on the backend and returns only ids."""
+        return params.logprobs is not None or params.best_of > params.n or params.use_beam_search
 
     def _fork(self, req: Request, parent: Sequence) -> list:
         children = []

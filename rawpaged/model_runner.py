@@ -1,5 +1,5 @@
 """Turns a scheduled batch into arrays (input ids, positions, ``slot_mapping``, block tables), runs the
-copy-on-write block copies, the model and the LM head. Owns the paged KV caches.
+copy-on-write block copies, the model, the LM head and the sampling kernel. Owns the paged KV caches.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from rawpaged.models.llama import AttentionMetadata, LlamaModel
+from rawpaged.sampler import sampling_arrays
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -37,7 +38,7 @@ class ModelRunner:
         """Run the model for ``scheduled`` = [(seq, num_new_tokens)].
 
         Copies the ``(src, dst)`` COW blocks first. Returns ``(logits, sampling_seqs)``: logits
-        ``[len(sampling_seqs), vocab]`` on the backend (see ``fetch``) for the sequences whose last
+        ``[len(sampling_seqs), vocab]`` on the backend (see ``sample``, ``fetch_rows``) for the sequences whose last
         scheduled token is their last token (they sample next), in ``scheduled`` order.
         """
         be = self.backend
@@ -88,16 +89,18 @@ class ModelRunner:
         rows = be.asarray(np.array([last_row[id(s)] for s in sampling], dtype=np.int64))
         return self.model.compute_logits(hidden[rows]), sampling
 
-    def fetch(self, logits, full_rows: list):
-        """What the sampler needs on the host: the argmax id of every row (computed on the backend, so
-        greedy rows move one id each) and float32 logits of ``full_rows`` only (rows that sample or
-        report logprobs). Returns ``(argmax_ids int64 [rows], {row: float32 [vocab]})``."""
+    def sample(self, logits, draws: list):
+        """Token ids for ``draws`` = [(logits row, SamplingParams, uniform)], drawn on the backend (only
+        the ids reach the host). Returns int64 ``[len(draws)]``."""
+        if not draws:
+            return np.zeros(0, dtype=np.int64)
+        return self.backend.sample(logits, **sampling_arrays(draws))
+
+    def fetch_rows(self, logits, rows: list) -> dict:
+        """float32 host copies of the logits ``rows`` that need the whole distribution (logprobs, beam
+        search, best_of): ``{row: float32 [vocab]}``."""
+        if not rows:
+            return {}
         be = self.backend
-        if logits.dtype == np.uint16:  # bf16 bits on the device: widen on the host
-            host = be.to_numpy(logits).astype(np.float32)
-            return host.argmax(axis=1), {r: host[r] for r in full_rows}
-        ids = be.to_numpy(be.xp.argmax(logits, axis=1)).astype(np.int64)
-        if not full_rows:
-            return ids, {}
-        host = be.to_numpy(logits[be.asarray(np.array(full_rows, dtype=np.int64))]).astype(np.float32, copy=False)
-        return ids, dict(zip(full_rows, host))
+        host = be.to_numpy(logits[be.asarray(np.array(rows, dtype=np.int64))]).astype(np.float32)
+        return dict(zip(rows, host))

@@ -1,8 +1,11 @@
-"""Token selection from logits: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token selection around the backends' ``sample`` kernels: per-request seeded uniforms, the
+per-sample arrays, logprobs.
 
-Order of the filters follows vLLM/HF: temperature scaling, then top-k, top-p (Holtzman et al. 2020,
-nucleus sampling) and min-p (Nguyen et al. 2024) on the tempered distribution. Returned logprobs are
-of the model's raw distribution (``log_softmax(logits)``, before temperature), as vLLM reports them.
+The filters themselves (temperature, top-k, top-p, min-p, inverse-CDF draw) run on the backend:
+``rawpaged.kernels.cpu.sample`` (float64 NumPy, the reference) and ``cuda/sampling.cu``. Each
+non-greedy token costs its request's generator one uniform drawn here, so a seed gives the same tokens
+whatever the request is batched with. Returned logprobs are of the model's raw distribution
+(``log_softmax(logits)``, before temperature), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -17,40 +20,23 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def filtered_probs(logits_row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float):
-    """Probabilities (float64, sums to 1) after temperature, top-k, top-p and min-p."""
-    x = logits_row.astype(np.float64) / temperature
-    vocab = x.shape[0]
-    if 0 < top_k < vocab:
-        kth = np.partition(x, vocab - top_k)[vocab - top_k]
-        x = np.where(x >= kth, x, -np.inf)
-    x -= x.max()
-    p = np.exp(x)
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        cut = int(np.searchsorted(cum, top_p)) + 1
-        mask = np.zeros_like(p, dtype=bool)
-        mask[order[:cut]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    if min_p > 0.0:
-        p = np.where(p >= min_p * p.max(), p, 0.0)
-        p /= p.sum()
-    return p
+def sampling_arrays(draws: list) -> dict:
+    """The per-sample arrays of the backends' ``sample`` for ``draws`` = [(logits row, SamplingParams,
+    uniform)]: sample_rows, temperature (0 for greedy), top_k, top_p, min_p, uniforms."""
+    params = [p for _, p, _ in draws]
+    return dict(
+        sample_rows=np.array([r for r, _, _ in draws], dtype=np.int64),
+        temperature=np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float64),
+        top_k=np.array([p.top_k for p in params], dtype=np.int64),
+        top_p=np.array([p.top_p for p in params], dtype=np.float64),
+        min_p=np.array([p.min_p for p in params], dtype=np.float64),
+        uniforms=np.array([u for _, _, u in draws], dtype=np.float64),
+    )
 
 
-def sample_row(logits_row: np.ndarray, params, rng: np.random.Generator, num_samples: int = 1) -> list:
-    """``num_samples`` token ids for one row of logits under ``params`` (SamplingParams)."""
-    if params.greedy:
-        return [int(np.argmax(logits_row))] * num_samples
-    p = filtered_probs(logits_row, params.temperature, params.top_k, params.top_p, params.min_p)
-    # Inverse-CDF sampling with one uniform draw per sample: reproducible for a given rng state.
-    cdf = np.cumsum(p)
-    u = rng.random(num_samples) * cdf[-1]
-    return [int(min(np.searchsorted(cdf, ui, side="right"), len(p) - 1)) for ui in u]
+def draw_uniform(params, rng: np.random.Generator) -> float:
+    """The one uniform in [0, 1) a non-greedy token costs the request's generator (greedy: none, 0.0)."""
+    return 0.0 if params.greedy else float(rng.random())
 
 
 def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:

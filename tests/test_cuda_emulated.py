@@ -18,6 +18,7 @@ from rawpaged.kernels import cuda_sources as src
 from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
                             read_replay_output)
 from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv, rope_cache, rope_ref
+from tests.sampling_reference import SAMPLE_CASES, robust_reference, sample_args
 
 _why = missing_requirements()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA emulation unavailable: {_why}")
@@ -321,6 +322,52 @@ def test_dense_layers_half_precision(emu, act):
         np.testing.assert_allclose(after.astype(np.float64), before * cos + rot * sin, **tol(act))
 
 
+# ------------------------------------------------------------------------------------------ sampling
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 37, 1000, 5003])
+def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab):
+    """Greedy, temperature, top-k, top-p, min-p and their combinations; one row of integer logits (ties at
+    every threshold); bf16 rows are full of ties too. Exact ids wherever the reference is not on a
+    rounding boundary, and those must be the large majority."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+    logits[2] = np.round(logits[2])
+    logits = logits.astype(act)
+    args = sample_args(3, SAMPLE_CASES, rng)
+    be = backend(emu)
+    emu.launches.clear()
+    got = be.sample(dev(logits), **args)
+    assert [n for n, *_ in emu.launches] == [f"sample_kernel<{src.F32 if act == np.float32 else src.F16 if act == F16 else src.BF16}>"]
+    ref, stable = robust_reference(logits.astype(np.float32), args)
+    assert got.dtype == np.int64 and ((got >= 0) & (got < vocab)).all()
+    np.testing.assert_array_equal(got[stable], ref[stable])
+    assert stable.mean() >= 0.9, f"only {stable.sum()} of {len(stable)} samples away from a boundary"
+    greedy = args["temperature"] == 0
+    np.testing.assert_array_equal(got[greedy], logits.astype(np.float32)[args["sample_rows"][greedy]].argmax(-1))
+
+
+def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
+    """Stratified uniforms through the kernel: each kept token is drawn for n * p of them (within one),
+    a dropped token never."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((1, 40)) * 2).astype(np.float32)
+    n = 150
+    case = (0.8, 12, 0.9, 0.02)
+    args = dict(sample_rows=np.zeros(n, np.int64), temperature=np.full(n, case[0]), top_k=np.full(n, case[1]),
+                top_p=np.full(n, case[2]), min_p=np.full(n, case[3]), uniforms=(np.arange(n) + 0.5) / n)
+    got = backend(emu).sample(logits, **args)
+    counts = np.bincount(got, minlength=40)
+    expect = cpu.filtered_probs(logits[0], *case) * n
+    assert np.abs(counts - expect).max() <= 1.0
+    assert (counts[expect == 0] == 0).all()
+
+
+def test_sample_rejects_rows_outside_the_logits(emu):
+    with pytest.raises(ValueError, match="sample_rows"):
+        backend(emu).sample(np.zeros((2, 10), np.float32), np.array([2]), np.ones(1), np.full(1, -1), np.ones(1),
+                            np.zeros(1), np.zeros(1))
+
+
 # ------------------------------------------------------------------------------------------ launch rules
 def test_argument_checking_catches_a_wrong_scalar_type(emu):
     """The emulator rejects what CuPy would silently misread (a Python int is passed as 64-bit)."""
@@ -374,7 +421,7 @@ def _replay_under_tsan(names, record, tmp_path):
 def test_kernels_have_no_data_races_under_tsan(tmp_path):
     names = ["paged_attention_kernel<float, __nv_bfloat16, 64, 4>", "paged_attention_reduce_kernel<float>",
              "prefill_attention_kernel<float, __nv_bfloat16, 64>", "rms_norm_kernel<float, float>",
-             "reshape_and_cache_kernel<float, __nv_bfloat16>"]
+             "reshape_and_cache_kernel<float, __nv_bfloat16>", "sample_kernel<__nv_bfloat16>"]
 
     def record(rec):
         be = emulated_backend(rec, num_sms=64)
@@ -390,6 +437,8 @@ def test_kernels_have_no_data_races_under_tsan(tmp_path):
         x = rng.standard_normal((2, 300)).astype(np.float32)
         be.rms_norm(x, rng.standard_normal(300).astype(np.float32), 1e-5, residual=x.copy())
         be.reshape_and_cache(qp[:5, :1], qp[:5, 1:2], dev(kc), dev(vc), np.arange(5, dtype=np.int64))
+        logits = (rng.standard_normal((2, 700)) * 3).astype(BF16)
+        be.sample(dev(logits), **sample_args(2, SAMPLE_CASES[:4] + SAMPLE_CASES[5:6], rng))
 
     rec, r = _replay_under_tsan(names, record, tmp_path)
     assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-6000:]

@@ -11,6 +11,7 @@ import pytest
 
 from rawpaged.kernels import cpu
 from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv
+from tests.sampling_reference import SAMPLE_CASES, robust_reference, sample_args
 
 
 def _gpu_available() -> bool:
@@ -237,6 +238,20 @@ def test_linear_and_embedding(be, act, with_bias):
     ids = np.array([3, 0, 49, 3], np.int64)
     rows = be.to_numpy(be.embedding(ids, be.asarray(table)))
     np.testing.assert_array_equal(np.asarray(rows).view(np.uint8), table[ids].view(np.uint8))
+
+
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 1000, 49152, 151936])
+def test_sample(be, act, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+    logits[2] = np.round(logits[2])
+    logits = logits.astype(act)
+    args = sample_args(3, SAMPLE_CASES, rng)
+    got = be.sample(be.asarray(logits), **args)
+    ref, stable = robust_reference(logits.astype(np.float32), args)
+    np.testing.assert_array_equal(got[stable], ref[stable])
+    assert stable.mean() >= 0.9
 
 
 def test_kv_cache_budget_within_device_memory(be):

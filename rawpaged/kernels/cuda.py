@@ -378,6 +378,29 @@ class CudaBackend:
                      (threads, 1, 1), (out, x, _i64(num_tokens), _i32(inter)))
         return out
 
+    def sample(self, logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
+        """Token ids drawn on the device from rows of ``logits [num_rows, vocab]`` (see ``cpu.sample``
+        for the semantics; ``cuda/sampling.cu`` for the kernel). The per-sample arguments are host
+        arrays ``[num_samples]``; two small packed uploads go in, int32 ids come back (4 bytes a sample).
+        Returns int64 ``[num_samples]`` on the host.
+        """
+        act = _ctype(logits, "logits")
+        num_rows, vocab = logits.shape
+        n = len(sample_rows)
+        rows = np.asarray(sample_rows, dtype=np.int64)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        if rows.min() < 0 or rows.max() >= num_rows:
+            raise ValueError(f"sample_rows must index the {num_rows} logits rows, got {rows.tolist()}")
+        ints = np.stack([rows, np.asarray(top_k, dtype=np.int64)], axis=1).astype(np.int32)
+        floats = np.stack([np.asarray(a, dtype=np.float32) for a in (temperature, top_p, min_p, uniforms)], axis=1)
+        out = self.xp.empty(n, dtype=np.int32)
+        probs = self.xp.empty((n, vocab), dtype=np.float32)
+        self._kernel(act, act, f"sample_kernel<{act}>", (n, 1, 1), (src.sample_threads(vocab), 1, 1),
+                     (out, logits, _i64(_row_stride(logits, "logits", 1)), self._dev(ints, np.int32),
+                      self._dev(floats, np.float32), probs, _i32(vocab)))
+        return self.to_numpy(out).astype(np.int64)
+
     def kv_cache_budget(self, gpu_memory_utilization: float) -> int:
         """Bytes the KV pool may take: ``gpu_memory_utilization`` of the device's total memory minus
         what is already in use (weights, CuPy's pool; blocks CuPy holds but does not use count as free).

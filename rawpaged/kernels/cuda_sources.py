@@ -19,7 +19,7 @@ from pathlib import Path
 #: Directory of the ``.cu`` sources (``cuda/`` at the repository root); ``RAWPAGED_CUDA_SRC`` overrides it.
 CUDA_DIR = Path(os.environ.get("RAWPAGED_CUDA_SRC", Path(__file__).resolve().parents[2] / "cuda"))
 HEADER = "common.cuh"
-SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu")
+SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu")
 
 #: NVRTC options the runtime passes to ``cupy.RawModule`` (plus :func:`include_options`).
 RUNTIME_OPTIONS = ("--std=c++17",)
@@ -64,7 +64,7 @@ def layer_names(act: str) -> list[str]:
     """Name expressions of the dtype-generic kernels for activation dtype ``act``."""
     weight_types = [act] if act == F32 else [act, F32]
     names = [f"rms_norm_kernel<{act}, {w}>" for w in weight_types]
-    names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>"]
+    names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>", f"sample_kernel<{act}>"]
     return names
 
 
@@ -205,6 +205,12 @@ def copy_word_bytes(block_bytes: int) -> int:
         if block_bytes % b == 0:
             return b
     raise ValueError(f"KV block of {block_bytes} bytes is not a multiple of 2 bytes")
+
+
+def sample_threads(vocab: int) -> int:
+    """Threads of a ``sample_kernel`` block: about 16 logits per thread, a warp multiple in [32, 512]
+    (``__launch_bounds__(512)``: more threads would cap registers low enough to spill)."""
+    return round_threads(-(-int(vocab) // 16), 512)
 
 
 def elementwise_blocks(n: int, threads: int, num_sms: int) -> int:

@@ -260,6 +260,11 @@ inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, sizeof u);
+    return u;
+}
 
 // C entry points for ctypes (defined in exactly one translation unit of the library).
 #ifdef EMU_DEFINE_API

@@ -1,0 +1,202 @@
+// Token sampling on the device: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020) and
+// min-p (Nguyen et al. 2024), one block per sample, so only the sampled ids leave the GPU.
+//
+// Semantics are those of rawpaged/kernels/cpu.py `sample` (float64 NumPy), in this order on the tempered
+// distribution p_i = exp((x_i - max x) / temperature):
+//   top-k  keep x_i >= the k-th largest logit (ties at the threshold all kept, as np.partition);
+//   top-p  keep the smallest prefix of tokens sorted by descending p whose mass reaches top_p * sum(p),
+//          ties in that order broken by lower token id first (a stable sort);
+//   min-p  keep p_i >= min_p * max(p) (max(p) = 1 before normalisation);
+//   draw   the first token id whose running sum over the kept p_i, in token-id order, exceeds
+//          uniform * sum(kept p) (inverse CDF; `uniform` in [0, 1) is drawn on the host from the request's
+//          seeded generator, so a seed gives the same tokens on both backends up to float32 rounding).
+// temperature <= 0 is greedy: the first index of the largest logit. NaN logits are never chosen.
+//
+// No sort: thresholds are found by bisection on the bits of an order-preserving 32-bit key, with block
+// reductions in a fixed order (deterministic; sums of non-negative floats over nested subsets in the same
+// order are monotone, so the bisection is consistent). Top-k: 32 passes; top-p: 31 passes over p.
+//
+// grid: (num_samples), block: a multiple of 32, at most 512 (host: see cuda_sources.sample_threads).
+// logits: [num_rows, vocab] of T, row stride logits_stride (elements).
+// sample_ints: int32 [num_samples, 2] = (logits row, top_k; top_k <= 0 or >= vocab keeps all).
+// sample_floats: float32 [num_samples, 4] = (temperature, top_p, min_p, uniform).
+// probs: float32 [num_samples, vocab] workspace. out_ids: int32 [num_samples].
+#include "common.cuh"
+
+namespace rp {
+
+constexpr int NO_INDEX = 0x7fffffff;
+
+// Larger float -> larger key; NaN -> 0 (below every number).
+__device__ __forceinline__ unsigned ordered_key(float x) {
+    if (x != x) return 0u;
+    const unsigned u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct SumOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+};
+struct MinOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return b < a ? b : a; }
+};
+struct MaxOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return b > a ? b : a; }
+};
+
+// Reduction over the block in a fixed order; every thread gets the result. scratch: >= 32 shared V.
+template <typename V, typename Op>
+__device__ __forceinline__ V block_reduce(V v, V* scratch, Op op) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    V r = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) r = op(r, scratch[w]);
+    __syncthreads();
+    return r;
+}
+
+// Exclusive prefix sum of v in thread order; *total gets the sum over the block.
+__device__ __forceinline__ float block_exclusive_scan(float v, float* scratch, float* total) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    float incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float n = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += n;
+    }
+    float excl = __shfl_up_sync(FULL_MASK, incl, 1);
+    if (lane == 0) excl = 0.f;
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    float before = 0.f, all = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+        if (w < warp) before += scratch[w];
+        all += scratch[w];
+    }
+    __syncthreads();
+    *total = all;
+    return before + excl;
+}
+
+}  // namespace rp
+
+template <typename T>
+__global__ void __launch_bounds__(512) sample_kernel(int* __restrict__ out_ids, const T* __restrict__ logits,
+                                                      long long logits_stride, const int* __restrict__ sample_ints,
+                                                      const float* __restrict__ sample_floats,
+                                                      float* __restrict__ probs, int vocab) {
+    __shared__ float fscratch[32];
+    __shared__ int iscratch[32];
+    const int s = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int nt = blockDim.x;
+    const T* __restrict__ x = logits + (rp::i64)sample_ints[2 * s] * logits_stride;
+    const int top_k = sample_ints[2 * s + 1];
+    const float temperature = sample_floats[4 * s];
+    const float top_p = sample_floats[4 * s + 1];
+    const float min_p = sample_floats[4 * s + 2];
+    const float uniform = sample_floats[4 * s + 3];
+    float* __restrict__ p = probs + (rp::i64)s * vocab;
+
+    // Largest logit and its first index (the greedy answer).
+    float best = rp::NEG_BIG;
+    int best_i = rp::NO_INDEX;
+    for (int i = tid; i < vocab; i += nt) {
+        const float v = rp::to_float<T>(x[i]);
+        if (v == v && (v > best || best_i == rp::NO_INDEX)) {
+            best = v;
+            best_i = i;
+        }
+    }
+    const float m = rp::block_reduce(best, fscratch, rp::MaxOp());
+    best_i = rp::block_reduce(best == m ? best_i : rp::NO_INDEX, iscratch, rp::MinOp());
+    if (!(temperature > 0.f)) {
+        if (tid == 0) out_ids[s] = best_i == rp::NO_INDEX ? 0 : best_i;
+        return;
+    }
+
+    // Top-k: the largest key t with count(key >= t) >= k is the k-th largest logit's key.
+    unsigned kth = 0u;
+    if (top_k > 0 && top_k < vocab) {
+        for (int bit = 31; bit >= 0; --bit) {
+            const unsigned cand = kth | (1u << bit);
+            int count = 0;
+            for (int i = tid; i < vocab; i += nt) count += rp::ordered_key(rp::to_float<T>(x[i])) >= cand;
+            if (rp::block_reduce(count, iscratch, rp::SumOp()) >= top_k) kth = cand;
+        }
+    }
+
+    float z = 0.f;
+    for (int i = tid; i < vocab; i += nt) {
+        const float v = rp::to_float<T>(x[i]);
+        const float pi = (v == v && rp::ordered_key(v) >= kth) ? expf((v - m) / temperature) : 0.f;
+        p[i] = pi;
+        z += pi;
+    }
+    z = rp::block_reduce(z, fscratch, rp::SumOp());  // also orders the writes of p before the reads below
+
+    // Each thread's contiguous chunk, for the passes that need token-id order.
+    const int chunk = (vocab + nt - 1) / nt;
+    const int c0 = min(vocab, tid * chunk);
+    const int c1 = min(vocab, c0 + chunk);
+
+    if (top_p < 1.f) {
+        // p >= 0, so its bit pattern is an order-preserving key. tau: the largest key whose tokens at or
+        // above it reach the target mass; tokens tied at tau are then kept in token-id order.
+        const float target = top_p * z;
+        unsigned tau = 0u;
+        for (int bit = 30; bit >= 0; --bit) {
+            const unsigned cand = tau | (1u << bit);
+            float mass = 0.f;
+            for (int i = tid; i < vocab; i += nt) mass += __float_as_uint(p[i]) >= cand ? p[i] : 0.f;
+            if (rp::block_reduce(mass, fscratch, rp::SumOp()) >= target) tau = cand;
+        }
+        float above = 0.f;
+        for (int i = tid; i < vocab; i += nt) above += __float_as_uint(p[i]) > tau ? p[i] : 0.f;
+        above = rp::block_reduce(above, fscratch, rp::SumOp());
+        float tied = 0.f;
+        for (int i = c0; i < c1; ++i) tied += __float_as_uint(p[i]) == tau ? p[i] : 0.f;
+        float unused;
+        float acc = above + rp::block_exclusive_scan(tied, fscratch, &unused);
+        for (int i = c0; i < c1; ++i) {
+            const unsigned key = __float_as_uint(p[i]);
+            if (key < tau) {
+                p[i] = 0.f;
+            } else if (key == tau) {
+                if (acc < target) acc += p[i];
+                else p[i] = 0.f;
+            }
+        }
+        __syncthreads();
+    }
+    if (min_p > 0.f) {
+        for (int i = tid; i < vocab; i += nt)
+            if (p[i] < min_p) p[i] = 0.f;
+        __syncthreads();
+    }
+
+    // Inverse CDF over the kept mass in token-id order.
+    float mine = 0.f;
+    for (int i = c0; i < c1; ++i) mine += p[i];
+    float total;
+    float acc = rp::block_exclusive_scan(mine, fscratch, &total);
+    const float threshold = uniform * total;
+    int pick = rp::NO_INDEX;
+    int last = -1;
+    for (int i = c0; i < c1; ++i) {
+        const float pi = p[i];
+        acc += pi;
+        if (pi > 0.f) {
+            last = i;
+            if (acc > threshold && pick == rp::NO_INDEX) pick = i;
+        }
+    }
+    pick = rp::block_reduce(pick, iscratch, rp::MinOp());
+    if (pick == rp::NO_INDEX) pick = rp::block_reduce(last, iscratch, rp::MaxOp());  // rounding at the end
+    if (tid == 0) out_ids[s] = pick >= 0 ? pick : (best_i == rp::NO_INDEX ? 0 : best_i);
+}
