@@ -705,12 +705,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto uses CUDA when a GPU is usable, else the CPU")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="weights and activations: auto is float32 on the CPU (its only dtype); on CUDA the "
+                        "checkpoint's float16/bfloat16, else bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="KV-cache element type (auto: as --dtype; the CPU also takes bfloat16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (power of two <= 128)")
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV-cache pool size in blocks")
     pool.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                      help="KV-cache pool size in bytes, e.g. 2GiB or 512MiB (default: 1 GiB on CPU; "
-                           "90%% of free GPU memory on CUDA)")
+                      help="KV-cache pool size in bytes, e.g. 2GiB or 512MiB (default: 1 GiB on CPU; on CUDA "
+                           "what --gpu-memory-utilization leaves after the weights)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of the GPU's memory for weights plus KV cache")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="sequences per engine step at most")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="prompt + generated tokens per sequence at most (default: the model's context)")
@@ -735,7 +742,9 @@ def main(argv: list | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = EngineConfig(model=args.model, device=args.device, block_size=args.block_size,
+        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                              kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                              block_size=args.block_size,
                               num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               max_num_batched_tokens=args.max_num_batched_tokens,

@@ -52,3 +52,14 @@ __global__ void copy_blocks_kernel(const unsigned long long* __restrict__ key_ca
         vc[dst + i] = vc[src + i];
     }
 }
+
+// Elementwise dtype conversion, used once per weight tensor at load time (a float32 checkpoint kept in
+// bf16/fp16 on the device): out[i] = D(in[i]) through float32, rounded to nearest even.
+// in/out: n contiguous elements (64-bit count). Grid-stride loop: any grid/block size works.
+template <typename D, typename S>
+__global__ void convert_kernel(D* __restrict__ out, const S* __restrict__ in, long long n) {
+    const rp::i64 stride = (rp::i64)gridDim.x * blockDim.x;
+    for (rp::i64 i = (rp::i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        out[i] = rp::Convert<D, S>::apply(in[i]);
+    }
+}

@@ -15,7 +15,7 @@ import numpy as np
 
 from rawpaged import beam_search
 from rawpaged.block_allocator import BlockAllocator
-from rawpaged.config import EngineConfig
+from rawpaged.config import EngineConfig, resolve_dtypes
 from rawpaged.kernels import get_backend
 from rawpaged.loader import load_config, load_weights
 from rawpaged.model_runner import ModelRunner, kv_block_bytes
@@ -101,11 +101,13 @@ class LLMEngine:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.backend = get_backend(config.device)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.dtype, self.kv_cache_dtype = resolve_dtypes(config.dtype, config.kv_cache_dtype, self.backend.name,
+                                                         mc.torch_dtype)
         weights = load_weights(self.model_dir, mc)
-        self.model = LlamaModel(mc, weights, self.backend, dtype=config.dtype, max_position=self.max_model_len)
+        self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
         del weights
         block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
-                                     _np_dtype(config.kv_cache_dtype))
+                                     _np_dtype(self.kv_cache_dtype))
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory or self._default_kv_memory()
@@ -113,7 +115,7 @@ class LLMEngine:
         self.kv_block_bytes = block_bytes
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, _np_dtype(config.kv_cache_dtype))
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, _np_dtype(self.kv_cache_dtype))
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -20,6 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--model", default=None, help="HF-style model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                    help="auto: float32 on the CPU; on CUDA the checkpoint's float16/bfloat16, else bfloat16")
     args = ap.parse_args(argv)
 
     from rawpaged import LLM, SamplingParams
@@ -27,7 +29,7 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(model=args.model, device=args.device)
+        llm = LLM(model=args.model, device=args.device, dtype=args.dtype)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)
         else:

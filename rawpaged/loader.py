@@ -47,6 +47,7 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple
+    torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if config.json gives one
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
@@ -77,6 +78,7 @@ class ModelConfig:
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None

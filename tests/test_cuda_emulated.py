@@ -368,6 +368,107 @@ def test_sample_rejects_rows_outside_the_logits(emu):
                             np.zeros(1), np.zeros(1))
 
 
+# ------------------------------------------------------------------------------------------ weight loading
+def test_convert_kernel_rounds_like_numpy_and_ml_dtypes(emu):
+    """Every ordered dtype pair, including values that round to even, overflow fp16 and denormals."""
+    be = backend(emu)
+    rng = np.random.default_rng(4)
+    x32 = np.concatenate([rng.standard_normal(1000) * 10, [1 + 2 ** -8, 1 + 3 * 2 ** -8, 70000.0, 1e-40, -0.0,
+                                                           np.inf, 2 ** -20]]).astype(np.float32)
+    with np.errstate(over="ignore"):  # 70000 overflows fp16 to inf, on purpose
+        sources = {"float32": x32, "float16": x32.astype(F16), "bfloat16": x32.astype(BF16)}
+    for s_name, s_host in sources.items():
+        for d_name, d_np in (("float32", np.float32), ("float16", F16), ("bfloat16", BF16)):
+            if s_name == d_name:
+                continue
+            out = (np.full(x32.shape, 0xFFFF, np.uint16) if d_name == "bfloat16"
+                   else np.full(x32.shape, np.nan, d_np))  # poisoned: NaN bits
+            be.convert(out, dev(s_host))
+            with np.errstate(over="ignore"):
+                expect = s_host.astype(np.float32).astype(d_np)
+            np.testing.assert_array_equal(host(out, d_np).view(np.uint8), expect.view(np.uint8),
+                                          err_msg=f"{s_name} -> {d_name}")
+
+
+@pytest.mark.parametrize("target", ["float32", "bfloat16", "float16"])
+def test_load_weight_and_fused_linear_from_any_checkpoint_dtype(emu, target):
+    """The loader's device path: bytes in the checkpoint's dtype, then convert_kernel; fused parts land in
+    their rows. Emulated arrays are host arrays, so the staged copy is a byte copy here (the pinned
+    staging itself is tested in test_cuda_launch_config.py)."""
+    be = backend(emu)
+    rng = np.random.default_rng(6)
+    t_np = {"float32": np.dtype(np.float32), "bfloat16": BF16, "float16": F16}[target]
+    for ckpt in (np.float32, F16, BF16, np.float64):
+        parts = [rng.standard_normal((r, 24)).astype(np.float32).astype(ckpt) for r in (8, 4, 4)]
+        fused = host(be.load_linear(parts, target), t_np)
+        np.testing.assert_array_equal(fused.view(np.uint8),
+                                      np.concatenate(parts).astype(np.float32).astype(t_np).view(np.uint8))
+        norm = host(be.load_weight(parts[0][0], target), t_np)
+        np.testing.assert_array_equal(norm.view(np.uint8), parts[0][0].astype(np.float32).astype(t_np).view(np.uint8))
+    with pytest.raises(ValueError, match="dtype"):
+        be.load_weight(parts[0], "int8")
+
+
+# ------------------------------------------------------------------------------------------ the engine
+def _numpy_linear_bf16(self, x, weight, bias):
+    """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, one rounding to bf16)."""
+    y = x.view(BF16).astype(np.float32) @ weight.view(BF16).astype(np.float32).T
+    if bias is not None:
+        y += bias.view(BF16).astype(np.float32)
+    return y.astype(BF16).view(np.uint16)
+
+
+def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypatch):
+    """The whole CUDA path (LLMEngine -> ModelRunner -> LlamaModel -> CudaBackend -> every kernel, device
+    sampling, COW block copies for n > 1, prefix-cache hits, weight upload with dtype conversion) on a
+    tiny random model, against the CPU engine. float32: the same greedy and seeded-sampled ids;
+    bfloat16 (the CUDA default): first-step logits within bf16 precision."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged import engine as engine_mod
+    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.random_model import write_random_model
+
+    model = write_random_model(tmp_path / "m", num_layers=2, hidden_size=128, intermediate_size=96, num_heads=4,
+                               num_kv_heads=2, head_dim=64, seed=3)
+    kw = dict(model=str(model), num_kv_blocks=64, block_size=16, max_model_len=256)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 16, 33)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=4, ignore_eos=True)
+
+    def run(llm):
+        g = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        smp = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[1:], sampled)]
+        again = llm.generate(prompts[2:], greedy)[0].outputs[0].token_ids  # prefix-cache hit
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        return g, smp, again
+
+    cpu_llm = LLM(device="cpu", **kw)
+    ref = run(cpu_llm)
+    monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    f32 = LLM(device="cuda", dtype="float32", **kw)
+    assert f32.engine.backend.name == "cuda" and f32.engine.kv_cache_dtype == "float32"
+    emu.launches.clear()
+    assert run(f32) == ref
+    launched = {n.split("<")[0] for n, *_ in emu.launches}
+    assert {"paged_attention_kernel", "prefill_attention_kernel", "reshape_and_cache_kernel", "copy_blocks_kernel",
+            "rms_norm_kernel", "rotary_embedding_kernel", "silu_and_mul_kernel", "sample_kernel"} <= launched
+    assert f32.stats()["prefix_cache_hits"] > 0
+
+    bf16 = LLM(device="cuda", **kw)
+    assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    assert bf16.engine.model.embed_tokens.dtype == np.uint16
+    from rawpaged.check_cuda_engine import _first_logits
+
+    for p in prompts:
+        want = _first_logits(cpu_llm, p["prompt_token_ids"])
+        got = _first_logits(bf16, p["prompt_token_ids"])
+        assert np.max(np.abs(got - want)) < 0.05 * np.max(np.abs(want)) + 1e-3
+    out = bf16.generate(prompts, sampled)
+    assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
+
+
 # ------------------------------------------------------------------------------------------ launch rules
 def test_argument_checking_catches_a_wrong_scalar_type(emu):
     """The emulator rejects what CuPy would silently misread (a Python int is passed as 64-bit)."""

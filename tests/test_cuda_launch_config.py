@@ -1,5 +1,8 @@
 """Launch geometry of the CUDA kernels (pure Python, mirrors of the constants in cuda/attention.cu), and the
-GPU-less behaviour of the CUDA backend."""
+GPU-less behaviour of the CUDA backend: weight staging over a fake CUDA API, dtype resolution."""
+
+import ctypes
+import types
 
 import numpy as np
 import pytest
@@ -80,3 +83,88 @@ def test_cuda_backend_without_gpu_raises_one_clear_line():
     with pytest.raises(RuntimeError, match=r"^no CUDA device found: ") as exc:
         CudaBackend()
     assert "\n" not in str(exc.value)
+
+
+# ------------------------------------------------------------------------------------------ weight upload
+class _FakeCuda:
+    """The few CuPy calls PinnedStager makes, over host memory: memcpyAsync copies at once but records
+    the order of events, so the test sees which buffer was refilled after which wait."""
+
+    def __init__(self):
+        self.log = []
+        fake = self
+
+        class Event:
+            def __init__(self, n):
+                self.n = n
+
+            def synchronize(self):
+                fake.log.append(("wait", self.n))
+
+        class Stream:
+            ptr = 7
+            recorded = 0
+
+            def record(self):
+                Stream.recorded += 1
+                return Event(Stream.recorded)
+
+        class Runtime:
+            @staticmethod
+            def memcpyAsync(dst, src_ptr, n, kind, stream):
+                assert kind == 1 and stream == 7
+                ctypes.memmove(dst, src_ptr, n)
+                fake.log.append(("copy", n))
+
+        self.stream = Stream()
+        self.cuda = types.SimpleNamespace(
+            alloc_pinned_memory=lambda n: bytearray(n), get_current_stream=lambda: self.stream, runtime=Runtime)
+
+
+class _HostArray:
+    """A NumPy array with CuPy's ``.data.ptr`` (the stager only needs the address)."""
+
+    def __init__(self, a):
+        self.a = a
+        self.nbytes = a.nbytes
+        self.flags = a.flags
+        self.data = types.SimpleNamespace(ptr=a.ctypes.data)
+
+
+def test_pinned_stager_copies_in_chunks_through_two_alternating_buffers():
+    from rawpaged.kernels.cuda import PinnedStager
+
+    fake = _FakeCuda()
+    stager = PinnedStager(fake, chunk_bytes=1000)
+    host = np.random.default_rng(0).standard_normal((37, 29)).astype(np.float32)  # 4292 bytes: 5 chunks
+    dst = np.full((37, 29), np.nan, np.float32)
+    stager.copy(_HostArray(dst), host)
+    np.testing.assert_array_equal(dst, host)
+    assert [n for kind, n in fake.log if kind == "copy"] == [1000, 1000, 1000, 1000, 292]
+    # Chunk 3 reuses buffer 0: it must wait for chunk 1's event (1) first, chunk 4 for event 2, ...
+    assert [n for kind, n in fake.log if kind == "wait"] == [1, 2, 3]
+    assert fake.log.index(("wait", 1)) < [i for i, e in enumerate(fake.log) if e[0] == "copy"][2]
+    dst2 = np.zeros(10, np.float16)
+    stager.copy(_HostArray(dst2), np.arange(10, dtype=np.float16))
+    np.testing.assert_array_equal(dst2, np.arange(10))
+    with pytest.raises(ValueError, match="bytes"):
+        stager.copy(_HostArray(np.zeros(3, np.float32)), np.zeros(4, np.float32))
+    stager.close()
+    assert stager.bytes_copied == host.nbytes + 20
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+def test_dtype_auto_resolution_and_unsupported_pairs():
+    from rawpaged.config import DTYPE_PAIRS, resolve_dtypes
+
+    assert resolve_dtypes("auto", "auto", "cpu", "bfloat16") == ("float32", "float32")
+    assert resolve_dtypes("auto", "bfloat16", "cpu", None) == ("float32", "bfloat16")
+    assert resolve_dtypes("auto", "auto", "cuda", "float32") == ("bfloat16", "bfloat16")
+    assert resolve_dtypes("auto", "auto", "cuda", "float16") == ("float16", "float16")
+    assert resolve_dtypes("float32", "auto", "cuda", "bfloat16") == ("float32", "float32")
+    with pytest.raises(ValueError, match="dtype 'bfloat16' is not supported on the cpu backend"):
+        resolve_dtypes("bfloat16", "auto", "cpu", None)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float32' with dtype 'bfloat16'"):
+        resolve_dtypes("bfloat16", "float32", "cuda", None)
+    names = {"float32": src.F32, "float16": src.F16, "bfloat16": src.BF16}
+    assert {(names[a], names[c]) for a, c in DTYPE_PAIRS["cuda"]} == set(src.DTYPE_PAIRS)

@@ -484,6 +484,11 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     return out
 
 
+def _check_cpu_dtype(dtype: str) -> None:
+    if dtype != "float32":
+        raise ValueError(f"dtype {dtype!r} is not supported on the CPU backend (float32 only)")
+
+
 class CPUBackend:
     """The CPU kernels behind the backend interface the model calls (same names as ``CudaBackend``).
 
@@ -521,6 +526,23 @@ class CPUBackend:
         """HF ``[out, in]`` weight -> the ``[in, out]`` contiguous layout ``linear`` takes: OpenBLAS
         SGEMM is up to 1.8x faster on it at batch 32 (``x @ W`` rather than ``x @ W.T``)."""
         return np.ascontiguousarray(np.asarray(weight).T)
+
+    @staticmethod
+    def load_weight(host, dtype: str = "float32"):
+        """A host tensor (any float dtype, e.g. a memory-mapped safetensors view) -> contiguous float32."""
+        _check_cpu_dtype(dtype)
+        return np.ascontiguousarray(host, dtype=np.float32)
+
+    @classmethod
+    def load_linear(cls, parts: list, dtype: str = "float32"):
+        """HF ``[out_i, in]`` weights fused along ``out`` -> the ``[in, sum out_i]`` layout of ``linear``."""
+        _check_cpu_dtype(dtype)
+        w = parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
+        return cls.prepare_linear(np.asarray(w, dtype=np.float32))
+
+    @staticmethod
+    def finish_loading():
+        """Nothing to wait for on the CPU."""
 
     @staticmethod
     def linear(x, weight, bias=None):

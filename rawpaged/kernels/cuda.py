@@ -44,6 +44,10 @@ _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUDA_R_16BF = 14
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
+_MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
+#: Engine dtype name -> (device storage dtype, C++ element type).
+_STORAGE = {"float32": (np.dtype(np.float32), src.F32), "float16": (np.dtype(np.float16), src.F16),
+            "bfloat16": (np.dtype(np.uint16), src.BF16)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,6 +83,11 @@ def _row_stride(a, what: str, inner_dims: int) -> int:
     return a.strides[0] // item if a.shape[0] > 1 else int(np.prod(a.shape[1:]))
 
 
+def _host_byte_copy(dst, host) -> None:
+    """``copy_to_device`` for array modules whose arrays live on the host (the emulation tests)."""
+    dst.reshape(-1).view(np.uint8)[...] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+
+
 class _CupyLauncher:
     """Compiles one RawModule per (activation, cache) dtype pair on first use and launches its kernels."""
 
@@ -109,6 +118,56 @@ class _CupyLauncher:
 
     def address(self, a) -> int:
         return int(a.data.ptr)
+
+
+class PinnedStager:
+    """Host -> device copies through two page-locked (pinned) staging buffers.
+
+    The driver DMA-copies pinned memory asynchronously; pageable memory (a memory-mapped safetensors
+    file) it would first copy into its own staging area, synchronously. Here each chunk is read from
+    the host array into one buffer while the previous chunk's copy from the other is in flight; an
+    event per buffer says when it may be refilled. Copies go on the current stream, so kernels launched
+    after them (the dtype conversion) see the data.
+
+    Args:
+        cupy: the CuPy module (or an object with the same ``cuda`` API, for tests).
+        chunk_bytes: size of each of the two buffers.
+    """
+
+    def __init__(self, cupy, chunk_bytes: int = 32 << 20):
+        self._cupy = cupy
+        self.chunk_bytes = int(chunk_bytes)
+        self._buffers = [cupy.cuda.alloc_pinned_memory(self.chunk_bytes) for _ in range(2)]
+        self._events = [None, None]
+        self._turn = 0
+        self.bytes_copied = 0
+
+    def copy(self, dst, host) -> None:
+        """Copy the bytes of NumPy array ``host`` into C-contiguous device array ``dst`` (same nbytes)."""
+        src = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        if src.nbytes != dst.nbytes or not dst.flags.c_contiguous:
+            raise ValueError(f"staged copy of {src.nbytes} bytes into a {dst.nbytes}-byte device array "
+                             f"(contiguous: {dst.flags.c_contiguous})")
+        cuda = self._cupy.cuda
+        stream = cuda.get_current_stream()
+        for off in range(0, src.nbytes, self.chunk_bytes):
+            n = min(self.chunk_bytes, src.nbytes - off)
+            i, self._turn = self._turn, self._turn ^ 1
+            if self._events[i] is not None:
+                self._events[i].synchronize()
+            staging = np.frombuffer(self._buffers[i], dtype=np.uint8, count=n)
+            staging[...] = src[off:off + n]
+            cuda.runtime.memcpyAsync(dst.data.ptr + off, staging.ctypes.data, n, _MEMCPY_HOST_TO_DEVICE, stream.ptr)
+            self._events[i] = stream.record()
+        self.bytes_copied += src.nbytes
+
+    def close(self) -> None:
+        """Wait for the copies in flight and release the pinned buffers."""
+        for e in self._events:
+            if e is not None:
+                e.synchronize()
+        self._events = [None, None]
+        self._buffers = []
 
 
 class CudaBackend:
@@ -142,11 +201,16 @@ class CudaBackend:
         self.max_smem_optin = int(attrs.get("MaxSharedMemoryPerBlockOptin", _DEFAULT_SMEM))
         self._launch = _CupyLauncher(cupy)
         self._address = self._launch.address
+        self._stager = None
+        self._copy_to_device = self._staged_copy
 
     @classmethod
-    def _with_launcher(cls, xp, launch, address, num_sms: int, max_smem_optin: int = 227 * 1024):
+    def _with_launcher(cls, xp, launch, address, num_sms: int, max_smem_optin: int = 227 * 1024,
+                       copy_to_device=None):
         """A backend over another array module and kernel launcher (the CPU emulation tests use NumPy and
-        the g++-built kernels). ``launch(act, cache, name, grid, block, args, smem_bytes)``."""
+        the g++-built kernels). ``launch(act, cache, name, grid, block, args, smem_bytes)``;
+        ``copy_to_device(dst, host)`` moves a host array's bytes into a device array (default: a byte copy
+        for array modules whose arrays live on the host)."""
         self = cls.__new__(cls)
         self.xp = xp
         self.device = None
@@ -154,6 +218,8 @@ class CudaBackend:
         self.max_smem_optin = max_smem_optin
         self._launch = launch
         self._address = address
+        self._stager = None
+        self._copy_to_device = copy_to_device or _host_byte_copy
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -436,9 +502,78 @@ class CudaBackend:
             return host.view(_BF16)
         return host
 
-    def prepare_linear(self, weight):
-        """HF ``[out, in]`` host weight -> device array in the same layout (cuBLAS takes it transposed)."""
-        return self.asarray(weight)
+    # ------------------------------------------------------------------ weight loading
+    def load_weight(self, host, dtype: str):
+        """A host tensor (e.g. a memory-mapped safetensors view; float32, float16 or bfloat16) -> a new
+        contiguous device array of ``dtype`` ("float32", "float16", "bfloat16" = uint16 bits). The bytes
+        go through the pinned staging buffers in the checkpoint's dtype and are converted on the device
+        (``convert_kernel``), so no host copy of the model is made."""
+        storage, _ = self._storage(dtype)
+        out = self.xp.empty(host.shape, dtype=storage)
+        self._upload_into(out, host, dtype)
+        return out
+
+    def load_linear(self, parts: list, dtype: str):
+        """HF ``[out_i, in]`` host weights -> one device weight ``[sum out_i, in]`` of ``dtype`` (fused
+        projections such as QKV or gate/up are uploaded part by part into their rows)."""
+        storage, _ = self._storage(dtype)
+        cols = parts[0].shape[1]
+        if any(p.ndim != 2 or p.shape[1] != cols for p in parts):
+            raise ValueError(f"fused linear parts must be 2-D with equal input size, got {[p.shape for p in parts]}")
+        out = self.xp.empty((sum(p.shape[0] for p in parts), cols), dtype=storage)
+        row = 0
+        for p in parts:
+            self._upload_into(out[row:row + p.shape[0]], p, dtype)
+            row += p.shape[0]
+        return out
+
+    def finish_loading(self) -> None:
+        """Wait for the weight uploads and free the pinned staging buffers."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    @staticmethod
+    def _storage(dtype: str):
+        try:
+            return _STORAGE[dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of {sorted(_STORAGE)}, got {dtype!r}") from None
+
+    def _upload_into(self, dst, host, dtype: str) -> None:
+        host = np.asarray(host)
+        if _BF16 is not None and host.dtype == _BF16:
+            host_name = "bfloat16"
+        elif host.dtype in (np.float32, np.float16):
+            host_name = str(host.dtype)
+        else:  # float64 or integer checkpoints: narrow on the host
+            host, host_name = np.asarray(host, dtype=np.float32), "float32"
+        if host_name == dtype:
+            self._copy_to_device(dst, host)
+            return
+        raw = self.xp.empty(host.shape, dtype=_STORAGE[host_name][0])
+        self._copy_to_device(raw, host)
+        self.convert(dst, raw)
+
+    def convert(self, out, x) -> None:
+        """``out[...] = x`` between float32, float16 and bfloat16 (uint16 bits) device arrays of equal
+        size, both contiguous; through float32, rounding to nearest even."""
+        d, s = _ctype(out, "out"), _ctype(x, "x")
+        if out.size != x.size or not (out.flags.c_contiguous and x.flags.c_contiguous):
+            raise ValueError(f"convert needs equal-size contiguous arrays, got {out.shape} and {x.shape}")
+        if out.size == 0:
+            return
+        if d == s:
+            out[...] = x.reshape(out.shape)
+            return
+        threads = 256
+        self._kernel(d, d, f"convert_kernel<{d}, {s}>", (src.elementwise_blocks(out.size, threads, self.num_sms), 1, 1),
+                     (threads, 1, 1), (out, x, _i64(out.size)))
+
+    def _staged_copy(self, dst, host) -> None:
+        if self._stager is None:
+            self._stager = PinnedStager(self.xp)
+        self._stager.copy(dst, host)
 
     def linear(self, x, weight, bias=None):
         """``x @ weight.T (+ bias)``; x ``[n, in]``, weight ``[out, in]`` (HF layout), same dtype.

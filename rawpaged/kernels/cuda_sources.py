@@ -68,12 +68,18 @@ def layer_names(act: str) -> list[str]:
     return names
 
 
+def convert_names() -> list[str]:
+    """``convert_kernel<D, S>`` for every ordered pair of distinct element types (in every module)."""
+    types = (F32, F16, BF16)
+    return [f"convert_kernel<{d}, {s}>" for d in types for s in types if d != s]
+
+
 def name_expressions(act: str, cache: str) -> list[str]:
     """Every instantiation the runtime may launch for activations ``act`` and a KV cache of ``cache``."""
     if (act, cache) not in DTYPE_PAIRS:
         raise ValueError(f"unsupported (activation, cache) dtypes: {(act, cache)}; supported: {DTYPE_PAIRS}")
     names = [f"reshape_and_cache_kernel<{act}, {cache}>"]
-    names += [f"copy_blocks_kernel<{b}>" for b in COPY_WORD_BYTES]
+    names += [f"copy_blocks_kernel<{b}>" for b in COPY_WORD_BYTES] + convert_names()
     for d in HEAD_DIMS:
         names += [f"paged_attention_kernel<{act}, {cache}, {d}, {g}>" for g in DECODE_GMAX if g <= gmax_cap(d)]
         names.append(f"prefill_attention_kernel<{act}, {cache}, {d}>")

@@ -52,9 +52,10 @@ class LlamaModel:
 
     Args:
         config: the model's ``ModelConfig``.
-        weights: HF name -> host array (any float dtype; converted to ``dtype`` one tensor at a time).
+        weights: HF name -> host array (any float dtype, typically memory-mapped); each tensor is placed
+            on the backend and converted to ``dtype`` one at a time (``backend.load_weight``/``load_linear``).
         backend: ``CPUBackend`` or ``CudaBackend``.
-        dtype: compute dtype name for weights/activations ("float32" on CPU).
+        dtype: compute dtype name for weights/activations: "float32" (CPU), "float16" or "bfloat16".
         max_position: positions the RoPE cache covers (the engine's ``max_model_len``).
     """
 
@@ -62,37 +63,35 @@ class LlamaModel:
                  max_position: int = 2048):
         self.config = config
         self.backend = backend
-        self.dtype = np.dtype(dtype)
-        put, lin = self._put, self._put_linear
-        self.embed_tokens = put(weights["model.embed_tokens.weight"])
-        self.norm = put(weights["model.norm.weight"])
-        self.lm_head = lin(weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        self.dtype = dtype
+
+        def put(name):
+            return backend.load_weight(weights[name], dtype)
+
+        def lin(*names):
+            return backend.load_linear([weights[n] for n in names], dtype)
+
+        self.embed_tokens = put("model.embed_tokens.weight")
+        self.norm = put("model.norm.weight")
+        self.lm_head = lin("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-
-            def cat(names):
-                return np.concatenate([np.asarray(weights[p + n], dtype=self.dtype) for n in names])
-
+            qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
             layer = {
-                "input_layernorm": put(weights[p + "input_layernorm.weight"]),
-                "post_attention_layernorm": put(weights[p + "post_attention_layernorm.weight"]),
-                "qkv_proj": lin(cat([f"self_attn.{n}_proj.weight" for n in "qkv"])),
-                "qkv_bias": put(cat([f"self_attn.{n}_proj.bias" for n in "qkv"])) if config.attention_bias else None,
-                "o_proj": lin(weights[p + "self_attn.o_proj.weight"]),
-                "gate_up_proj": lin(cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"])),
-                "down_proj": lin(weights[p + "mlp.down_proj.weight"]),
+                "input_layernorm": put(p + "input_layernorm.weight"),
+                "post_attention_layernorm": put(p + "post_attention_layernorm.weight"),
+                "qkv_proj": lin(*[n + ".weight" for n in qkv]),
+                "qkv_bias": (backend.load_weight(np.concatenate([weights[n + ".bias"] for n in qkv]), dtype)
+                             if config.attention_bias else None),
+                "o_proj": lin(p + "self_attn.o_proj.weight"),
+                "gate_up_proj": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down_proj": lin(p + "mlp.down_proj.weight"),
             }
             self.layers.append(layer)
+        backend.finish_loading()
         self.cos_sin_cache = backend.asarray(rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta))
         self.scale = config.head_dim ** -0.5
-
-    def _put(self, host_array):
-        return self.backend.asarray(np.ascontiguousarray(np.asarray(host_array, dtype=self.dtype)))
-
-    def _put_linear(self, host_weight):
-        """An HF ``[out, in]`` weight in the layout the backend's ``linear`` wants."""
-        return self.backend.prepare_linear(np.asarray(host_weight, dtype=self.dtype))
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
         """Hidden states after the final norm.
