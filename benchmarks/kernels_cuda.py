@@ -7,6 +7,10 @@ Grid: batch 1/8/32 x context 128/1024/4096 x {head_dim 64 with 9 query / 3 KV he
 K and V the kernel must read (batch * context * kv_heads * head_dim * 2 * itemsize) / time; the copy
 bandwidth counts bytes read + written by a device-to-device cudaMemcpy, the usual "achievable" figure.
 
+Second table: token sampling for a batch of bf16 logits rows (vocab 49152, the default model's): the device
+``sample_kernel`` (only ids come back) against copying the rows to the host and sampling there with the
+CPU reference (``rawpaged.kernels.cpu.sample``), for greedy and for temperature + top-k + top-p rows.
+
 Usage (on a CUDA host, from the source tree):
     PYTHONPATH=. python benchmarks/kernels_cuda.py --out DIR [--quick]
 Writes DIR/kernels_cuda.json and DIR/kernels_cuda.txt; prints the table last.
@@ -112,6 +116,23 @@ def bench_case(be, timer, dtype, head_dim, num_heads, num_kv_heads, batch, conte
                 paged_GBps=kv_bytes / times["paged"] / 1e9, contiguous_GBps=kv_bytes / times["contiguous"] / 1e9)
 
 
+SAMPLE_CASES = (("greedy", (0.0, -1, 1.0, 0.0)), ("T0.8 k50 p0.9", (0.8, 50, 0.9, 0.0)))
+
+
+def bench_sampling(be, timer, batch, vocab, case):
+    from rawpaged.kernels import cpu
+
+    xp = be.xp
+    logits = random_cache(xp, (batch, vocab), np.uint16, 3)
+    t, k, p, m = case
+    args = dict(sample_rows=np.arange(batch), temperature=np.full(batch, t), top_k=np.full(batch, k),
+                top_p=np.full(batch, p), min_p=np.full(batch, m),
+                uniforms=np.random.default_rng(0).random(batch))
+    device = timer(lambda: be.sample(logits, **args))
+    host = timer(lambda: cpu.sample(be.to_numpy(logits).astype(np.float32), **args), max_iters=20)
+    return dict(batch=batch, vocab=vocab, device_us=device * 1e6, host_us=host * 1e6)
+
+
 def make_backend(dry_run: bool):
     if not dry_run:
         from rawpaged.kernels.cuda import CudaBackend
@@ -165,8 +186,14 @@ def main(argv=None):
                     rows.append(r)
                     if hasattr(be.xp, "get_default_memory_pool"):
                         be.xp.get_default_memory_pool().free_all_blocks()
+    vocab = 49152 if not args.dry_run else 300
+    sampling = []
+    for label, case in SAMPLE_CASES:
+        for batch in (1, 32) if not args.dry_run else (1, 2):
+            sampling.append(dict(case=label, **bench_sampling(be, timer, batch, vocab, case)))
     result = dict(device=device, num_sms=be.num_sms, copy_GBps=copy_gbps, first_use_compile_s=warm,
-                  block_size=BLOCK_SIZE, host=platform.node(), seconds=time.perf_counter() - t0, results=rows)
+                  block_size=BLOCK_SIZE, host=platform.node(), seconds=time.perf_counter() - t0, results=rows,
+                  sampling=sampling)
     (out_dir / "kernels_cuda.json").write_text(json.dumps(result, indent=1))
 
     lines = [f"paged_attention on {device} ({be.num_sms} SMs); device copy {copy_gbps:.0f} GB/s (read+write)",
@@ -176,6 +203,11 @@ def main(argv=None):
         lines.append(f"{r['dtype']:5} {r['head_dim']:>3} {r['heads']:>3}/{r['kv_heads']:<2} {r['batch']:>5} "
                      f"{r['context']:>5} {r['splits']:>6} {r['paged_us']:>9.1f} {r['paged_GBps']:>7.0f} "
                      f"{100 * r['paged_frac_of_copy']:>5.0f}% {r['contiguous_us']:>9.1f} {r['contiguous_GBps']:>7.0f}")
+    lines += ["", f"sampling bf16 logits, vocab {vocab}: device kernel vs logits to host + CPU reference",
+              f"{'case':14} {'batch':>5} {'device us':>10} {'host us':>10} {'host/device':>11}"]
+    for r in sampling:
+        lines.append(f"{r['case']:14} {r['batch']:>5} {r['device_us']:>10.1f} {r['host_us']:>10.1f} "
+                     f"{r['host_us'] / r['device_us']:>10.1f}x")
     table = "\n".join(lines)
     (out_dir / "kernels_cuda.txt").write_text(table + "\n")
     print(table)
