@@ -474,10 +474,12 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     ``uniform`` times the total (inverse CDF). Returns int64 ``[num_samples]``.
     """
     out = np.empty(len(sample_rows), dtype=np.int64)
+    greedy = ~(np.asarray(temperature, dtype=np.float64) > 0)
+    argmax = np.argmax(logits, axis=1) if greedy.any() else None
     for j, row in enumerate(sample_rows):
         x = logits[int(row)]
-        if not temperature[j] > 0:
-            out[j] = int(np.argmax(x))
+        if greedy[j]:
+            out[j] = argmax[int(row)]
             continue
         cdf = np.cumsum(filtered_probs(x, float(temperature[j]), int(top_k[j]), float(top_p[j]), float(min_p[j])))
         out[j] = min(int(np.searchsorted(cdf, uniforms[j] * cdf[-1], side="right")), len(cdf) - 1)
