@@ -551,7 +551,9 @@ def create_app(config: EngineConfig | None = None, *, engine=None, loader: Calla
     config = config or EngineConfig()
     if engine is None and loader is None:
         def loader():
-            return LLMEngine(config)
+            engine = LLMEngine(config)
+            logger.info("warm-up run (kernels compiled or loaded from their cache) took %.1fs", engine.warmup())
+            return engine
     name = served_model_name or model_name_of(config)
     aliases = {name, model_name_of(config)} | ({config.model} if config.model else set())
     state = ServerState(model_name=name, model_aliases=aliases, loader=loader, api_key=api_key or None,
@@ -629,8 +631,8 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
         await runner.cleanup()
         return 1
     bound = runner.addresses[0][1] if runner.addresses else port
-    logger.info("serving %s on http://%s:%d (health: /health, OpenAI API: /v1, websocket: /v1/ws)",
-                state.model_name, host, bound)
+    logger.info("listening on http://%s:%d (health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s", host,
+                bound, "serving" if state.engine is not None else "loading", state.model_name)
     if on_started is not None:
         on_started(bound)
     stop = stop or asyncio.Event()

@@ -202,6 +202,26 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         return True
 
+    def warmup(self) -> float:
+        """Run two short requests (a 40-token prompt greedy, a 5-token one sampled; plain and tiled prefill,
+        decode, device sampling) so every kernel is compiled or loaded from its cache before serving, then
+        reset the counters ``stats`` reports. Call with no requests queued. Returns the seconds taken."""
+        if self.requests:
+            raise RuntimeError("warmup() needs an idle engine")
+        t0 = time.monotonic()
+        vocab = self.model_config.vocab_size
+        for n, params in ((40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+                          (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True))):
+            self.add_request({"prompt_token_ids": [(7 * i + 3) % vocab for i in range(n)]}, params)
+        while self.has_unfinished_requests():
+            self.step()
+        a = self.allocator
+        a.num_cow_copies = a.num_prefix_queries = a.num_prefix_hits = 0
+        a.peak_used_blocks = a.num_used_blocks
+        self.scheduler.num_preemptions = 0
+        self.num_prompt_tokens_total = self.num_generation_tokens_total = self.num_steps = 0
+        return time.monotonic() - t0
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

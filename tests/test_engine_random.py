@@ -36,6 +36,22 @@ def test_generate_on_random_model_and_qwen2(tmp_path, tiny_dir):
     assert len(llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
 
 
+def test_warmup_runs_requests_then_resets_counters(tiny_dir):
+    llm = _engine(tiny_dir)
+    eng = llm.engine
+    assert eng.warmup() > 0
+    st = eng.stats()
+    assert st["num_free_blocks"] == st["num_total_blocks"], "warm-up requests returned their blocks"
+    assert (st["num_steps"], st["prompt_tokens_total"], st["generation_tokens_total"], st["prefix_cache_queries"],
+            st["num_preemptions"], st["peak_used_blocks"]) == (0, 0, 0, 0, 0, 0)
+    eng.allocator.check_invariants()
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4 and eng.stats()["generation_tokens_total"] == 4
+    eng.add_request("x", SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.warmup()
+
+
 def _write_raw(path, header: dict, data: bytes, header_len=None):
     h = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", header_len if header_len is not None else len(h)) + h + data)
