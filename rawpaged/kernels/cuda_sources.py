@@ -16,9 +16,21 @@ import sys
 from pathlib import Path
 
 # --------------------------------------------------------------------------- sources
-#: Directory of the ``.cu`` sources (``cuda/`` at the repository root); ``RAWPAGED_CUDA_SRC`` overrides it.
-CUDA_DIR = Path(os.environ.get("RAWPAGED_CUDA_SRC", Path(__file__).resolve().parents[2] / "cuda"))
 HEADER = "common.cuh"
+
+
+def _find_cuda_dir() -> Path:
+    """``RAWPAGED_CUDA_SRC`` if set; else ``cuda/`` of the source tree (editable installs, PYTHONPATH=.);
+    else ``rawpaged/_cuda`` where a wheel installs the same files."""
+    if os.environ.get("RAWPAGED_CUDA_SRC"):
+        return Path(os.environ["RAWPAGED_CUDA_SRC"])
+    here = Path(__file__).resolve().parents[1]
+    tree = here.parent / "cuda"
+    return tree if (tree / HEADER).is_file() else here / "_cuda"
+
+
+#: Directory of the ``.cu`` sources (see :func:`_find_cuda_dir`).
+CUDA_DIR = _find_cuda_dir()
 SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu")
 
 #: NVRTC options the runtime passes to ``cupy.RawModule`` (plus :func:`include_options`).

@@ -1,0 +1,27 @@
+"""pyproject.toml lists packages explicitly (the kernels' sources are mapped from cuda/ into the wheel as
+rawpaged._cuda): every package directory and every compiled source must be covered, or a wheel install
+would miss it while an editable install still works."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+from rawpaged.kernels import cuda_sources as src
+
+tomllib = pytest.importorskip("tomllib")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_config_covers_every_package_and_cuda_source():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(cfg["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "rawpaged").rglob("__init__.py")}
+    assert on_disk <= packages, f"packages missing from pyproject.toml: {sorted(on_disk - packages)}"
+    assert cfg["package-dir"]["rawpaged._cuda"] == "cuda" and "rawpaged._cuda" in packages
+    patterns = cfg["package-data"]["rawpaged._cuda"]
+    for name in (src.HEADER, *src.SOURCE_FILES):
+        assert (ROOT / "cuda" / name).is_file()
+        assert any(fnmatch.fnmatch(name, pat) for pat in patterns), f"{name} not shipped in wheels"
