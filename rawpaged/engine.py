@@ -430,7 +430,11 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> dict:
+        """Pool, cache and scheduler counters. ``num_running``/``num_waiting`` count sequences (n > 1 and
+        beams have several per request); ``num_requests_running`` counts requests with a sequence in the
+        running batch, ``num_requests_waiting`` the others not finished."""
         a = self.allocator
+        running_requests = {s.request_id for s in self.scheduler.running}
         return {
             "num_total_blocks": a.num_blocks,
             "num_free_blocks": a.num_free_blocks,
@@ -444,8 +448,10 @@ class LLMEngine:
             "peak_used_blocks": a.peak_used_blocks,
             "prefix_cache_queries": a.num_prefix_queries,
             "prefix_cache_hits": a.num_prefix_hits,
-            "num_running": len(self.scheduler.running),
+            "num_running": len(self.scheduler.running),  # sequences
             "num_waiting": len(self.scheduler.waiting),
+            "num_requests_running": len(running_requests),
+            "num_requests_waiting": len({s.request_id for s in self.scheduler.waiting} - running_requests),
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
             "num_steps": self.num_steps,

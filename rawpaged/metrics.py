@@ -31,8 +31,12 @@ class _EngineStatsCollector:
         if not s:
             return
         gauges = (
-            ("rawpaged:num_requests_running", "Sequences in the running batch.", s.get("num_running", 0)),
-            ("rawpaged:num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0)),
+            ("rawpaged:num_requests_running", "Requests with a sequence in the running batch.",
+             s.get("num_requests_running", 0)),
+            ("rawpaged:num_requests_waiting", "Requests waiting to be scheduled (none of their sequences running).",
+             s.get("num_requests_waiting", 0)),
+            ("rawpaged:num_seqs_running", "Sequences in the running batch (n > 1 and beams: several per request).",
+             s.get("num_running", 0)),
             ("rawpaged:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
              s.get("kv_cache_usage", 0.0)),
             ("rawpaged:num_free_blocks", "Free KV-cache blocks (including evictable prefix-cache blocks).",

@@ -144,9 +144,7 @@ class Scheduler:
                     break
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
                 continue
-            width = max(seq.sampling_params.best_of, seq.sampling_params.beam_width or 1)
-            if len(self.running) + (width if seq.num_computed_tokens == 0 and not seq.output_token_ids else 1) \
-                    > self.max_num_seqs and self.running:
+            if sum(map(_seq_slots, self.running)) + _seq_slots(seq) > self.max_num_seqs and self.running:
                 break
             if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
                 break
@@ -219,3 +217,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _seq_slots(seq: Sequence) -> int:
+    """Batch slots a sequence will take: a request's first sequence, before its first token, forks into
+    ``best_of`` samples or ``beam_width`` beams right after its prefill; any other takes one."""
+    if seq.index == 0 and not seq.output_token_ids:
+        return max(seq.sampling_params.best_of, seq.sampling_params.beam_width or 1)
+    return 1

@@ -52,6 +52,22 @@ def test_warmup_runs_requests_then_resets_counters(tiny_dir):
         eng.warmup()
 
 
+def test_forks_count_against_max_num_seqs_and_request_counts(tiny_dir):
+    eng = _engine(tiny_dir, max_num_seqs=3).engine
+    eng.add_request({"prompt_token_ids": [5] * 20}, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8,
+                                                                   ignore_eos=True))
+    eng.add_request({"prompt_token_ids": [6] * 20}, SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.step()  # prefill of the first request only: its n = 3 forks will fill max_num_seqs
+    eng.step()
+    st = eng.stats()
+    assert (st["num_running"], st["num_requests_running"]) == (3, 1)
+    assert (st["num_waiting"], st["num_requests_waiting"]) == (1, 1)
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = eng.stats()
+    assert st["num_requests_running"] == st["num_requests_waiting"] == 0
+
+
 def _write_raw(path, header: dict, data: bytes, header_len=None):
     h = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", header_len if header_len is not None else len(h)) + h + data)
