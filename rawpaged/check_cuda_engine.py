@@ -39,20 +39,24 @@ def _first_logits(llm, prompt_ids):
     return eng.runner.fetch_rows(logits, [0])[0]
 
 
-def _timings(llm, rng) -> dict:
+def _timings(llm, rng, batches=(1, 32), max_tokens=64) -> dict:
     from rawpaged import SamplingParams
 
     timing = {}
-    for batch in (1, 32):
+    for batch in batches:
         batch_prompts = [{"prompt_token_ids": rng.integers(3, 259, 32).tolist()} for _ in range(batch)]
         llm.generate(batch_prompts[:1], SamplingParams(max_tokens=2))
         t0 = time.perf_counter()
-        llm.generate(batch_prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-        timing[f"batch{batch}_tok_per_s"] = batch * 64 / (time.perf_counter() - t0)
+        llm.generate(batch_prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        timing[f"batch{batch}_tok_per_s"] = batch * max_tokens / (time.perf_counter() - t0)
     return timing
 
 
-def check_shape(name, shape, tmp, rng):
+PROMPT_LENS = (1, 15, 16, 17, 33, 100, 257, 600)
+
+
+def check_shape(name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24, timing_batches=(1, 32),
+                timing_tokens=64):
     """float32 on CUDA must reproduce the CPU engine (logits within 1e-2, greedy ids equal for all but at
     most one prompt); bfloat16 (the CUDA default) is held to its precision: first-step logits within 10%
     of their largest magnitude. Seeded top-p sampling must run and return valid ids on both."""
@@ -60,8 +64,8 @@ def check_shape(name, shape, tmp, rng):
     from rawpaged.random_model import write_random_model
 
     model = write_random_model(Path(tmp) / name, seed=0, **shape)
-    prompts = [rng.integers(3, 259, int(n)).tolist() for n in (1, 15, 16, 17, 33, 100, 257, 600)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [rng.integers(3, 259, int(n)).tolist() for n in prompt_lens]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=16, ignore_eos=True)
     kw = dict(model=str(model), num_kv_blocks=1024, max_model_len=2048, enable_prefix_caching=False)
     cpu = LLM(device="cpu", **kw)
@@ -82,7 +86,8 @@ def check_shape(name, shape, tmp, rng):
              "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                   for x, y in zip(cpu_ids, gpu_ids)],
              "sampled_ids_valid": all(len(d) == 16 and all(0 <= t < vocab for t in d) for d in draws),
-             "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"], **_timings(gpu, rng)}
+             "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"],
+             **_timings(gpu, rng, timing_batches, timing_tokens)}
         close = (max(diffs) < 1e-2 and equal >= len(prompts) - 1) if dtype == "float32" else max(diffs) < 0.1 * scale
         r["ok"] = bool(close and r["sampled_ids_valid"] and r["blocks_all_free"])
         result[dtype] = r

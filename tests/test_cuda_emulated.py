@@ -469,6 +469,26 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
 
 
+def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, monkeypatch):
+    """rawpaged/check_cuda_engine.py (run by scripts/gpu_check.sh on a GPU) end to end on a tiny shape, so
+    a device session is never spent on a broken script."""
+    from rawpaged import check_cuda_engine
+    from rawpaged import engine as engine_mod
+    from rawpaged.kernels.cuda import CudaBackend
+
+    real = engine_mod.get_backend
+    monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(engine_mod, "get_backend",
+                        lambda device: backend(emu, num_sms=4) if device == "cuda" else real(device))
+    shape = dict(num_layers=1, hidden_size=128, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=64,
+                 vocab_size=259)
+    r = check_cuda_engine.check_shape("tiny", shape, tmp_path, np.random.default_rng(0), prompt_lens=(3, 17),
+                                      max_tokens=3, timing_batches=(2,), timing_tokens=2)
+    assert r["ok"], r
+    assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
+    assert r["bfloat16"]["sampled_ids_valid"] and r["bfloat16"]["batch2_tok_per_s"] > 0
+
+
 # ------------------------------------------------------------------------------------------ launch rules
 def test_argument_checking_catches_a_wrong_scalar_type(emu):
     """The emulator rejects what CuPy would silently misread (a Python int is passed as 64-bit)."""
