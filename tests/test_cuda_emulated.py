@@ -489,6 +489,24 @@ def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, mon
     assert r["bfloat16"]["sampled_ids_valid"] and r["bfloat16"]["batch2_tok_per_s"] > 0
 
 
+def test_kernel_benchmark_script_dry_run(tmp_path, capsys):
+    """benchmarks/kernels_cuda.py (run by scripts/gpu_check.sh) on the emulated kernels: tables and JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_cuda.py"
+    spec = importlib.util.spec_from_file_location("kernels_cuda", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernels_cuda.json").read_text())
+    assert len(result["results"]) == 16 and len(result["sampling"]) == 4
+    assert all(r["paged_us"] > 0 and r["contiguous_us"] > 0 for r in result["results"])
+    assert all(r["device_us"] > 0 and r["host_us"] > 0 for r in result["sampling"])
+    assert "sampling bf16 logits" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------ launch rules
 def test_argument_checking_catches_a_wrong_scalar_type(emu):
     """The emulator rejects what CuPy would silently misread (a Python int is passed as 64-bit)."""
