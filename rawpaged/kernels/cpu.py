@@ -345,20 +345,26 @@ def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end
     group = num_heads // num_kv_heads
     first = seq_len - n  # absolute position of the first new token
     qpos = first + np.repeat(np.arange(n), group)  # position of each (token, head-in-group) row, ascending
+    tiles = []  # (k0, k1, first row that sees the tile, causal bias or None), shared by the KV heads
+    for k0 in range(0, seq_len, PREFILL_KV_TILE):
+        k1 = min(k0 + PREFILL_KV_TILE, seq_len)
+        r0 = int(np.searchsorted(qpos, k0))  # rows before r0 see none of this tile's keys
+        bias = None
+        if k1 - 1 > first:  # the tile reaches new tokens: hide keys after each query's position
+            bias = np.where(np.arange(k0, k1)[None, :] > qpos[r0:, None], np.float32(-np.inf), np.float32(0.0))
+        tiles.append((k0, k1, r0, bias))
     for kvh in range(num_kv_heads):
         q = query[q_start:q_end, kvh * group:(kvh + 1) * group].reshape(n * group, head_dim) * scale
         m = np.full(n * group, -np.inf, np.float32)
         l = np.zeros(n * group, np.float32)
         acc = np.zeros((n * group, head_dim), np.float32)
-        for k0 in range(0, seq_len, PREFILL_KV_TILE):
-            k1 = min(k0 + PREFILL_KV_TILE, seq_len)
-            r0 = int(np.searchsorted(qpos, k0))  # rows before r0 see none of this tile's keys (causal)
+        for k0, k1, r0, bias in tiles:
             blocks = block_row[k0 // block_size:-(-k1 // block_size)]
             k = key_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             v = value_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             scores = q[r0:] @ k.T
-            if k1 - 1 > first:  # the tile reaches new tokens: hide keys after each query's position
-                np.putmask(scores, np.arange(k0, k1)[None, :] > qpos[r0:, None], -np.inf)
+            if bias is not None:
+                scores += bias
             m_new = np.maximum(m[r0:], scores.max(axis=1))
             scores -= m_new[:, None]
             p = np.exp(scores, out=scores)
