@@ -590,8 +590,9 @@ def create_app(config: EngineConfig | None = None, *, engine=None, loader: Calla
                 state.failed.set()
                 return
             state.engine = AsyncEngine(result, metrics=state.metrics)
-            logger.info("model %s loaded in %.1fs (%d KV blocks of %d tokens, max_model_len %d)", state.model_name,
-                        time.monotonic() - state.load_started, result.allocator.num_blocks,
+            logger.info("ready: model %s loaded and warmed up in %.1fs on %s (%s, KV cache %s: %d blocks of %d "
+                        "tokens, max_model_len %d)", state.model_name, time.monotonic() - state.load_started,
+                        result.backend.name, result.dtype, result.kv_cache_dtype, result.allocator.num_blocks,
                         result.config.block_size, result.max_model_len)
 
         threading.Thread(target=load, name="rawpaged-load", daemon=True).start()
@@ -652,6 +653,8 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
         code = 1 if state.failed.is_set() else 0
         if code:
             print(f"error: {state.load_error}", file=sys.stderr)
+        else:
+            logger.info("shutting down")
         await runner.cleanup()
     return code
 

@@ -91,6 +91,7 @@ def resolve_dtypes(dtype: str, kv_cache_dtype: str, backend: str, checkpoint_dty
         if all(a != dtype for a, _ in DTYPE_PAIRS[backend]):
             raise ValueError(f"dtype {dtype!r} is not supported on the {backend} backend "
                              f"(supported: {sorted({a for a, _ in DTYPE_PAIRS[backend]})})")
+        pairs = ", ".join(f"{a}/{c}" for a, c in DTYPE_PAIRS[backend])
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} is not supported on the {backend} "
-                         f"backend (supported pairs: {DTYPE_PAIRS[backend]})")
+                         f"backend (supported dtype/kv_cache_dtype: {pairs})")
     return dtype, kv_cache_dtype

@@ -80,13 +80,19 @@ def weights_root() -> Path:
     """Return the directory that holds prepared models.
 
     Returns:
-        ``$RAWPAGED_WEIGHTS_DIR`` when that variable is set and non-empty, else the ``weights/``
-        directory at the repository root (the parent of the ``rawpaged`` package directory).
+        ``$RAWPAGED_WEIGHTS_DIR`` when that variable is set and non-empty; else the ``weights/``
+        directory at the repository root when running from a source tree (an editable install);
+        else, for an installed wheel, ``$XDG_CACHE_HOME/rawpaged/weights`` (default
+        ``~/.cache/rawpaged/weights``) rather than a directory inside site-packages.
     """
     env = os.environ.get("RAWPAGED_WEIGHTS_DIR")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parent.parent / "weights"
+    tree = Path(__file__).resolve().parent.parent
+    if (tree / "pyproject.toml").is_file() and (tree / "cuda").is_dir():
+        return tree / "weights"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "rawpaged" / "weights"
 
 
 def default_model_dir() -> Path:

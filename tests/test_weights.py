@@ -242,6 +242,11 @@ def test_paths(monkeypatch, tmp_path, capsys):
     assert W.default_model_dir() == tmp_path / W.DEFAULT_MODEL
     assert W.main(["path"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / W.DEFAULT_MODEL)
+    # An installed wheel (no source tree around the package): a per-user cache, never site-packages.
+    monkeypatch.delenv("RAWPAGED_WEIGHTS_DIR")
+    monkeypatch.setattr(W, "__file__", str(tmp_path / "site-packages" / "rawpaged" / "weights.py"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert W.weights_root() == tmp_path / "cache" / "rawpaged" / "weights"
 
 
 # ------------------------------------------------------------------------------------------------
