@@ -11,7 +11,7 @@ import pytest
 
 from rawpaged.kernels import cpu
 from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv
-from tests.sampling_reference import SAMPLE_CASES, robust_reference, sample_args
+from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
 
 
 def _gpu_available() -> bool:
@@ -249,9 +249,7 @@ def test_sample(be, act, vocab):
     logits = logits.astype(act)
     args = sample_args(3, SAMPLE_CASES, rng)
     got = be.sample(be.asarray(logits), **args)
-    ref, stable = robust_reference(logits.astype(np.float32), args)
-    np.testing.assert_array_equal(got[stable], ref[stable])
-    assert stable.mean() >= 0.9
+    assert_draws_match(got, logits.astype(np.float32), args)
 
 
 def test_kv_cache_budget_within_device_memory(be):
