@@ -25,8 +25,13 @@ def _gpu_available() -> bool:
 
 # scripts/gpu_check.sh sets RAWPAGED_REQUIRE_CUDA=1: there a missing GPU fails these tests instead of skipping.
 _REQUIRED = os.environ.get("RAWPAGED_REQUIRE_CUDA") == "1"
+# RAWPAGED_CUDA_TESTS_ON_EMULATION=1 runs this module on the CPU emulation of the kernels (slow; checks the
+# tests themselves before a GPU session is spent on them); the CuPy-only tests are skipped then.
+_EMULATED = os.environ.get("RAWPAGED_CUDA_TESTS_ON_EMULATION") == "1"
 pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not _REQUIRED and not _gpu_available(), reason="no CUDA device (CuPy sees none)")]
+              pytest.mark.skipif(not _REQUIRED and not _EMULATED and not _gpu_available(),
+                                 reason="no CUDA device (CuPy sees none)")]
+cupy_only = pytest.mark.skipif(_EMULATED, reason="needs CuPy on a GPU (cuBLAS, device memory, the engine)")
 
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
 GROUPS = [1, 2, 4, 8, 16, 3, 6]
@@ -35,6 +40,10 @@ F16 = np.dtype(np.float16)
 
 @pytest.fixture(scope="module")
 def be():
+    if _EMULATED:
+        from tests.cuda_emu import Emulator, build, emulated_backend
+
+        return emulated_backend(Emulator(build()), num_sms=8)
     from rawpaged.kernels.cuda import CudaBackend
 
     return CudaBackend()
@@ -223,6 +232,7 @@ def test_dense_layers(be, act):
                                gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:], **tol(act))
 
 
+@cupy_only
 @pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_and_embedding(be, act, with_bias):
@@ -252,6 +262,7 @@ def test_sample(be, act, vocab):
     assert_draws_match(got, logits.astype(np.float32), args)
 
 
+@cupy_only
 def test_kv_cache_budget_within_device_memory(be):
     free, total = be.xp.cuda.runtime.memGetInfo()
     budget = be.kv_cache_budget(0.9)
@@ -259,6 +270,7 @@ def test_kv_cache_budget_within_device_memory(be):
     assert be.kv_cache_budget(0.0) == 0
 
 
+@cupy_only
 def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
     """The whole engine (loader, model, runner, kernels) on the device against the CPU engine."""
     from rawpaged import LLM, SamplingParams
