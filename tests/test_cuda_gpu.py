@@ -282,8 +282,14 @@ def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 16, 17, 40)]
     kw = dict(model=str(model), num_kv_blocks=64, max_model_len=256)
     cpu = [o.outputs[0].token_ids for o in LLM(device="cpu", **kw).generate(prompts, params)]
-    gpu_llm = LLM(device="cuda", **kw)
+    gpu_llm = LLM(device="cuda", dtype="float32", **kw)
     gpu = [o.outputs[0].token_ids for o in gpu_llm.generate(prompts, params)]
     assert gpu == cpu
     s = gpu_llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    bf16 = LLM(device="cuda", **kw)  # the CUDA default: bfloat16 weights, activations and KV cache
+    assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    out = bf16.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+    s = bf16.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
