@@ -5,7 +5,7 @@ streaming protocol, health and Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/ws (websocket),
 GET /health (503 while the model loads, then 200), GET /metrics, GET /v1/debug/stats.
-See docs/server.md for the protocol.
+The protocol is described in README.md ("Server").
 """
 
 from __future__ import annotations
