@@ -102,5 +102,5 @@ class ModelRunner:
         if not rows:
             return {}
         be = self.backend
-        host = be.to_numpy(logits[be.asarray(np.array(rows, dtype=np.int64))]).astype(np.float32)
+        host = be.to_numpy(logits[be.asarray(np.array(rows, dtype=np.int64))]).astype(np.float32, copy=False)
         return dict(zip(rows, host))

@@ -137,14 +137,16 @@ class Scheduler:
         if out.preempted:
             return out  # no admissions in a step that had to preempt
 
+        slots = sum(map(_seq_slots, self.running))  # batch slots taken, counting forks still to come
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.output_token_ids and seq.sampling_params.use_beam_search:
                 if not self._admit_beam_group(seq, out):
                     break
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
+                slots = sum(map(_seq_slots, self.running))
                 continue
-            if sum(map(_seq_slots, self.running)) + _seq_slots(seq) > self.max_num_seqs and self.running:
+            if slots + _seq_slots(seq) > self.max_num_seqs and self.running:
                 break
             if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
                 break
@@ -166,6 +168,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            slots += _seq_slots(seq)
             if self.admission_policy is not None:
                 self.admission_policy.admitted(seq)
             out.scheduled.append((seq, n))
