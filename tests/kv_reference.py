@@ -88,3 +88,37 @@ def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scal
         n = rows.stop - rows.start
         ref = attention_ref(np.asarray(q[rows], np.float64), keys[s], values[s], scale, causal_offset=seq_len - n)
         np.testing.assert_allclose(np.asarray(out[rows], np.float64), ref, err_msg=f"seq {s}", **tol)
+
+
+def assert_cache_rows_written(key_cache, value_cache, key, value, slot_mapping):
+    """After reshape_and_cache into NaN-filled host caches: each token's K/V row sits in its slot, rounded
+    to the cache dtype (bit-exact), and every other slot (``-1`` tokens, unused slots) is still NaN."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    written = np.zeros(num_blocks * block_size, bool)
+    for t, slot in enumerate(slot_mapping):
+        if slot < 0:
+            continue
+        written[slot] = True
+        b, o = divmod(int(slot), block_size)
+        for cache, rows in ((key_cache, key), (value_cache, value)):
+            want = np.asarray(rows[t]).astype(np.float32).astype(cache.dtype)
+            np.testing.assert_array_equal(cache[b, o].view(np.uint8), want.view(np.uint8))
+    untouched = key_cache.reshape(-1, num_kv_heads, head_dim)[~written].astype(np.float32)
+    assert np.isnan(untouched).all(), "a skipped (-1) or unused slot was written"
+
+
+def copy_blocks_expected(caches, block_mapping):
+    """Per-layer caches after copying block ``src`` to ``dst`` for each (src, dst) row (copies made)."""
+    out = []
+    for cache in caches:
+        exp = cache.copy()
+        for src, dst in block_mapping:
+            exp[dst] = cache[src]
+        out.append(exp)
+    return out
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    """float64 RMSNorm (Zhang & Sennrich 2019) of ``x + residual``; returns (output, the summed input)."""
+    s = np.asarray(x, np.float64) + (0.0 if residual is None else np.asarray(residual, np.float64))
+    return s / np.sqrt((s ** 2).mean(-1, keepdims=True) + eps) * np.asarray(weight, np.float64), s

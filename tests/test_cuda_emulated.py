@@ -17,7 +17,8 @@ from rawpaged.kernels import cpu
 from rawpaged.kernels import cuda_sources as src
 from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
                             read_replay_output)
-from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv, rope_cache, rope_ref
+from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
+                                copy_blocks_expected, make_paged_kv, rms_norm_ref, rope_cache, rope_ref)
 from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
 
 _why = missing_requirements()
@@ -211,15 +212,7 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(emu, act, cache):
     key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
     value = qkv[:, (5 + H) * D:].reshape(40, H, D)
     backend(emu).reshape_and_cache(dev(key), dev(value), dev(kc), dev(vc), slots)
-    written = np.zeros(num_blocks * block_size, bool)
-    for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        written[slot] = True
-        b, o = divmod(int(slot), block_size)
-        np.testing.assert_array_equal(kc[b, o], key[t].astype(np.float32).astype(cache))
-        np.testing.assert_array_equal(vc[b, o], value[t].astype(np.float32).astype(cache))
-    assert np.isnan(kc.reshape(-1, H, D)[~written].astype(np.float32)).all(), "a skipped or unused slot was written"
+    assert_cache_rows_written(kc, vc, key, value, slots)
 
 
 def test_bf16_rounding_is_nearest_even(emu):
@@ -238,19 +231,14 @@ def test_copy_blocks_all_layers_one_launch(emu, dtype, shape):
     rng = np.random.default_rng(1)
     kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
     vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
-    before_k = [k.copy() for k in kcs]
-    before_v = [v.copy() for v in vcs]
     mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    exp_k, exp_v = copy_blocks_expected(kcs, mapping), copy_blocks_expected(vcs, mapping)
     emu.launches.clear()
     backend(emu).copy_blocks([dev(k) for k in kcs], [dev(v) for v in vcs], mapping)
     assert len(emu.launches) == 1
     for layer in range(3):
-        exp_k, exp_v = before_k[layer].copy(), before_v[layer].copy()
-        for s, d in mapping:
-            exp_k[d] = before_k[layer][s]
-            exp_v[d] = before_v[layer][s]
-        np.testing.assert_array_equal(kcs[layer].view(np.uint8), exp_k.view(np.uint8))
-        np.testing.assert_array_equal(vcs[layer].view(np.uint8), exp_v.view(np.uint8))
+        np.testing.assert_array_equal(kcs[layer].view(np.uint8), exp_k[layer].view(np.uint8))
+        np.testing.assert_array_equal(vcs[layer].view(np.uint8), exp_v[layer].view(np.uint8))
 
 
 # ------------------------------------------------------------------------------------------ dense layers
@@ -260,8 +248,7 @@ def test_rms_norm_rotary_silu_against_float64_and_cpu(emu):
     x = rng.standard_normal((5, 576)).astype(np.float32)
     res = rng.standard_normal((5, 576)).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
-    s = x.astype(np.float64) + res
-    ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    ref, _ = rms_norm_ref(x, w, 1e-5, residual=res)
     res_in = res.copy()
     out = be.rms_norm(x, w, 1e-5, residual=res_in)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -301,8 +288,7 @@ def test_dense_layers_half_precision(emu, act):
         out = host(be.rms_norm(dev(x), dev(w), 1e-6, residual=dev(res_in)), act)
         summed = (x.astype(np.float32) + res.astype(np.float32)).astype(act)
         np.testing.assert_array_equal(res_in.view(np.uint16), summed.view(np.uint16))  # one rounding, like T(x + r)
-        s = summed.astype(np.float64)
-        ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-6) * w.astype(np.float64)
+        ref, _ = rms_norm_ref(summed.astype(np.float32), w.astype(np.float32), 1e-6)
         np.testing.assert_allclose(out.astype(np.float64), ref, **tol(act))
     g = rng.standard_normal((3, 64)).astype(np.float32).astype(act)
     gd = g.astype(np.float64)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv
+from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
+                                copy_blocks_expected, make_paged_kv, rms_norm_ref)
 from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
 
 
@@ -155,18 +156,9 @@ def test_reshape_and_cache(be, act, cache):
     value_d = qkv_d[:, (5 + H) * D:].reshape(40, H, D)
     kc_d, vc_d = be.asarray(kc), be.asarray(kc.copy())
     be.reshape_and_cache(key_d, value_d, kc_d, vc_d, slots)
-    kc_h, vc_h = be.to_numpy(kc_d), be.to_numpy(vc_d)
     key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
     value = qkv[:, (5 + H) * D:].reshape(40, H, D)
-    written = np.zeros(num_blocks * block_size, bool)
-    for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        written[slot] = True
-        b, o = divmod(int(slot), block_size)
-        np.testing.assert_array_equal(kc_h[b, o], key[t].astype(np.float32).astype(cache))
-        np.testing.assert_array_equal(vc_h[b, o], value[t].astype(np.float32).astype(cache))
-    assert np.isnan(kc_h.reshape(-1, H, D)[~written].astype(np.float32)).all()
+    assert_cache_rows_written(be.to_numpy(kc_d), be.to_numpy(vc_d), key, value, slots)
 
 
 def test_bf16_rounding_is_nearest_even(be):
@@ -185,14 +177,11 @@ def test_copy_blocks(be, dtype, shape):
     vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
     kd, vd = [be.asarray(k) for k in kcs], [be.asarray(v) for v in vcs]
     mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    exp_k, exp_v = copy_blocks_expected(kcs, mapping), copy_blocks_expected(vcs, mapping)
     be.copy_blocks(kd, vd, mapping)
     for layer in range(3):
-        exp_k, exp_v = kcs[layer].copy(), vcs[layer].copy()
-        for s, d in mapping:
-            exp_k[d] = kcs[layer][s]
-            exp_v[d] = vcs[layer][s]
-        np.testing.assert_array_equal(be.to_numpy(kd[layer]).view(np.uint8), exp_k.view(np.uint8))
-        np.testing.assert_array_equal(be.to_numpy(vd[layer]).view(np.uint8), exp_v.view(np.uint8))
+        np.testing.assert_array_equal(be.to_numpy(kd[layer]).view(np.uint8), exp_k[layer].view(np.uint8))
+        np.testing.assert_array_equal(be.to_numpy(vd[layer]).view(np.uint8), exp_v[layer].view(np.uint8))
 
 
 @pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
@@ -205,8 +194,7 @@ def test_dense_layers(be, act):
     res_d = be.asarray(res)
     out = f64(be.to_numpy(be.rms_norm(be.asarray(x), be.asarray(w), 1e-5, residual=res_d)))
     np.testing.assert_array_equal(np.asarray(be.to_numpy(res_d)).view(np.uint8), summed.view(np.uint8))
-    s = f64(summed)
-    np.testing.assert_allclose(out, s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-5) * w, **tol(act))
+    np.testing.assert_allclose(out, rms_norm_ref(summed.astype(np.float32), w, 1e-5)[0], **tol(act))
 
     D = 64
     inv = 100000.0 ** (-np.arange(0, D, 2, dtype=np.float64) / D)

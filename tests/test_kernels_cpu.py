@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import BF16, assert_prefill_matches, attention_ref, make_paged_kv, rope_cache, rope_ref
+from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
+                                copy_blocks_expected, make_paged_kv, rms_norm_ref, rope_cache, rope_ref)
 
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
 GROUPS = [1, 2, 4, 8, 16, 3, 6]
@@ -67,17 +68,8 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
     key = rng.standard_normal((40, H, D)).astype(np.float32)
     value = rng.standard_normal((40, H, D)).astype(np.float32)
     cpu.reshape_and_cache(key, value, kc, vc, slots)
-    written = np.zeros(num_blocks * block_size, bool)
-    for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        written[slot] = True
-        b, o = divmod(int(slot), block_size)
-        # Stored values equal the input rounded to the cache dtype (round-to-nearest-even for bf16).
-        np.testing.assert_array_equal(kc[b, o], key[t].astype(dtype))
-        np.testing.assert_array_equal(vc[b, o], value[t].astype(dtype))
-    untouched = kc.reshape(-1, H, D)[~written].astype(np.float32)
-    assert np.isnan(untouched).all(), "a skipped (-1) or unused slot was written"
+    # Stored values equal the input rounded to the cache dtype (round-to-nearest-even for bf16).
+    assert_cache_rows_written(kc, vc, key, value, slots)
 
 
 def test_bf16_rounding_is_nearest_even():
@@ -95,17 +87,12 @@ def test_copy_blocks_all_layers(dtype):
     shape = (10, 16, 3, 64)
     kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
     vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
-    before_k = [k.copy() for k in kcs]
-    before_v = [v.copy() for v in vcs]
     mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    exp_k, exp_v = copy_blocks_expected(kcs, mapping), copy_blocks_expected(vcs, mapping)
     cpu.copy_blocks(kcs, vcs, mapping)
     for layer in range(3):
-        exp_k, exp_v = before_k[layer].copy(), before_v[layer].copy()
-        for src, dst in mapping:
-            exp_k[dst] = before_k[layer][src]
-            exp_v[dst] = before_v[layer][src]
-        np.testing.assert_array_equal(kcs[layer], exp_k)
-        np.testing.assert_array_equal(vcs[layer], exp_v)
+        np.testing.assert_array_equal(kcs[layer], exp_k[layer])
+        np.testing.assert_array_equal(vcs[layer], exp_v[layer])
 
 
 def test_rms_norm_rotary_silu_against_float64():
@@ -113,8 +100,7 @@ def test_rms_norm_rotary_silu_against_float64():
     x = rng.standard_normal((5, 576)).astype(np.float32)
     res = rng.standard_normal((5, 576)).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
-    s = x.astype(np.float64) + res
-    ref = s / np.sqrt((s ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    ref, s = rms_norm_ref(x, w, 1e-5, residual=res)
     res_in = res.copy()
     out = cpu.rms_norm(x, w, 1e-5, residual=res_in)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
