@@ -92,8 +92,6 @@ class ModelRunner:
     def sample(self, logits, draws: list):
         """Token ids for ``draws`` = [(logits row, SamplingParams, uniform)], drawn on the backend (only
         the ids reach the host). Returns int64 ``[len(draws)]``."""
-        if not draws:
-            return np.zeros(0, dtype=np.int64)
         return self.backend.sample(logits, **sampling_arrays(draws))
 
     def fetch_rows(self, logits, rows: list) -> dict:

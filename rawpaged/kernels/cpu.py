@@ -491,11 +491,11 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     greedy = ~(np.asarray(temperature, dtype=np.float64) > 0)
     argmax = np.argmax(logits, axis=1) if greedy.any() else None
     for j, row in enumerate(sample_rows):
-        x = logits[int(row)]
         if greedy[j]:
             out[j] = argmax[int(row)]
             continue
-        cdf = np.cumsum(filtered_probs(x, float(temperature[j]), int(top_k[j]), float(top_p[j]), float(min_p[j])))
+        p = filtered_probs(logits[int(row)], float(temperature[j]), int(top_k[j]), float(top_p[j]), float(min_p[j]))
+        cdf = np.cumsum(p)
         out[j] = min(int(np.searchsorted(cdf, uniforms[j] * cdf[-1], side="right")), len(cdf) - 1)
     return out
 
