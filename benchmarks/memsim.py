@@ -1,27 +1,28 @@
 """KV-memory simulation: replay a request trace through rawpaged's real ``Scheduler`` and
-``BlockAllocator`` (no model) under paged and contiguous-reservation KV layouts at one KV budget.
+``KVCacheManager`` (no model) under paged and contiguous-reservation KV layouts at one KV budget.
 
 A simulated step is one engine step without the forward pass: ``Scheduler.schedule()`` picks
 (sequence, new tokens) pairs exactly as in the engine (FCFS admission, chunked prefill under a token
-budget, preemption by recompute when the pool runs dry); each scheduled sequence's
-``num_computed_tokens`` advances by its new tokens; a sequence whose KV then covers all of its tokens
-samples one token (after its prompt, one per step) until it has its trace's output length, and then
-finishes, which frees its KV. Requests with ``n > 1`` samples either fork after the prompt (paged with
+budget, preemption by recompute when the pool runs dry); a sequence whose KV then covers all of its
+tokens samples one token (after its prompt, one per step), and ``Scheduler.update_from_output`` applies
+the step as in the engine: ``num_computed_tokens`` advances, full blocks are cached, the token is
+appended, and a sequence with its trace's output length finishes, which frees its KV. Requests with ``n > 1`` samples either fork after the prompt (paged with
 sharing, as ``LLMEngine`` does) or run as ``n`` independent sequences (every other layout).
 
 Layouts (all over the same pool of ``num_slots`` KV token slots):
 
-* ``paged``: ``BlockAllocator(num_slots // block_size, block_size)``; a sequence holds
+* ``paged``: ``KVCacheManager(num_slots // block_size, block_size)``; a sequence holds
   ``ceil(tokens / block_size)`` blocks, taken on demand. With ``sharing``: prefix caching on and
   ``n > 1`` samples forked (shared blocks, copy-on-write).
 * ``contiguous``: every sequence reserves one contiguous extent of ``reserve(seq)`` slots at admission
   (``max_model_len``; ``prompt + output`` = Orca "oracle"; ``prompt + factor * output`` = over-estimate,
   capped at ``max_model_len``), first-fit over an address-ordered free list that coalesces on free, so
   external fragmentation is real. FCFS: the queue head waits until an extent fits. Token bookkeeping
-  still goes through the real scheduler and a ``BlockAllocator`` with ``block_size=1`` sized to the
+  still goes through the real scheduler and a ``KVCacheManager`` with ``block_size=1`` sized to the
   pool (never the binding constraint: a sequence's tokens never exceed its extent).
 
-Accounting, measured once per step after the step's KV is written (all in token slots; C = pool):
+Accounting, measured once per step after its slots are allocated, i.e. as they are once the step's KV
+is written and before any frees (all in token slots; C = pool):
 
 * ``reserved`` R: slots held by live sequences (paged: used blocks x block_size; contiguous: sum of
   extents).
@@ -52,10 +53,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rawpaged.block_allocator import BlockAllocator
+from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.scheduler import Scheduler
+from rawpaged.core.sequence import Sequence
 from rawpaged.sampling_params import SamplingParams
-from rawpaged.scheduler import Scheduler
-from rawpaged.sequence import Sequence
 
 # --------------------------------------------------------------------------------------------- traces
 
@@ -354,17 +355,18 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
         bs = layout.block_size
         if num_slots % bs:
             raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {bs}")
-        alloc = BlockAllocator(num_slots // bs, bs, enable_prefix_caching=layout.sharing)
+        kv = KVCacheManager(num_slots // bs, bs, enable_prefix_caching=layout.sharing)
         policy = None
         capacity = None
     elif layout.kind == "contiguous":
         bs = 1
-        alloc = BlockAllocator(num_slots, 1, enable_prefix_caching=False)
+        kv = KVCacheManager(num_slots, 1, enable_prefix_caching=False)
         policy = ExtentAdmission(num_slots, _reserve_fn(layout, max_model_len))
         capacity = policy.reserve
     else:
         raise ValueError(f"unknown layout kind {layout.kind!r}")
-    sched = Scheduler(alloc, max_num_seqs, max_num_batched_tokens, admission_policy=policy)
+    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, admission_policy=policy)
+    pool = kv.block_pool
     sharing = layout.kind == "paged" and layout.sharing
 
     tokens = _TokenSource(max((r.shared_prefix_len for r in trace), default=0))
@@ -396,8 +398,7 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
                 sched.add(new_seq(rid, j, req, out_len, 1))
         req_left[rid] = req.n
 
-    def finish(seq: Sequence, step: int) -> None:
-        sched.finish(seq, "length")
+    def finished(seq: Sequence, step: int) -> None:
         final_kv.pop(seq.seq_id, None)
         req_left[seq.request_id] -= 1
         if req_left[seq.request_id] == 0:
@@ -428,18 +429,14 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
             raise RuntimeError(f"{layout.name}: nothing can run at step {step}; a sequence of "
                                f"{head.num_tokens if head else '?'} tokens does not fit the pool")
         busy += 1
-        for seq, n in out.scheduled:
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            if sharing and (seq.num_computed_tokens // bs) > (before // bs):
-                alloc.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
 
-        # ---- measure: the KV state of this step (after its tokens are written, before any frees)
+        # ---- measure: the KV state of this step (its slots are allocated; nothing is freed before
+        # update_from_output)
         running = sched.running
         future = never = logical = 0
         if policy is not None:
             reserved = policy.reserved_slots
-            used = alloc.num_used_blocks  # block_size 1: one block per stored token
+            used = pool.num_used_blocks  # block_size 1: one block per stored token
             for s in running:
                 k = s.block_table.num_tokens
                 cap = capacity(s)
@@ -455,7 +452,7 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
                     external = policy.free_slots
                     ext_blocked += 1
         else:
-            reserved = alloc.num_used_blocks * bs
+            reserved = pool.num_used_blocks * bs
             external = 0
             if sharing:
                 filled: dict[int, int] = {}
@@ -496,14 +493,16 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
         peak_req = max(peak_req, n_req)
         peak_seq = max(peak_seq, len(running))
         if check_invariants:
-            alloc.check_invariants([s.block_table for s in running])
+            kv.check_invariants(running)
             if policy is not None:
                 policy.check()
             assert reserved - used == future + never, (reserved, used, future, never)
 
-        # ---- sample: sequences whose KV now covers all their tokens get one token
+        # ---- sample: sequences whose KV covers all their tokens after this step get one token (a
+        # request's first sequence forks its samples first, as in the engine)
+        sampled = []
         for seq, n in out.scheduled:
-            if seq.num_computed_tokens != seq.num_tokens:
+            if seq.num_computed_tokens + n != seq.num_tokens:
                 continue
             targets = [seq]
             kids = pending_forks.pop(seq.seq_id, None)
@@ -512,16 +511,13 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
                 for j, out_len in enumerate(kids, start=1):
                     child = Sequence(next(seq_ids), seq.request_id, j, seq.prompt_token_ids,
                                      SamplingParams(max_tokens=out_len), None, seq.arrival_time)
-                    child.block_table = alloc.fork(seq.block_table)
-                    child.num_computed_tokens = seq.num_computed_tokens
+                    sched.fork(seq, child)
                     final_kv[child.seq_id] = req.input_len + out_len - 1
-                    sched.add_running(child)
                     targets.append(child)
-            for t in targets:
-                t.output_token_ids.append(-(len(t.output_token_ids) + 1) - 10_000 * t.seq_id)
-                output_tokens += 1
-                if len(t.output_token_ids) >= t.sampling_params.max_tokens:
-                    finish(t, step)
+            sampled += [(t, -(len(t.output_token_ids) + 1) - 10_000 * t.seq_id) for t in targets]
+        output_tokens += len(sampled)
+        for seq in sched.update_from_output(out, sampled):
+            finished(seq, step)
         last_step = step
         step += 1
         if step > max_steps:
@@ -533,7 +529,7 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
         num_requests=len(trace), num_sequences=num_seqs, output_tokens=output_tokens,
         peak_running_requests=peak_req, peak_running_seqs=peak_seq,
         mean_running_seqs=sums["running_seqs"] / busy if busy else 0.0,
-        num_preemptions=sched.num_preemptions, ext_blocked_steps=ext_blocked,
+        num_preemptions=sched.stats.num_preemptions, ext_blocked_steps=ext_blocked,
         sum_reserved=sums["reserved"], sum_used=sums["used"], sum_internal_future=sums["internal_future"],
         sum_internal_never=sums["internal_never"], sum_external=sums["external"],
         sum_running_seqs=sums["running_seqs"], sum_logical=sum_logical,

@@ -1,7 +1,7 @@
 """Paged vs contiguous-reservation admission on the real engine, at one small KV budget.
 
 The same ``LLMEngine`` (CPU, default model) runs the same requests three times; only the scheduler's
-admission policy changes (``rawpaged.scheduler.ReservationAdmission``):
+admission policy changes (``benchmarks.baselines.ReservationAdmission``):
 
   paged            default: admit when the prompt's blocks fit; blocks are taken as sequences grow,
                    preemption by recompute when the pool runs dry
@@ -36,8 +36,8 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks.baselines import ReservationAdmission  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
-from rawpaged.scheduler import ReservationAdmission  # noqa: E402
 
 POLICIES = ("paged", "reserve-oracle", "reserve-maxlen")
 
@@ -46,9 +46,9 @@ def make_policy(name: str, engine):
     if name == "paged":
         return None
     if name == "reserve-maxlen":
-        return ReservationAdmission(engine.allocator, lambda s: engine.max_model_len)
+        return ReservationAdmission(engine.kv_cache_manager, lambda s: engine.max_model_len)
     if name == "reserve-oracle":
-        return ReservationAdmission(engine.allocator, lambda s: min(
+        return ReservationAdmission(engine.kv_cache_manager, lambda s: min(
             s.num_prompt_tokens + s.sampling_params.max_tokens, engine.max_model_len))
     raise ValueError(name)
 
@@ -56,7 +56,7 @@ def make_policy(name: str, engine):
 def run_policy(llm: LLM, name: str, prompts: list, params: SamplingParams) -> dict:
     eng = llm.engine
     sched = eng.scheduler
-    alloc = eng.allocator
+    pool = eng.kv_cache_manager.block_pool
     sched.admission_policy = make_policy(name, eng)
     orig = sched.schedule
     rec = {"running": [], "used_blocks": [], "tokens": [], "reserved_blocks": []}
@@ -65,13 +65,14 @@ def run_policy(llm: LLM, name: str, prompts: list, params: SamplingParams) -> di
     def schedule():  # record the batch as it runs (before finished sequences leave)
         out = orig()
         rec["running"].append(len(sched.running))
-        rec["used_blocks"].append(alloc.num_used_blocks)
-        rec["reserved_blocks"].append(alloc.num_used_blocks + (policy.outstanding_blocks if policy else 0))
+        rec["used_blocks"].append(pool.num_used_blocks)
+        rec["reserved_blocks"].append(pool.num_used_blocks + (policy.outstanding_blocks if policy else 0))
         rec["tokens"].append(sum(s.block_table.num_tokens for s in sched.running))
         return out
 
     sched.schedule = schedule
-    pre0, steps0, gen0 = sched.num_preemptions, eng.num_steps, eng.num_generation_tokens_total
+    stats = sched.stats
+    pre0, steps0, gen0 = stats.num_preemptions, stats.num_steps, stats.num_generation_tokens
     try:
         for p in prompts:
             eng.add_request(p, params)
@@ -82,15 +83,16 @@ def run_policy(llm: LLM, name: str, prompts: list, params: SamplingParams) -> di
     finally:
         del sched.schedule
         sched.admission_policy = None
-    gen = eng.num_generation_tokens_total - gen0
-    steps = eng.num_steps - steps0
-    slots = sum(rec["used_blocks"]) * alloc.block_size
-    reserved = sum(rec["reserved_blocks"]) * alloc.block_size
-    assert alloc.num_used_blocks == 0, "blocks leaked"
+    gen = stats.num_generation_tokens - gen0
+    steps = stats.num_steps - steps0
+    block_size = eng.kv_cache_manager.block_size
+    slots = sum(rec["used_blocks"]) * block_size
+    reserved = sum(rec["reserved_blocks"]) * block_size
+    assert pool.num_used_blocks == 0, "blocks leaked"
     return {"policy": name, "wall_s": wall, "cpu_s": cpu, "output_tokens": gen, "output_tok_per_s": gen / wall,
             "output_tok_per_cpu_s": gen / cpu,
             "steps": steps, "output_tok_per_step": gen / steps, "peak_running": max(rec["running"]),
-            "mean_running": float(np.mean(rec["running"])), "preemptions": sched.num_preemptions - pre0,
+            "mean_running": float(np.mean(rec["running"])), "preemptions": stats.num_preemptions - pre0,
             "kv_util_of_allocated": sum(rec["tokens"]) / slots if slots else 0.0,
             "kv_util_of_reserved": sum(rec["tokens"]) / reserved if reserved else 0.0,
             "mean_kv_blocks_allocated": float(np.mean(rec["used_blocks"])),

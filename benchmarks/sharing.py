@@ -2,7 +2,7 @@
 
 1. Parallel sampling n = 1, 2, 4, 8 and beam search (width 4) on one ``--prompt-len``-token prompt with
    ``--output-len`` generated tokens: peak KV blocks in use and output tok/s, with sharing (forks share
-   blocks copy-on-write) vs the same engine with ``enable_block_sharing=False`` (forks copy every block).
+   blocks copy-on-write) vs the same engine whose forks copy every block (``benchmarks.baselines.CopyingForks``).
 2. Prefix caching: requests that share a ``--system-len``-token system prompt followed by a distinct
    ``--user-len``-token question, sent one after another; TTFT with ``enable_prefix_caching`` on vs off.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.baselines import CopyingForks  # noqa: E402
 from benchmarks.common import conditions, print_table, write_json  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
 from rawpaged import weights as rp_weights  # noqa: E402
@@ -27,13 +28,16 @@ from rawpaged import weights as rp_weights  # noqa: E402
 
 def run_forks(model_dir, prompt, output_len, share, kind, n):
     llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=2048, max_model_len=2048,
-              enable_prefix_caching=False, enable_block_sharing=share, max_num_seqs=16)
+              enable_prefix_caching=False, max_num_seqs=16)
+    if not share:
+        kv = llm.engine.kv_cache_manager
+        llm.engine.scheduler.kv_cache_manager = CopyingForks(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
     if kind == "beam":
         params = SamplingParams(n=n, beam_width=n, max_tokens=output_len, ignore_eos=True)
     else:
         params = SamplingParams(n=n, temperature=0.8, seed=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:20]}], SamplingParams(max_tokens=2))  # JIT and BLAS warm-up
-    llm.engine.allocator.peak_used_blocks = 0
+    llm.engine.kv_cache_manager.reset_stats()
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     elapsed = time.perf_counter() - t0

@@ -1,6 +1,8 @@
 """rawpaged: LLM inference with a paged KV cache, no PyTorch."""
 
-from rawpaged.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.engine.outputs import CompletionOutput, RequestOutput
+from rawpaged.entrypoints.llm import LLM
 from rawpaged.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -28,14 +28,16 @@ SHAPES = {
 
 
 def _first_logits(llm, prompt_ids):
-    eng = llm.engine
-    from rawpaged.sequence import Sequence
+    """float32 logits of the token after ``prompt_ids`` (one prefill through the engine's runner)."""
+    from rawpaged.core.scheduler import SchedulerOutput
+    from rawpaged.core.sequence import Sequence
 
+    eng = llm.engine
+    kv = eng.kv_cache_manager
     seq = Sequence(0, "check", 0, list(prompt_ids), None, None, 0.0)
-    seq.block_table = eng.allocator.new_table()
-    assert eng.allocator.allocate_slots(seq.block_table, len(prompt_ids))
-    logits, _ = eng.runner.execute([(seq, len(prompt_ids))], [])
-    eng.allocator.free(seq.block_table)
+    assert kv.allocate_slots(seq, len(prompt_ids))
+    logits, _ = eng.runner.execute_model(SchedulerOutput(scheduled=[(seq, len(prompt_ids))]))
+    kv.free(seq)
     return eng.runner.fetch_rows(logits, [0])[0]
 
 

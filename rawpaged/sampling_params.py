@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rawpaged.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
 
 
@@ -27,7 +29,8 @@ class SamplingParams:
         use_beam_search / beam_width / length_penalty: beam search (score = cumulative logprob /
             generated_length ** length_penalty, as in HF transformers).
     Raises:
-        ValueError naming the field on any invalid value.
+        InvalidRequestError (a ValueError) on any invalid value; its message starts with the field's name
+        and its ``param`` is that name.
     """
 
     n: int = 1
@@ -49,7 +52,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, why):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            raise InvalidRequestError(f"{name} {why}, got {getattr(self, name)!r}", name)
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

@@ -1,4 +1,5 @@
-"""Tokenizer (HF ``tokenizers``), chat templates (``jinja2``) and incremental detokenization."""
+"""Tokenizer (HF ``tokenizers``) and chat templates (``jinja2``); incremental detokenization is
+``rawpaged.engine.detokenizer``."""
 
 from __future__ import annotations
 
@@ -87,29 +88,3 @@ class Tokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None
-
-
-class IncrementalDetokenizer:
-    """Streams text from token ids without broken UTF-8 characters, repeats or drops.
-
-    Same windowing as vLLM's ``detokenize_incrementally``: decode ``ids[prefix_offset:]`` and
-    ``ids[prefix_offset:read_offset]``; the new text is the difference, held back while it ends in an
-    incomplete character (U+FFFD from a partial byte sequence). State lives on the sequence
-    (``prefix_offset``, ``read_offset``) so forks copy it with the sequence.
-    """
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-
-    def step(self, seq) -> str:
-        """Append the text of ``seq.output_token_ids`` that became final; return the new piece."""
-        ids = seq.output_token_ids
-        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
-        full_text = self.tokenizer.decode(ids[seq.prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            new = full_text[len(prefix_text):]
-            seq.prefix_offset = seq.read_offset
-            seq.read_offset = len(ids)
-            seq.output_text += new
-            return new
-        return ""

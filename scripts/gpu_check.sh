@@ -24,7 +24,7 @@ done
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-export RAWPAGED_REQUIRE_CUDA=1  # tests/test_cuda_gpu.py fails instead of skipping without a GPU
+export RAWPAGED_REQUIRE_CUDA=1  # tests/kernels/test_cuda_gpu.py fails instead of skipping without a GPU
 PY=${PYTHON:-python3}
 declare -A RESULT
 

@@ -27,3 +27,20 @@ def llm(model_dir):
 @pytest.fixture(scope="session")
 def reference_greedy():
     return json.loads((FIXTURES / "reference_greedy.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer random Llama model (no download), for fast engine tests."""
+    from rawpaged.random_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("tiny"), num_layers=2, seed=1)
+
+
+def tiny_engine(path, **kw):
+    """A CPU ``LLM`` on ``path`` with a 64-block pool and max_model_len 256 unless given."""
+    from rawpaged import LLM
+
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("max_model_len", 256)
+    return LLM(model=str(path), device="cpu", **kw)

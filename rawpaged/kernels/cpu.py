@@ -21,11 +21,13 @@ from __future__ import annotations
 import math
 import types
 
-import ml_dtypes
 import numba as nb
 import numpy as np
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+from rawpaged.dtypes import BFLOAT16
+
+BF16 = BFLOAT16.numpy
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
 _JIT = dict(cache=True, nogil=True, fastmath=True)
 
 
@@ -513,6 +515,17 @@ class CPUBackend:
 
     name = "cpu"
     xp = np
+    dtype_pairs = (("float32", "float32"), ("float32", "bfloat16"))
+
+    @staticmethod
+    def auto_dtype(checkpoint_dtype: str | None) -> str:
+        """float32, the CPU's only activation dtype."""
+        return "float32"
+
+    @staticmethod
+    def default_kv_cache_memory(gpu_memory_utilization: float) -> int:
+        """1 GiB, whatever the GPU setting."""
+        return DEFAULT_KV_CACHE_MEMORY
 
     reshape_and_cache = staticmethod(reshape_and_cache)
     paged_attention = staticmethod(paged_attention)

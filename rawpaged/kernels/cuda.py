@@ -27,16 +27,12 @@ import functools
 
 import numpy as np
 
+from rawpaged.dtypes import BFLOAT16, FLOAT_TYPES, float_type
 from rawpaged.kernels import cuda_sources as src
 
-try:  # ml_dtypes is a hard dependency of rawpaged; only its bfloat16 dtype object is needed here.
-    import ml_dtypes
-
-    _BF16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover
-    _BF16 = None
-
-_CTYPES = {np.dtype(np.float32): src.F32, np.dtype(np.float16): src.F16, np.dtype(np.uint16): src.BF16}
+_BF16 = BFLOAT16.numpy
+#: Device storage dtype -> C++ element type.
+_CTYPES = {t.device: t.cxx for t in FLOAT_TYPES.values()}
 _DEFAULT_SMEM = 48 * 1024
 
 # cuBLAS / CUDA enum values (cublas_api.h, library_types.h); stable across CUDA 11-13.
@@ -45,9 +41,6 @@ _CUDA_R_16BF = 14
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 _MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
-#: Engine dtype name -> (device storage dtype, C++ element type).
-_STORAGE = {"float32": (np.dtype(np.float32), src.F32), "float16": (np.dtype(np.float16), src.F16),
-            "bfloat16": (np.dtype(np.uint16), src.BF16)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +173,13 @@ class CudaBackend:
     """
 
     name = "cuda"
+    dtype_pairs = src.DTYPE_NAME_PAIRS
+
+    @staticmethod
+    def auto_dtype(checkpoint_dtype: str | None) -> str:
+        """The checkpoint's float16/bfloat16, else bfloat16 (vLLM picks float16 for float32 checkpoints;
+        bfloat16 keeps float32's exponent range)."""
+        return checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
 
     def __init__(self, device: int | None = None):
         try:
@@ -467,7 +467,7 @@ class CudaBackend:
                       self._dev(floats, np.float32), probs, _i32(vocab)))
         return self.to_numpy(out).astype(np.int64)
 
-    def kv_cache_budget(self, gpu_memory_utilization: float) -> int:
+    def default_kv_cache_memory(self, gpu_memory_utilization: float) -> int:
         """Bytes the KV pool may take: ``gpu_memory_utilization`` of the device's total memory minus
         what is already in use (weights, CuPy's pool; blocks CuPy holds but does not use count as free).
         Call after the weights are loaded."""
@@ -479,26 +479,26 @@ class CudaBackend:
     # ------------------------------------------------------------------ arrays, matmul, embedding
     def zeros(self, shape, dtype):
         """A zero-filled device array (KV caches); ``ml_dtypes.bfloat16`` gives ``uint16`` bf16 bits."""
-        if _BF16 is not None and np.dtype(dtype) == _BF16:
+        if np.dtype(dtype) == _BF16:
             dtype = np.uint16
         return self.xp.zeros(shape, dtype=dtype)
 
     def asarray(self, x, dtype=None):
         """Host (or device) array -> device array. ``ml_dtypes.bfloat16`` input or ``dtype`` gives a
         ``uint16`` array of bf16 bits."""
-        if dtype is not None and _BF16 is not None and np.dtype(dtype) == _BF16:
+        if dtype is not None and np.dtype(dtype) == _BF16:
             host = x.get() if hasattr(x, "get") else np.asarray(x)
             if host.dtype == np.uint16:
                 return self.xp.asarray(host)
             return self.xp.asarray(np.asarray(host, dtype=np.float32).astype(_BF16).view(np.uint16))
-        if isinstance(x, np.ndarray) and _BF16 is not None and x.dtype == _BF16:
+        if isinstance(x, np.ndarray) and x.dtype == _BF16:
             x = x.view(np.uint16)
         return self.xp.asarray(x, dtype=dtype)
 
     def to_numpy(self, x):
         """Device array -> NumPy; ``uint16`` (bf16 bits) comes back as ``ml_dtypes.bfloat16``."""
         host = x.get() if hasattr(x, "get") else np.asarray(x)
-        if host.dtype == np.uint16 and _BF16 is not None:
+        if host.dtype == np.uint16:
             return host.view(_BF16)
         return host
 
@@ -508,15 +508,14 @@ class CudaBackend:
         contiguous device array of ``dtype`` ("float32", "float16", "bfloat16" = uint16 bits). The bytes
         go through the pinned staging buffers in the checkpoint's dtype and are converted on the device
         (``convert_kernel``), so no host copy of the model is made."""
-        storage, _ = self._storage(dtype)
-        out = self.xp.empty(host.shape, dtype=storage)
+        out = self.xp.empty(host.shape, dtype=float_type(dtype).device)
         self._upload_into(out, host, dtype)
         return out
 
     def load_linear(self, parts: list, dtype: str):
         """HF ``[out_i, in]`` host weights -> one device weight ``[sum out_i, in]`` of ``dtype`` (fused
         projections such as QKV or gate/up are uploaded part by part into their rows)."""
-        storage, _ = self._storage(dtype)
+        storage = float_type(dtype).device
         cols = parts[0].shape[1]
         if any(p.ndim != 2 or p.shape[1] != cols for p in parts):
             raise ValueError(f"fused linear parts must be 2-D with equal input size, got {[p.shape for p in parts]}")
@@ -533,16 +532,10 @@ class CudaBackend:
             self._stager.close()
             self._stager = None
 
-    @staticmethod
-    def _storage(dtype: str):
-        try:
-            return _STORAGE[dtype]
-        except KeyError:
-            raise ValueError(f"dtype must be one of {sorted(_STORAGE)}, got {dtype!r}") from None
 
     def _upload_into(self, dst, host, dtype: str) -> None:
         host = np.asarray(host)
-        if _BF16 is not None and host.dtype == _BF16:
+        if host.dtype == _BF16:
             host_name = "bfloat16"
         elif host.dtype in (np.float32, np.float16):
             host_name = str(host.dtype)
@@ -551,7 +544,7 @@ class CudaBackend:
         if host_name == dtype:
             self._copy_to_device(dst, host)
             return
-        raw = self.xp.empty(host.shape, dtype=_STORAGE[host_name][0])
+        raw = self.xp.empty(host.shape, dtype=FLOAT_TYPES[host_name].device)
         self._copy_to_device(raw, host)
         self.convert(dst, raw)
 

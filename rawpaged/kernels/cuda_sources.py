@@ -4,8 +4,7 @@ template instantiations (NVRTC name expressions) and the launch geometry.
 Imported by the runtime (``rawpaged/kernels/cuda.py``), the NVRTC compile test and the CPU emulation
 tests, so all three build and launch exactly the same thing. Never imports CuPy.
 
-Dtype names are the C++ ones: ``float``, ``__half``, ``__nv_bfloat16``. On the device, bf16 tensors are
-CuPy ``uint16`` arrays holding bfloat16 bit patterns (CuPy has no bfloat16 dtype).
+Dtype names here are the C++ ones (``rawpaged.dtypes``: ``float``, ``__half``, ``__nv_bfloat16``).
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import glob
 import os
 import sys
 from pathlib import Path
+
+from rawpaged.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT_TYPES
 
 # --------------------------------------------------------------------------- sources
 HEADER = "common.cuh"
@@ -39,9 +40,12 @@ RUNTIME_OPTIONS = ("--std=c++17",)
 CUPY_IMPLICIT_OPTIONS = ("-ftz=true",)
 
 # --------------------------------------------------------------------------- instantiations
-F32, F16, BF16 = "float", "__half", "__nv_bfloat16"
-#: (activation dtype, KV-cache dtype) pairs the runtime supports.
-DTYPE_PAIRS = ((F32, F32), (F32, BF16), (F32, F16), (F16, F16), (BF16, BF16))
+F32, F16, BF16 = FLOAT32.cxx, FLOAT16.cxx, BFLOAT16.cxx
+#: (activation dtype, KV-cache dtype) name pairs the runtime supports ...
+DTYPE_NAME_PAIRS = (("float32", "float32"), ("float32", "bfloat16"), ("float32", "float16"),
+                    ("float16", "float16"), ("bfloat16", "bfloat16"))
+#: ... and the same pairs as C++ element types.
+DTYPE_PAIRS = tuple((FLOAT_TYPES[a].cxx, FLOAT_TYPES[c].cxx) for a, c in DTYPE_NAME_PAIRS)
 HEAD_DIMS = (64, 128)
 #: Compile-time upper bounds on the query heads one decode block serves (a group is padded up to one).
 DECODE_GMAX = (1, 2, 4, 8, 16)

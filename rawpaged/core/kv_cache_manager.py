@@ -1,0 +1,197 @@
+"""The scheduler's only door to KV blocks: prefix-cache lookups, slot allocation, forks, frees.
+
+Each ``Sequence`` holds its ``BlockTable`` in ``seq.block_table`` (None while it holds no blocks); only
+this class changes it. Running out of blocks is not an error: ``allocate_slots`` returns False and
+changes nothing, so the scheduler can preempt or wait. API after vLLM v1's ``KVCacheManager``, with
+vLLM v0's ``fork`` for copy-on-write sharing (parallel sampling, beam search).
+"""
+
+from __future__ import annotations
+
+from itertools import count
+
+from rawpaged.core.block_pool import BlockPool, BlockPoolError
+from rawpaged.core.block_table import BlockTable
+from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens
+
+
+class KVCacheManager:
+    """Blocks of ``block_size`` tokens out of one ``BlockPool`` of ``num_blocks``.
+
+    Raises:
+        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_queries = 0  # blocks looked up in the prefix cache
+        self.num_prefix_hits = 0  # blocks found
+        self._table_ids = count()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence, in [0, 1]."""
+        return self.block_pool.usage()
+
+    def reset_stats(self) -> None:
+        """Zero the counters (prefix queries and hits, copy-on-write copies); peak usage restarts now."""
+        self.num_prefix_queries = self.num_prefix_hits = 0
+        self.block_pool.num_cow_copies = 0
+        self.block_pool.peak_used_blocks = self.block_pool.num_used_blocks
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_computed_blocks(self, seq) -> list:
+        """Block ids of the longest cached prefix of ``seq``'s tokens (full blocks). The last token is
+        never taken from the cache, so the step that computes it has a logit to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        token_ids = seq.token_ids
+        found, queries = find_longest_cache_hit(self.block_pool, token_ids, self.block_size,
+                                                (len(token_ids) - 1) // self.block_size)
+        self.num_prefix_queries += queries
+        self.num_prefix_hits += len(found)
+        return found
+
+    def cache_full_blocks(self, seq) -> None:
+        """Hash the blocks of ``seq`` that ``seq.num_computed_tokens`` has filled since the last call and
+        make them findable (each block is hashed once per sequence)."""
+        table = seq.block_table
+        bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= len(table.block_hashes):
+            return
+        token_ids = seq.token_ids
+        hashes = table.block_hashes
+        while len(hashes) < min(seq.num_computed_tokens, len(token_ids)) // bs:
+            i = len(hashes)
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash_block_tokens(hashes[-1] if hashes else None, tokens)
+            hashes.append(h)
+            self.block_pool.cache_block(table.block_ids[i], h, tokens)
+
+    # ------------------------------------------------------------------ allocation
+    def num_blocks_to_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> int:
+        """Free blocks ``allocate_slots(seq, num_new_tokens, computed_blocks)`` would take: new blocks,
+        a copy of a shared, partly filled last block, and computed (cached) blocks that are free now."""
+        bs = self.block_size
+        table = seq.block_table
+        if table is None:
+            num_tokens = len(computed_blocks) * bs + num_new_tokens
+            pool = self.block_pool.blocks
+            return -(-num_tokens // bs) - len(computed_blocks) + sum(1 for b in computed_blocks if pool[b].ref_count == 0)
+        need = -(-(table.num_tokens + num_new_tokens) // bs) - len(table.block_ids)
+        if num_new_tokens > 0 and table.num_tokens % bs and self.block_pool.blocks[table.block_ids[-1]].ref_count > 1:
+            need += 1
+        return need
+
+    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
+        """Reserve KV slots for ``num_new_tokens`` more tokens of ``seq``.
+
+        A sequence without blocks first gets a new table starting with ``computed_blocks`` (from
+        ``get_computed_blocks``; ``ref_count`` + 1 each). New blocks are taken as the table crosses block
+        boundaries; a shared, partly filled last block is copied first (copy-on-write, see
+        ``take_block_copies``). Returns False, changing nothing, when the pool has too few free blocks.
+
+        Raises:
+            ValueError: ``num_new_tokens < 0``, or ``computed_blocks`` for a sequence that has blocks.
+            BlockPoolError: the sequence's table was freed.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if seq.block_table is not None:
+            if computed_blocks:
+                raise ValueError("computed_blocks apply only to a sequence without blocks")
+            _check_live(seq.block_table)
+        if self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks) > self.block_pool.num_free_blocks:
+            return False
+        pool, bs = self.block_pool, self.block_size
+        table = seq.block_table
+        if table is None:
+            table = seq.block_table = self._new_table()
+            for bid in computed_blocks:
+                pool.share(bid, table.table_id)
+                table.block_ids.append(bid)
+                table.block_hashes.append(pool.blocks[bid].block_hash)
+            table.num_tokens = len(computed_blocks) * bs
+        if num_new_tokens == 0:
+            return True
+        if table.num_tokens % bs and pool.blocks[table.block_ids[-1]].ref_count > 1:
+            table.block_ids[-1] = pool.copy_on_write(table.block_ids[-1], table.table_id)
+        table.num_tokens += num_new_tokens
+        while len(table.block_ids) * bs < table.num_tokens:
+            table.block_ids.append(pool.take(table.table_id).block_id)
+        return True
+
+    def fork(self, parent, child) -> None:
+        """``child`` gets a table with the same contents as ``parent``'s, sharing every block
+        (``ref_count`` + 1, no copy; the first write into a shared partly filled block copies it)."""
+        src = parent.block_table
+        if src is None:
+            raise BlockPoolError(f"sequence {parent.seq_id} holds no blocks to fork")
+        _check_live(src)
+        table = child.block_table = self._new_table(list(src.block_ids), src.num_tokens, list(src.block_hashes))
+        for bid in table.block_ids:
+            self.block_pool.share(bid, table.table_id)
+
+    def free(self, seq) -> None:
+        """Return ``seq``'s blocks (each ``ref_count`` - 1; blocks at 0 become free, tail blocks first so
+        a prefix outlives its suffix in the cache). ``seq.block_table`` becomes None; a sequence without
+        blocks is left alone.
+
+        Raises:
+            BlockPoolError: the table was already freed, or holds a block it does not own.
+        """
+        table = seq.block_table
+        if table is None:
+            return
+        _check_live(table)
+        for bid in table.block_ids:
+            if table.table_id not in self.block_pool.blocks[bid].owners:
+                raise BlockPoolError(f"table {table.table_id} does not own block {bid}")
+        for bid in reversed(table.block_ids):
+            self.block_pool.release(bid, table.table_id)
+        table.block_ids = []
+        table.block_hashes = []
+        table.num_tokens = 0
+        table.freed = True
+        seq.block_table = None
+
+    def _new_table(self, block_ids=None, num_tokens: int = 0, block_hashes=None) -> BlockTable:
+        return BlockTable(next(self._table_ids), self.block_size, block_ids or [], num_tokens, block_hashes or [])
+
+    def take_block_copies(self) -> list:
+        """The copy-on-write ``(src, dst)`` block copies recorded since the last call."""
+        return self.block_pool.take_copies()
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self, seqs=()) -> None:
+        """The pool's invariants; with ``seqs`` (every sequence holding blocks) also that each table
+        holds ``ceil(num_tokens / block_size)`` distinct blocks and each block's ``ref_count`` equals the
+        number of tables holding it."""
+        pool = self.block_pool
+        pool.check_invariants()
+        tables = [s.block_table for s in seqs if s.block_table is not None]
+        if not tables:
+            return
+        counts: dict[int, int] = {}
+        for t in tables:
+            assert not t.freed
+            assert len(t.block_ids) == -(-t.num_tokens // self.block_size), "table length"
+            assert len(set(t.block_ids)) == len(t.block_ids), "a table holds a block twice"
+            for bid in t.block_ids:
+                assert t.table_id in pool.blocks[bid].owners
+                counts[bid] = counts.get(bid, 0) + 1
+        for b in pool.blocks:
+            assert counts.get(b.block_id, 0) == b.ref_count, f"block {b.block_id} ref_count mismatch"
+
+
+def _check_live(table: BlockTable) -> None:
+    if table.freed:
+        raise BlockPoolError(f"block table {table.table_id} was already freed")

@@ -1,0 +1,282 @@
+"""Continuous-batching scheduler: which sequences run each step, their KV slots, and what a step's
+sampled tokens do to them.
+
+One token budget per step (``max_num_batched_tokens``) is shared by decodes, prefills and prefill
+chunks, as in vLLM v1's scheduler and Orca's iteration-level scheduling (Yu et al., OSDI 2022).
+Running sequences are served first, in arrival order; waiting ones are admitted FCFS while the
+budget, ``max_num_seqs`` and the block pool allow. When the pool runs dry, the newest running
+sequence is preempted by recompute (vLLM paper §4.5): its blocks are freed and it re-enters the head
+of the waiting queue with ``num_computed_tokens = 0``.
+
+After the model ran, ``update_from_output`` advances ``num_computed_tokens``, caches newly full blocks,
+appends the sampled tokens and applies the token-level stop checks; finished sequences return their
+blocks at once. Every block goes back through this class (``finish_seqs``), whatever ended the sequence.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        scheduled: ``(sequence, number of new tokens to compute)`` in running order.
+        preempted: sequences preempted (by recompute) to make room this step.
+        blocks_to_copy: copy-on-write ``(src, dst)`` block copies to run before the step's kernels.
+    """
+
+    scheduled: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+    blocks_to_copy: list = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since start-up (or the last reset): steps run, preemptions, prompt tokens computed
+    (recomputation after preemption not counted), tokens generated."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class AdmissionPolicy(Protocol):
+    """A hook that can refuse admissions on top of the block check (the memory study's reservation
+    baselines live in ``benchmarks/``). ``released`` is called when an admitted sequence finishes or is
+    preempted."""
+
+    def can_admit(self, seq: Sequence) -> bool: ...
+
+    def admitted(self, seq: Sequence) -> None: ...
+
+    def released(self, seq: Sequence) -> None: ...
+
+
+class Scheduler:
+    """Args:
+        kv_cache_manager: the block pool's manager (the scheduler's only access to blocks).
+        max_num_seqs: sequences per step at most (forks a request will make count from its admission).
+        max_num_batched_tokens: tokens computed per step at most.
+        max_model_len: a sequence finishes ("length") when it holds this many tokens.
+        eos_token_ids: token ids that finish a sequence ("stop") unless its ``ignore_eos``.
+        admission_policy: optional ``AdmissionPolicy``.
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids=(), admission_policy: AdmissionPolicy | None = None):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.admission_policy = admission_policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FCFS)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (from ``parent.fork``) shares ``parent``'s blocks and joins the running batch. Called
+        when ``parent`` samples, so its KV covers all its tokens by the end of the step."""
+        self.kv_cache_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    def finish_seqs(self, seqs, reason: str) -> None:
+        """End ``seqs`` (running or waiting; already finished ones are skipped) with ``finish_reason``
+        ``reason`` and return their blocks at once."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            if self.admission_policy is not None:
+                self.admission_policy.released(seq)
+            self.kv_cache_manager.free(seq)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
+                i += 1
+                continue
+            while not kv.allocate_slots(seq, n):
+                victims = self._preempt_newest(out)
+                if seq in victims:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i = self.running.index(seq) + 1  # a preempted beam group may have stood before seq
+
+        if not out.preempted:  # no admissions in a step that had to preempt
+            self._admit(out, budget)
+        if out.scheduled:
+            self.stats.num_steps += 1
+        out.blocks_to_copy = kv.take_block_copies()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
+        slots = sum(map(_seq_slots, self.running))  # batch slots taken, counting forks still to come
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.output_token_ids and seq.sampling_params.use_beam_search:
+                if not self._admit_beam_group(seq, out):
+                    break
+                budget = self.max_num_batched_tokens - out.num_batched_tokens
+                slots = sum(map(_seq_slots, self.running))
+                continue
+            if slots + _seq_slots(seq) > self.max_num_seqs and self.running:
+                break
+            if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
+                break
+            computed = kv.get_computed_blocks(seq)
+            num_cached = len(computed) * kv.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not kv.allocate_slots(seq, n, computed):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if not seq.output_token_ids:
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            slots += _seq_slots(seq)
+            if self.admission_policy is not None:
+                self.admission_policy.admitted(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    def _preempt_newest(self, out: SchedulerOutput) -> list:
+        """Preempt the newest running sequence; a beam takes its running siblings with it, since beams
+        advance together and a lone beam would hold blocks while waiting for the others."""
+        victim = self.running[-1]
+        if victim.sampling_params.use_beam_search:
+            victims = [s for s in self.running if s.request_id == victim.request_id]
+        else:
+            victims = [victim]
+        for v in reversed(victims):  # appendleft in reverse keeps the group's order at the queue head
+            self.running.remove(v)
+            self._preempt(v)
+        out.scheduled[:] = [(s, n) for s, n in out.scheduled if s not in victims]
+        out.preempted.extend(victims)
+        return victims
+
+    def _admit_beam_group(self, head: Sequence, out: SchedulerOutput) -> bool:
+        """Admit all waiting beams of ``head``'s request together (recompute), or none. Blocks for all
+        their tokens must be free; their prefill may still be chunked over several steps."""
+        group = [s for s in self.waiting if s.request_id == head.request_id]
+        kv = self.kv_cache_manager
+        if sum(-(-s.num_tokens // kv.block_size) for s in group) > kv.block_pool.num_free_blocks:
+            return False
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        for s in group:
+            self.waiting.remove(s)
+            s.num_computed_tokens = 0
+            n = min(s.num_tokens, budget)
+            allocated = kv.allocate_slots(s, n)
+            assert allocated, "the group's blocks were counted free"
+            s.status = SequenceStatus.RUNNING
+            self.running.append(s)
+            if n:
+                out.scheduled.append((s, n))
+                budget -= n
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        if self.admission_policy is not None:
+            self.admission_policy.released(seq)
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+
+    # ------------------------------------------------------------------ after the step
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list) -> list:
+        """Apply a step's results.
+
+        Advances ``num_computed_tokens`` of every scheduled sequence and caches its newly full blocks;
+        appends each ``(sequence, token_id)`` of ``sampled_token_ids`` (scheduled sequences that reached
+        their last token, and forks made this step); finishes a sequence whose token is EOS (unless
+        ``ignore_eos``) or one of its ``stop_token_ids`` ("stop"), or that reached ``max_tokens`` or
+        ``max_model_len`` tokens ("length"), and frees its blocks.
+
+        Returns the sequences finished here, in ``sampled_token_ids`` order.
+        """
+        stats = self.stats
+        kv = self.kv_cache_manager
+        for seq, n in scheduler_output.scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                stats.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            kv.cache_full_blocks(seq)
+        finished = []
+        for seq, token in sampled_token_ids:
+            seq.output_token_ids.append(token)
+            stats.num_generation_tokens += 1
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.finish_seqs((seq,), reason)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _seq_slots(seq: Sequence) -> int:
+    """Batch slots a sequence will take: a request's first sequence, before its first token, forks into
+    ``best_of`` samples or ``beam_width`` beams right after its prefill; any other takes one."""
+    if seq.index == 0 and not seq.output_token_ids:
+        return max(seq.sampling_params.best_of, seq.sampling_params.beam_width or 1)
+    return 1

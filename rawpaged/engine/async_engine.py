@@ -1,0 +1,285 @@
+"""The asyncio side of the engine: one background task steps ``LLMEngine`` while work exists.
+
+Threading model
+---------------
+Every call into ``LLMEngine`` (``step``, ``add_request``, ``abort_request``, ``stats``) runs on one
+dedicated single-thread executor, so the engine is never touched by two threads and the event loop stays
+responsive while a step computes. The executor is FIFO: an ``abort`` submitted while step N runs is
+executed before step N+1 (the loop submits N+1 only after N returns), so an aborted request's blocks
+are back in the pool before the next step.
+
+Streams
+-------
+Each request has a ``RequestStream``. The engine loop never awaits a client: it hands each
+``RequestOutput`` to the stream without blocking. ``RequestOutput``s are cumulative (whole text and token
+ids per choice so far), so a stream only keeps the newest one: a slow consumer sees fewer, larger steps
+and memory stays bounded; a dead one costs nothing until its request is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.engine.outputs import RequestOutput
+from rawpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("rawpaged.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down while the request was running."""
+
+
+class RequestStream:
+    """Async iterator of one request's ``RequestOutput``s (newest state only, see module doc).
+
+    Iteration ends after the finished output, or early when the request was aborted (``aborted`` is
+    then True). Raises ``EngineDeadError`` if the engine failed.
+    """
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.aborted = False
+        self.finished = False
+        self._latest: RequestOutput | None = None
+        self._done = False
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._latest = output
+        if output.finished:
+            self._done = self.finished = True
+        self._event.set()
+
+    def close(self, error: BaseException | None = None, aborted: bool = False) -> None:
+        self._done = True
+        self._error = error
+        self.aborted = aborted
+        self._event.set()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                return out
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+
+@dataclass
+class _RequestInfo:
+    arrival: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_output_time: float | None = None
+    num_generated: int = 0
+
+
+class AsyncEngine:
+    """Drives an ``LLMEngine`` from asyncio. Create it inside a running event loop (or first use it there).
+
+    ``metrics`` is an optional ``rawpaged.entrypoints.metrics.ServerMetrics``; ``log_requests`` writes one INFO line
+    per finished or aborted request.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics=None, log_requests: bool = True):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.metrics = metrics
+        self.log_requests = log_requests
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rawpaged-engine")
+        self._streams: dict[str, RequestStream] = {}
+        self._info: dict[str, _RequestInfo] = {}
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self.errored: BaseException | None = None
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request (it joins the batch at the next step) and return its stream.
+
+        ``prompt`` is what ``LLMEngine.add_request`` takes. Raises ValueError (nothing queued) for an
+        invalid request or a duplicate id; EngineDeadError after ``close``.
+        """
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        self._ensure_loop()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            n_prompt = await loop.run_in_executor(self._executor, self._add, prompt, params, request_id)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # runs after the add on the engine thread: nothing is left behind
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if request_id not in self._streams:  # aborted while being added
+            return stream
+        self._info[request_id] = _RequestInfo(arrival, n_prompt)
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None):
+        """Async generator of ``RequestOutput``s; leaving it early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now: its stream ends, and the engine drops it (and frees its blocks) before
+        its next step. Safe to call from cancellation handlers. False if unknown or already finished."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        stream.close(aborted=True)
+        info = self._info.pop(request_id, None)
+        try:
+            self._executor.submit(self.engine.abort_request, request_id)
+        except RuntimeError:  # executor shut down: the engine is gone anyway
+            pass
+        if info is not None:
+            self._finished(request_id, info, "abort", time.monotonic())
+        return True
+
+    async def stats(self) -> dict:
+        """``LLMEngine.stats()`` taken between steps, plus ``num_active_streams``."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        stats = await loop.run_in_executor(self._executor, self.engine.stats)
+        stats["num_active_streams"] = len(self._streams)
+        return stats
+
+    async def close(self) -> None:
+        """Stop the loop, end every stream with EngineDeadError and release the engine thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ engine thread
+    def _add(self, prompt, params, request_id) -> int:
+        self.engine.add_request(prompt, params, request_id)
+        return len(self.engine.requests[request_id].prompt_token_ids)
+
+    def _step(self):
+        outputs = self.engine.step()
+        return outputs, self.engine.has_unfinished_requests()
+
+    def _abort_all(self, request_ids) -> None:
+        for rid in request_ids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - best effort after a failure
+                logger.exception("abort of %s failed", rid)
+
+    # ------------------------------------------------------------------ event loop
+    def _ensure_loop(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="rawpaged-engine-loop")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        busy = False
+        while True:
+            if not busy:
+                await self._wake.wait()
+            self._wake.clear()
+            try:
+                outputs, busy = await loop.run_in_executor(self._executor, self._step)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
+                logger.exception("engine step failed; failing the running requests")
+                self.errored = e
+                self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                busy = False
+                continue
+            self._deliver(outputs)
+            # Let handlers run (new requests, aborts) between steps; back off if nothing could run.
+            await asyncio.sleep(0 if outputs or not busy else 0.005)
+
+    def _deliver(self, outputs: list) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            stream = self._streams.get(rid)
+            if stream is None:  # aborted while the step ran
+                continue
+            info = self._info.get(rid)
+            if info is not None:
+                n = sum(len(c.token_ids) for c in out.outputs)
+                if n > info.num_generated:
+                    if info.first_token_time is None:
+                        info.first_token_time = now
+                        if self.metrics is not None:
+                            self.metrics.observe_first_token(now - info.arrival)
+                    elif self.metrics is not None:
+                        self.metrics.observe_inter_token(now - info.last_output_time)
+                    info.last_output_time = now
+                    info.num_generated = n
+            stream.put(out)
+            if out.finished:
+                self._streams.pop(rid, None)
+                self._info.pop(rid, None)
+                if info is not None:
+                    reasons = sorted({c.finish_reason for c in out.outputs if c.finish_reason}) or ["stop"]
+                    self._finished(rid, info, ",".join(reasons), now)
+
+    def _finished(self, rid: str, info: _RequestInfo, reason: str, now: float) -> None:
+        latency = now - info.arrival
+        if self.metrics is not None:
+            for r in reason.split(","):
+                self.metrics.observe_finished(latency, r)
+        if self.log_requests:
+            ttft = f"{info.first_token_time - info.arrival:.3f}s" if info.first_token_time else "-"
+            logger.info("request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s latency=%.3fs ttft=%s",
+                        rid, info.num_prompt_tokens, info.num_generated, reason, latency, ttft)
+
+    def _fail_all(self, error: BaseException) -> None:
+        rids = list(self._streams)
+        for rid in rids:
+            self._streams.pop(rid).close(error=error)
+            self._info.pop(rid, None)
+        if rids and not self._closed:
+            try:
+                self._executor.submit(self._abort_all, rids)
+            except RuntimeError:
+                pass

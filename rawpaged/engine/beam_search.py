@@ -1,0 +1,132 @@
+"""Beam search selection, step by step, with HF transformers' semantics (``generation/utils.py``
+``_beam_search``, default ``early_stopping=False``), so results compare with ``generate(num_beams=k)``.
+
+Per step, with k running beams of cumulative logprob ``c_b`` and ``g`` tokens generated so far:
+  * candidates are the top ``2k`` of ``c_b + log_softmax(logits_b)`` over every beam and token;
+  * a candidate "hits" when its token is EOS / a stop token, or when ``g + 1`` reaches the length limit;
+  * the next running beams are the k best candidates that do not hit;
+  * hitting candidates ranked in the top k become finished hypotheses scored
+    ``(c_b + logprob) / (g + 1) ** length_penalty``; the k best hypotheses are kept;
+  * search ends when every candidate hits, or when all k hypotheses exist and the best running beam's
+    ``c / (g + 1) ** length_penalty`` cannot beat the worst hypothesis (HF's heuristic).
+``step`` only decides; ``step_beams`` applies a decision to a request's sequences (forks for beams that
+branch, the pruned ones to finish) and ``beam_outputs`` gives the final hypotheses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rawpaged.engine.outputs import CompletionOutput
+
+
+@dataclass
+class Hypothesis:
+    score: float
+    cumulative_logprob: float
+    token_ids: list  # generated tokens, the final (hitting) one included
+    hit_eos: bool
+
+
+@dataclass
+class BeamState:
+    """Search state of one request: finished hypotheses (best first) and the stop flag."""
+
+    width: int
+    length_penalty: float
+    finished: list = field(default_factory=list)
+    improvement_possible: bool = True
+    done: bool = False
+
+
+@dataclass
+class Candidate:
+    parent: int  # index into the running beams passed to ``step``
+    token_id: int
+    cumulative_logprob: float
+
+
+def step(state: BeamState, cum_logprobs: list, generated: list, logprob_rows: np.ndarray,
+         stop_ids: set, max_new_tokens: int) -> list:
+    """Advance one token. Returns the next running beams as ``Candidate``s (best first).
+
+    Args:
+        cum_logprobs: cumulative logprob of each running beam (float).
+        generated: each running beam's generated token ids so far (all the same length g).
+        logprob_rows: float32 ``[num_beams, vocab]`` log_softmax of each beam's logits.
+        stop_ids: token ids that end a hypothesis (EOS unless ignored, plus stop_token_ids).
+        max_new_tokens: length limit of generated tokens.
+    """
+    k = state.width
+    g = len(generated[0])
+    totals = logprob_rows.astype(np.float64) + np.asarray(cum_logprobs, np.float64)[:, None]
+    flat = totals.reshape(-1)
+    keep = min(2 * k, flat.size)
+    top = np.argpartition(-flat, keep - 1)[:keep]
+    # Order as torch.topk: by value, ties by lower flat index.
+    top = top[np.lexsort((top, -flat[top]))]
+    vocab = logprob_rows.shape[1]
+    at_limit = g + 1 >= max_new_tokens
+    running, new_finished = [], []
+    for rank, idx in enumerate(top):
+        parent, token, total = int(idx // vocab), int(idx % vocab), float(flat[idx])
+        hits = at_limit or token in stop_ids
+        if hits:
+            if rank < k and state.improvement_possible:
+                new_finished.append(Hypothesis(total / (g + 1) ** state.length_penalty, total,
+                                               generated[parent] + [token], token in stop_ids))
+        elif len(running) < k:
+            running.append(Candidate(parent, token, total))
+    merged = state.finished + new_finished
+    merged.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as in torch.topk on the concat
+    state.finished = merged[:k]
+    if running and len(state.finished) == k:
+        best_possible = running[0].cumulative_logprob / (g + 1) ** state.length_penalty
+        if best_possible <= state.finished[-1].score:
+            state.improvement_possible = False
+    state.done = not running or not state.improvement_possible
+    return running
+
+
+def stop_token_ids(params, eos_token_ids) -> set:
+    """Token ids that end a hypothesis: ``stop_token_ids``, plus EOS unless ``ignore_eos``."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
+def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tuple:
+    """Advance request ``req`` by one token once all its running beams have their ``pending_logprobs``.
+
+    Every chosen ``(parent, token)`` gets a sequence: the parent itself the first time, a fork
+    (``fork(req, parent)``, sharing the parent's blocks) after. Returns ``(sampled, pruned)``: the
+    ``(sequence, token_id)`` pairs to append, and the beams no candidate continues (to finish).
+    ``req.beams`` becomes the chosen sequences, their cumulative logprobs set.
+    """
+    params, beams = req.params, req.beams
+    limit = min(params.max_tokens, max_model_len - len(req.prompt_token_ids))
+    rows = np.stack([b.pending_logprobs for b in beams])
+    for b in beams:
+        b.pending_logprobs = None
+    chosen = step(req.beam, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams], rows,
+                  stop_token_ids(params, eos_token_ids), limit)
+    claimed, sampled = set(), []
+    for cand in chosen:
+        parent = beams[cand.parent]
+        seq = parent if cand.parent not in claimed else fork(req, parent)
+        claimed.add(cand.parent)
+        seq.cumulative_logprob = cand.cumulative_logprob
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        sampled.append((seq, cand.token_id))
+    req.beams = [seq for seq, _ in sampled]
+    return sampled, [b for i, b in enumerate(beams) if i not in claimed]
+
+
+def beam_outputs(req, tokenizer, eos_token_ids) -> list:
+    """The ``n`` best finished hypotheses of a done search, best first, as ``CompletionOutput``s."""
+    stop_ids = stop_token_ids(req.params, eos_token_ids)
+    return [CompletionOutput(index=i, text=tokenizer.decode(hyp.token_ids), token_ids=list(hyp.token_ids),
+                             finish_reason="stop" if hyp.token_ids[-1] in stop_ids else "length",
+                             cumulative_logprob=hyp.cumulative_logprob)
+            for i, hyp in enumerate(req.beam.finished[: req.params.n])]

@@ -1,0 +1,71 @@
+"""Requests in: a prompt (text or token ids) becomes validated token ids, or an ``InvalidRequestError``
+naming the field at fault, before anything is queued (after vLLM v1's input processor)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rawpaged.errors import InvalidRequestError
+from rawpaged.sampling_params import SamplingParams
+from rawpaged.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    """Args:
+        tokenizer: the model's tokenizer.
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_model_len: prompt + generated tokens per sequence.
+        block_size, num_blocks: the KV pool, which must hold a request's whole footprint when empty.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def tokenize(self, prompt) -> tuple:
+        """``prompt`` (a string, ``{"prompt_token_ids": [...]}`` optionally with its ``"prompt"`` text, or
+        ``{"prompt": str}``) -> ``(text or None, token ids)``, unvalidated."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
+                return prompt.get("prompt"), list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequestError("prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'", "prompt")
+
+    def check_prompt(self, ids: list) -> None:
+        """Raises InvalidRequestError (param "prompt") for no tokens, ids outside the vocabulary, or a
+        prompt that leaves no room to generate within ``max_model_len``."""
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt_token_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}",
+                                      "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"this model's maximum context length (max_model_len) is {self.max_model_len} "
+                                      f"tokens; the prompt has {len(ids)} tokens and at least one must remain for "
+                                      f"generation", "prompt")
+
+    def process(self, prompt, params: SamplingParams) -> tuple:
+        """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
+        footprint (prompt + ``max_tokens``, capped by ``max_model_len``; times ``beam_width`` for beam
+        search) must fit the empty pool (InvalidRequestError, param "max_tokens")."""
+        text, ids = self.tokenize(prompt)
+        self.check_prompt(ids)
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        need = -(-total // self.block_size)
+        if params.use_beam_search:  # beams run together; each may end up holding its own blocks
+            need *= params.beam_width
+        if need > self.num_blocks:
+            beams = f" x beam_width {params.beam_width}" if params.use_beam_search else ""
+            raise InvalidRequestError(f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
+                                      f"{beams}) but the pool has only {self.num_blocks}", "max_tokens")
+        return text, [int(t) for t in ids]

@@ -1,0 +1,228 @@
+"""The engine core: requests in (``add_request``, ``abort_request``), one ``step()`` at a time, outputs out.
+
+A step: the ``Scheduler`` picks what runs -> the ``ModelRunner`` computes logits for the sequences that
+reached their last token -> new samples fork (``parallel_sampling``), beams branch (``beam_search``), the
+backend samples -> ``Scheduler.update_from_output`` appends tokens, stops and frees -> the
+``OutputProcessor`` makes text and ``RequestOutput``s. ``AsyncEngine`` drives it from asyncio, ``LLM``
+offline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from rawpaged.config import EngineConfig, resolve_dtypes
+from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.scheduler import Scheduler, SchedulerStats
+from rawpaged.core.sequence import Sequence
+from rawpaged.dtypes import numpy_dtype
+from rawpaged.engine import beam_search, parallel_sampling
+from rawpaged.engine.input_processor import InputProcessor
+from rawpaged.engine.output_processor import OutputProcessor
+from rawpaged.engine.request import Request
+from rawpaged.errors import InvalidRequestError
+from rawpaged.kernels import get_backend
+from rawpaged.model_executor.model_loader import load_config, load_weights, resolve_model_dir
+from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
+from rawpaged.model_executor.models.llama import LlamaModel
+from rawpaged.model_executor.sampler import draw_uniform, log_softmax
+from rawpaged.sampling_params import SamplingParams
+from rawpaged.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Continuous-batching engine over the paged KV cache.
+
+    Raises (constructor): ValueError for a bad model directory or configuration; RuntimeError when
+    ``device="cuda"`` and no usable GPU exists.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = mc = load_config(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.backend = get_backend(config.device)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.dtype, self.kv_cache_dtype = resolve_dtypes(config.dtype, config.kv_cache_dtype, self.backend,
+                                                         mc.torch_dtype)
+        weights = load_weights(self.model_dir, mc)
+        self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
+        del weights
+        kv_dtype = numpy_dtype(self.kv_cache_dtype)
+        self.kv_block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
+                                             mc.head_dim, kv_dtype)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = config.kv_cache_memory or self.backend.default_kv_cache_memory(config.gpu_memory_utilization)
+            num_blocks = max(1, budget // self.kv_block_bytes)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+                                   config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   self.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
+        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size,
+                                              num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.scheduler.kv_cache_manager
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; ``prompt`` is a string or ``{"prompt_token_ids": [...]}``/``{"prompt": str}``.
+
+        Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
+        token ids outside the vocabulary, a prompt that leaves no room in ``max_model_len``, one that
+        cannot fit even in the empty pool, or a ``request_id`` in use.
+        """
+        params = params or SamplingParams()
+        text, ids = self.input_processor.process(prompt, params)
+        request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        req = Request(request_id, text, ids, params, time.monotonic())
+        seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
+        req.seqs.append(seq)
+        if params.use_beam_search:
+            req.beam = beam_search.BeamState(params.beam_width, params.length_penalty)
+            req.beams = [seq]
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _seq_rng(self, params: SamplingParams, index: int) -> np.random.Generator:
+        """Sample ``index``'s generator: from the request's seed, else from the engine's generator."""
+        seed = params.seed
+        return np.random.default_rng([seed, index] if seed is not None else self._rng.integers(1 << 62))
+
+    def _fork(self, req: Request, parent: Sequence, index: int | None = None) -> Sequence:
+        """A new sequence of ``req`` continuing from ``parent`` and sharing its blocks."""
+        index = len(req.seqs) if index is None else index
+        child = parent.fork(next(self._seq_ids), index, self._seq_rng(req.params, index))
+        req.seqs.append(child)
+        self.scheduler.fork(parent, child)
+        return child
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now; its blocks return to the pool. False if it is unknown or finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish_seqs(req.seqs, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def warmup(self) -> float:
+        """Run two short requests (a 40-token prompt greedy, a 5-token one sampled; plain and tiled prefill,
+        decode, device sampling) so every kernel is compiled or loaded from its cache before serving, then
+        reset the counters ``stats`` reports. Call with no requests queued. Returns the seconds taken."""
+        if self.requests:
+            raise RuntimeError("warmup() needs an idle engine")
+        t0 = time.monotonic()
+        vocab = self.model_config.vocab_size
+        for n, params in ((40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+                          (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True))):
+            self.add_request({"prompt_token_ids": [(7 * i + 3) % vocab for i in range(n)]}, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv_cache_manager.reset_stats()
+        self.scheduler.stats = SchedulerStats()
+        return time.monotonic() - t0
+
+    # ---------------------------------------------------------------------- step
+    def step(self) -> list:
+        """Run one iteration; returns a ``RequestOutput`` for each request that produced tokens or finished."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        logits, sampling = self.runner.execute_model(sched_out)
+        now = time.monotonic()
+        rows = self.runner.fetch_rows(logits, [row for row, seq in enumerate(sampling)
+                                               if _needs_distribution(seq.sampling_params)])
+        touched: dict[str, Request] = {}
+        draws, samples, pruned, beams_done = [], [], [], []  # one draw per sample, all in one backend call
+        beam_sampled = []
+        for row, seq in enumerate(sampling):
+            req = self.requests[seq.request_id]
+            params = req.params
+            if req.beam is not None:
+                seq.pending_logprobs = log_softmax(rows[row])
+                if all(b.pending_logprobs is not None for b in req.beams):
+                    sampled, dead = beam_search.step_beams(req, self._fork, self.eos_token_ids, self.max_model_len,
+                                                           now)
+                    beam_sampled += sampled
+                    pruned += dead
+                    if req.beam.done:
+                        beams_done.append(req)
+                        touched[req.request_id] = req
+                continue
+            lp_row = log_softmax(rows[row]) if parallel_sampling.needs_logprobs(params) else None
+            for target in [seq, *parallel_sampling.fork_samples(req, seq, self._fork)]:
+                draws.append((row, params, draw_uniform(params, target.rng)))
+                samples.append((target, lp_row))
+            touched[req.request_id] = req
+        tokens = [int(t) for t in self.runner.sample(logits, draws)]
+        self.scheduler.update_from_output(
+            sched_out, [(seq, tok) for (seq, _), tok in zip(samples, tokens)] + beam_sampled)
+        self.scheduler.finish_seqs(pruned, "beam_pruned")
+        for req in beams_done:
+            self.scheduler.finish_seqs(req.beams, "beam_done")
+            req.beams = []
+        stopped = self.output_processor.process_tokens(
+            [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens)], now)
+        self.scheduler.finish_seqs(stopped, "stop")
+        outputs = [self.output_processor.make_output(req) for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    # --------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """Pool, cache and scheduler counters. ``num_running``/``num_waiting`` count sequences (n > 1 and
+        beams have several per request); ``num_requests_running`` counts requests with a sequence in the
+        running batch, ``num_requests_waiting`` the others not finished."""
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        sched = self.scheduler
+        running_requests = {s.request_id for s in sched.running}
+        return {
+            "num_total_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_used_blocks": pool.num_used_blocks,
+            "num_shared_blocks": pool.num_shared_blocks,
+            "num_cached_blocks": pool.num_cached_free_blocks,
+            "kv_cache_usage": pool.usage(),
+            "block_size": kv.block_size,
+            "num_preemptions": sched.stats.num_preemptions,
+            "num_cow_copies": pool.num_cow_copies,
+            "peak_used_blocks": pool.peak_used_blocks,
+            "prefix_cache_queries": kv.num_prefix_queries,
+            "prefix_cache_hits": kv.num_prefix_hits,
+            "num_running": len(sched.running),  # sequences
+            "num_waiting": len(sched.waiting),
+            "num_requests_running": len(running_requests),
+            "num_requests_waiting": len({s.request_id for s in sched.waiting} - running_requests),
+            "prompt_tokens_total": sched.stats.num_prompt_tokens,
+            "generation_tokens_total": sched.stats.num_generation_tokens,
+            "num_steps": sched.stats.num_steps,
+        }
+
+
+def _needs_distribution(params: SamplingParams) -> bool:
+    """Whether a row's whole distribution must reach the host (logprobs, best_of, beams); sampling itself
+    runs on the backend and returns only ids."""
+    return parallel_sampling.needs_logprobs(params) or params.use_beam_search

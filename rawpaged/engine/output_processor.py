@@ -1,0 +1,91 @@
+"""From sampled tokens to what the user sees: logprobs, incremental text, stop strings, and the
+``RequestOutput`` of each request that moved (after vLLM v1's ``OutputProcessor``).
+
+Token-level stops (EOS, ``stop_token_ids``, ``max_tokens``, ``max_model_len``) are the scheduler's
+(``Scheduler.update_from_output``); stop strings need the text, so they are found here, and the engine
+finishes those sequences through the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rawpaged.engine import parallel_sampling
+from rawpaged.engine.beam_search import beam_outputs
+from rawpaged.engine.detokenizer import IncrementalDetokenizer
+from rawpaged.engine.outputs import CompletionOutput, RequestOutput
+from rawpaged.engine.stop_strings import truncate_at_stop_string, visible_text
+from rawpaged.tokenizer import Tokenizer
+
+
+def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:
+    """``{token_id: logprob}`` for the chosen token plus the ``k`` most likely ones (of the float32
+    ``log_softmax`` row of the model's raw logits, as vLLM reports them)."""
+    out = {int(token_id): float(logprobs_row[token_id])}
+    if k > 0:
+        top = np.argpartition(-logprobs_row, k)[:k]
+        for t in top[np.argsort(-logprobs_row[top], kind="stable")]:
+            out.setdefault(int(t), float(logprobs_row[t]))
+    return out
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+
+    def process_tokens(self, sampled: list, now: float) -> list:
+        """For each ``(sequence, token_id, logprobs_row)`` appended this step (``logprobs_row`` the
+        float32 ``log_softmax`` of its logits, or None when not needed): logprobs, first-token time, new
+        text, stop strings. A sequence stopped by a token id shows none of that token's text; one whose
+        text is final at its length limit gets its held-back characters.
+
+        Returns the running sequences a stop string ended (the caller finishes them, reason "stop"); one
+        the length limit ended with the same token takes reason "stop" here (as vLLM: the stop string wins).
+        """
+        stopped = []
+        for seq, token, lp_row in sampled:
+            params = seq.sampling_params
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if lp_row is not None:
+                seq.cumulative_logprob += float(lp_row[token])
+                if params.logprobs is not None:
+                    seq.logprobs.append(top_logprobs(lp_row, token, params.logprobs))
+            if seq.finish_reason == "stop":  # EOS or a stop token id, found by the scheduler
+                continue
+            new_text = self.detokenizer.step(seq)
+            if params.stop_strings and new_text and truncate_at_stop_string(seq, len(new_text)):
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    stopped.append(seq)
+            elif seq.finish_reason == "length":
+                self.detokenizer.flush(seq)
+        return stopped
+
+    def make_output(self, req) -> RequestOutput:
+        """The cumulative ``RequestOutput`` of ``req`` now (marks the text it shows as emitted)."""
+        finished = req.finished
+        params = req.params
+        outputs = []
+        if req.beam is not None:
+            if finished:
+                outputs = beam_outputs(req, self.tokenizer, self.eos_token_ids)
+        else:
+            for index, seq in parallel_sampling.shown_sequences(req, finished):
+                text = visible_text(seq)
+                seq.num_text_emitted = len(text)
+                outputs.append(CompletionOutput(
+                    index=index, text=text, token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
+                    logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None))
+        first = min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": first}
+        if finished:
+            metrics["finished_time"] = time.monotonic()
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished,
+                             req.seqs[0].num_cached_tokens, metrics)

@@ -1,0 +1,196 @@
+"""The aiohttp application: routes, API-key and error middleware, model loading at start-up, and
+``serve`` (listen until stopped, then shut down cleanly).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (``openai/``), GET /v1/ws
+(``websocket``), GET /health, GET /metrics, GET /v1/debug/stats (``health``). The protocol is described
+in README.md ("Server").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from rawpaged.config import EngineConfig
+from rawpaged.engine.async_engine import AsyncEngine, EngineDeadError
+from rawpaged.entrypoints import health
+from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
+from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
+from rawpaged.entrypoints.openai.serving_completion import create_completion
+from rawpaged.entrypoints.openai.serving_models import show_available_models
+from rawpaged.entrypoints.server_state import (DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, STATE, ServerState,
+                                                error_response)
+from rawpaged.entrypoints.websocket import websocket_handler
+
+logger = logging.getLogger("rawpaged.server")
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    if state.api_key and request.path not in OPEN_PATHS:
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+            return error_response(state, 401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                  type="authentication_error", code="invalid_api_key")
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        return error_response(state, e.status, e.message, e.type, e.param, e.code)
+    except EngineDeadError as e:
+        return error_response(state, 500, str(e), "internal_server_error")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = {404: "not_found_error"}.get(e.status, "invalid_request_error")
+        return error_response(state, e.status, e.reason if e.text is None else e.text.removeprefix(f"{e.status}: "),
+                              kind)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:  # noqa: BLE001
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(state, 500, "internal server error", "internal_server_error")
+
+
+def model_name_of(config: EngineConfig) -> str:
+    """The name clients use for ``config.model``: the default model's name, or the directory's."""
+    from rawpaged import weights
+
+    if config.model is None:
+        return weights.DEFAULT_MODEL
+    return Path(config.model).expanduser().name or str(config.model)
+
+
+def create_app(config: EngineConfig | None = None, *, engine=None, loader: Callable | None = None,
+               served_model_name: str | None = None, api_key: str | None = None,
+               max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+               max_n: int = 16) -> web.Application:
+    """The aiohttp application.
+
+    The model comes from ``engine`` (an ``LLMEngine`` or ``AsyncEngine``, ready now), ``loader`` (a
+    callable returning an ``LLMEngine``, run in a thread at startup) or ``config`` (``LLMEngine(config)``
+    plus a warm-up, in a thread). While loading, ``/health`` answers 503 and generation routes 503.
+    """
+    from rawpaged.engine.llm_engine import LLMEngine
+
+    config = config or EngineConfig()
+    if engine is None and loader is None:
+        def loader():
+            engine = LLMEngine(config)
+            logger.info("warm-up run (kernels compiled or loaded from their cache) took %.1fs", engine.warmup())
+            return engine
+    name = served_model_name or model_name_of(config)
+    aliases = {name, model_name_of(config)} | ({config.model} if config.model else set())
+    state = ServerState(model_name=name, model_aliases=aliases, loader=loader, api_key=api_key or None,
+                        limits=Limits(max_tokens=max_tokens_limit, max_n=max_n), max_body_size=max_body_size)
+    app = web.Application(client_max_size=max_body_size, middlewares=[_middleware])
+    app[STATE] = state
+
+    async def on_startup(app):
+        loop = asyncio.get_running_loop()
+        state.failed = asyncio.Event()
+        state.load_started = time.monotonic()
+        if engine is not None:
+            if isinstance(engine, AsyncEngine):
+                state.engine, state.owns_engine = engine, False
+            else:
+                state.engine = AsyncEngine(engine, metrics=state.metrics)
+            return
+
+        def load():  # a daemon thread: a hung or slow load never blocks shutdown
+            try:
+                result, error = state.loader(), None
+            except BaseException as e:  # noqa: BLE001
+                logger.debug("model load failed", exc_info=True)
+                lines = str(e).strip().splitlines()
+                result, error = None, (lines[0] if lines else type(e).__name__)
+            try:
+                loop.call_soon_threadsafe(loaded, result, error)
+            except RuntimeError:  # the loop is gone
+                pass
+
+        def loaded(result, error):
+            if error is not None:
+                state.load_error = error
+                state.failed.set()
+                return
+            state.engine = AsyncEngine(result, metrics=state.metrics)
+            logger.info("ready: model %s loaded and warmed up in %.1fs on %s (%s, KV cache %s: %d blocks of %d "
+                        "tokens, max_model_len %d)", state.model_name, time.monotonic() - state.load_started,
+                        result.backend.name, result.dtype, result.kv_cache_dtype, result.kv_cache_manager.num_blocks,
+                        result.config.block_size, result.max_model_len)
+
+        threading.Thread(target=load, name="rawpaged-load", daemon=True).start()
+
+    async def on_cleanup(app):
+        if state.engine is not None and state.owns_engine:
+            await state.engine.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", show_available_models)
+    app.router.add_get("/v1/ws", websocket_handler)
+    app.router.add_get("/v1/debug/stats", health.debug_stats)
+    app.router.add_get("/health", health.health)
+    app.router.add_get("/metrics", health.metrics)
+    return app
+
+
+async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, *, handle_signals: bool = True,
+                stop: asyncio.Event | None = None, on_started: Callable | None = None) -> int:
+    """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM), or until the model fails to load.
+
+    Returns the exit code: 0 after a stop, 1 if the port cannot be bound or the model failed to load
+    (a one-line ``error: ...`` goes to stderr). ``on_started(port)`` is called once listening.
+    """
+    # A short grace period on shutdown: streams in flight get 5 s to finish, then are cancelled (aborted).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    state = app[STATE]
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        print(f"error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    bound = runner.addresses[0][1] if runner.addresses else port
+    logger.info("listening on http://%s:%d (health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s", host,
+                bound, "serving" if state.engine is not None else "loading", state.model_name)
+    if on_started is not None:
+        on_started(bound)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if handle_signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(state.failed.wait())]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        code = 1 if state.failed.is_set() else 0
+        if code:
+            print(f"error: {state.load_error}", file=sys.stderr)
+        else:
+            logger.info("shutting down")
+        await runner.cleanup()
+    return code

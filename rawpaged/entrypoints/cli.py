@@ -1,0 +1,222 @@
+"""The command line: ``rawpaged serve [options]`` (also ``python server.py [options]``) and
+``rawpaged generate --prompt ...``.
+
+Engine options are built from ``EngineConfig``'s fields: one ``--flag`` per field, its type, choices
+and default from the annotation, its help from the field's docstring, so a new engine option needs no
+CLI code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import dataclasses
+import inspect
+import logging
+import re
+import sys
+import textwrap
+import typing
+from pathlib import Path
+
+from rawpaged.config import EngineConfig
+from rawpaged.entrypoints.server_state import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1.5GB', '4M' (single letters are binary), '1000000'."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB, 1000000)")
+    num, unit, i, b = m.groups()
+    power = "kmgt".find(unit.lower()) + 1 if unit else 0
+    base = 1000 if (unit and b and not i) else 1024
+    value = int(float(num) * base ** power)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those options describe their default in words)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, argparse.SUPPRESS) else super()._get_help_string(action)
+
+
+# ------------------------------------------------------------------------------------------ engine options
+def field_docs(cls) -> dict:
+    """``{field: docstring}`` from the string literal that follows each annotated field of ``cls``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+#: Command-line parsing that differs from the field's type: (type, metavar).
+_ARG_TYPES = {"kv_cache_memory": (parse_size, "SIZE"), "num_kv_blocks": (_positive_int, None)}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
+    """One option per ``EngineConfig`` field but ``exclude`` (``--num-kv-blocks`` and
+    ``--kv-cache-memory`` exclusive); ``--no-prefix-caching`` is kept as a short form of
+    ``--no-enable-prefix-caching``."""
+    docs = field_docs(EngineConfig)
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options")
+    pool = group.add_mutually_exclusive_group()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        target = pool if f.name in ("num_kv_blocks", "kv_cache_memory") else group
+        hint = hints[f.name]
+        kw = dict(default=f.default, help=docs.get(f.name, ""))
+        if hint is bool:
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if typing.get_origin(hint) is typing.Literal:
+            kw["choices"] = typing.get_args(hint)
+        else:
+            base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            kw["type"], metavar = _ARG_TYPES.get(f.name, (base[0], None))
+            if metavar:
+                kw["metavar"] = metavar
+        target.add_argument(flag, **kw)
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=argparse.SUPPRESS, help="same as --no-enable-prefix-caching")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """``EngineConfig`` from parsed options (fields without an option keep their default). Raises
+    ValueError naming the field for an invalid value."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                           if hasattr(args, f.name)})
+
+
+def _check_model_arg(model: str | None) -> str | None:
+    """An error line for a ``--model`` that is neither a directory nor the default model's name."""
+    from rawpaged import weights
+
+    if model is not None and not Path(model).expanduser().is_dir() and model != weights.DEFAULT_MODEL:
+        return f"error: --model {model!r} is not a directory"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ serve
+def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=_HelpFormatter,
+        description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models), websocket streaming (/v1/ws), /health and Prometheus /metrics.")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use in 'model' (default: the model directory's name)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; use 0.0.0.0 to accept connections from other machines")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every route except /health and /metrics")
+    p.add_argument("--max-tokens-limit", type=_positive_int, default=DEFAULT_MAX_TOKENS_LIMIT,
+                   help="largest max_tokens a request may ask for (larger: HTTP 400); also the chat default")
+    p.add_argument("--max-body-size", type=parse_size, default=DEFAULT_MAX_BODY_SIZE,
+                   help="largest request body or websocket message in bytes (larger: HTTP 413)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="logging level (info: one line per request)")
+    add_engine_args(p)
+    return p
+
+
+def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
+    """``rawpaged serve``: exit code 0 after Ctrl-C/SIGTERM, 1 for a bad option, port or model."""
+    from rawpaged.entrypoints.app import create_app, serve
+
+    args = build_serve_parser(prog).parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    error = _check_model_arg(config.model)
+    if error:
+        print(error, file=sys.stderr)
+        return 1
+    app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
+                     max_tokens_limit=args.max_tokens_limit, max_body_size=args.max_body_size)
+    try:
+        return asyncio.run(serve(app, args.host, args.port))
+    except KeyboardInterrupt:
+        return 130
+
+
+# ------------------------------------------------------------------------------------------ generate
+def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter,
+                                description="Generate from one prompt and stream the text to stdout.")
+    p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
+    add_engine_args(p, exclude=("seed",))
+    return p
+
+
+def generate_main(argv: list | None = None, prog: str = "rawpaged generate") -> int:
+    """``rawpaged generate``: prints the text as it is generated; exit code 1 with one ``error:`` line."""
+    from rawpaged.engine.llm_engine import LLMEngine
+    from rawpaged.engine.outputs import DeltaTracker
+    from rawpaged.sampling_params import SamplingParams
+
+    args = build_generate_parser(prog).parse_args(argv)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens)
+        config = engine_config_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "seed"}))
+        engine = LLMEngine(config)
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        engine.add_request(prompt, params)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    tracker = DeltaTracker()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for delta in tracker.deltas(out):
+                print(delta.text, end="", flush=True)
+    print()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ rawpaged
+def main(argv: list | None = None) -> int:
+    """``rawpaged serve|generate [options]``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {"serve": serve_main, "generate": generate_main}
+    if not argv or argv[0] not in commands:
+        print("usage: rawpaged {serve,generate} [options]   (rawpaged <command> --help for its options)",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:], prog=f"rawpaged {argv[0]}")

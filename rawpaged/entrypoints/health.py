@@ -1,0 +1,37 @@
+"""Operations routes: ``GET /health`` (503 while the model loads, then 200), ``GET /metrics``
+(Prometheus text) and ``GET /v1/debug/stats`` (the engine's counters as JSON)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from rawpaged.engine.async_engine import EngineDeadError
+from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rawpaged.entrypoints.server_state import STATE, json_response, require_engine
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine is not None:
+        return json_response({"status": "ok", "model": state.model_name})
+    if state.load_error:
+        return json_response({"status": "error", "message": state.load_error}, status=503)
+    return json_response({"status": "loading", "model": state.model_name,
+                          "seconds": round(time.monotonic() - state.load_started, 1)}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    stats = None
+    if state.engine is not None:
+        try:
+            stats = await state.engine.stats()
+        except EngineDeadError:
+            pass
+    return web.Response(body=state.metrics.render(stats), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def debug_stats(request: web.Request) -> web.Response:
+    return json_response(await require_engine(request.app[STATE]).stats())

@@ -1,0 +1,65 @@
+"""Offline inference: ``LLM(model=None).generate(prompts, SamplingParams(...))``, named after vLLM's."""
+
+from __future__ import annotations
+
+from rawpaged.config import EngineConfig
+from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.sampling_params import SamplingParams
+
+
+class LLM:
+    """An ``LLMEngine`` run to completion for each call.
+
+    Args: those of ``EngineConfig`` (model, device, dtype, block_size, num_kv_blocks, max_num_seqs,
+    max_model_len, ...), with the same defaults. Raises ValueError for bad configuration or model files,
+    RuntimeError for ``device="cuda"`` without a usable GPU.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None) -> list:
+        """Generate for one prompt or a list; returns ``RequestOutput``s in input order.
+
+        ``sampling_params`` is one ``SamplingParams`` for all or a list (one per prompt). If any prompt
+        is invalid, a ValueError is raised and nothing is left queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids.append(self.engine.add_request(prompt, params))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        final = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def chat(self, messages, sampling_params=None) -> list:
+        """Like ``generate`` for one conversation (list of {"role", "content"}) or a list of them,
+        rendered with the model's chat template and ``add_generation_prompt=True``."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
+                    n: int | None = None, ignore_eos: bool = False) -> list:
+        """Beam search for each prompt; ``outputs`` holds the ``n`` (default ``beam_width``) best
+        hypotheses, best first (HF transformers' semantics, see ``rawpaged.engine.beam_search``)."""
+        params = SamplingParams(n=n or beam_width, beam_width=beam_width, max_tokens=max_tokens,
+                                length_penalty=length_penalty, temperature=0.0, ignore_eos=ignore_eos)
+        return self.generate(prompts, params)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

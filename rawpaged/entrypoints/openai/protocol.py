@@ -1,0 +1,471 @@
+"""The wire protocol: request bodies as pydantic models (as vLLM's ``entrypoints/openai/protocol.py``),
+the OpenAI response and stream-chunk shapes, and error bodies. Knows JSON, not HTTP or the engine.
+
+Parsing checks JSON types (strict: ``true`` is not a number, ``"1"`` is not an integer) and the rules
+that are OpenAI's or this server's (limits, streaming restrictions, refused parameters). Ranges and
+cross-field rules are ``SamplingParams``'s: its ``InvalidRequestError`` names the field, which becomes the
+error body's ``param``. Every refusal is a :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rawpaged.errors import InvalidRequestError
+from rawpaged.sampling_params import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; ``status`` and ``body()`` are what the client gets."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class Limits:
+    """Server-side limits applied while parsing."""
+
+    max_tokens: int = 4096  # a request asking for more generated tokens gets a 400
+    max_n: int = 16  # n and best_of at most
+    max_prompts: int = MAX_PROMPTS  # prompts per /v1/completions request at most
+
+
+# ------------------------------------------------------------------------------------------ requests
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored, as by OpenAI; known ones must have exactly their JSON type.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = None
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content is required (a string or a list of text parts)")
+        return self
+
+    def as_template_message(self) -> dict:
+        """``{"role", "content"}`` for the chat template: text parts joined, "developer" as "system"."""
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class GenerationRequest(OpenAIBaseModel):
+    """Fields shared by completions, chat and websocket ``generate`` (OpenAI's, plus vLLM's extras
+    ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``use_beam_search``, ``length_penalty``)."""
+
+    model: str | None = None
+    user: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    # Accepted only at their neutral values.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict | None = None
+    suffix: str | None = None
+    tools: list | None = None
+    functions: list | None = None
+    response_format: dict | None = None
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def kind(self) -> str:
+        """"completion" or "chat": the response shapes and the ``max_tokens`` default."""
+        return "completion"
+
+    @property
+    def prompt_param(self) -> str:
+        return "prompt"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens`` as sent, or None: the server then picks a default that fits the context."""
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated token, or None for none."""
+        return None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_kwargs(self) -> dict:
+        """``SamplingParams`` keyword arguments except ``max_tokens``."""
+        kw = dict(n=self.num_choices, temperature=1.0 if self.temperature is None else self.temperature)
+        for name in ("top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.seed is not None:
+            kw["seed"] = self.seed % (1 << 64)  # negative seeds (valid in OpenAI's API) map to unsigned
+        if self.num_logprobs is not None:
+            kw["logprobs"] = self.num_logprobs
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None:
+            kw["best_of"] = best_of
+        if self.use_beam_search:  # vLLM's extra parameters: width best_of (or n), greedy by nature
+            kw["beam_width"] = max(kw.pop("best_of", kw["n"]), kw["n"], 2)
+            kw["temperature"] = 0.0
+            if self.length_penalty is not None:
+                kw["length_penalty"] = self.length_penalty
+        return kw
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's ``SamplingParams``; its ``InvalidRequestError`` becomes a ProtocolError naming
+        the field as the client sent it."""
+        try:
+            return SamplingParams(max_tokens=max_tokens, **self.sampling_kwargs())
+        except InvalidRequestError as e:
+            param, message = self._client_param(e.param), str(e)
+            if param != e.param and message.startswith(e.param):
+                message = param + message[len(e.param):]
+            raise ProtocolError(message, param=param) from None
+
+    def _client_param(self, param: str | None) -> str | None:
+        return self.max_tokens_param if param == "max_tokens" else param
+
+    # ---------------------------------------------------------------- rules
+    def check(self, limits: Limits) -> None:
+        """OpenAI's and this server's rules, then the engine's own checks on the whole parameter set."""
+        max_tokens = self.requested_max_tokens
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise ProtocolError(f"{self.max_tokens_param} is {max_tokens}; this server allows at most "
+                                f"{limits.max_tokens}", param=self.max_tokens_param)
+        for name in ("n", "best_of"):
+            value = getattr(self, name, None)
+            if value is not None and value > limits.max_n:
+                raise ProtocolError(f"{name} is {value}; this server allows at most {limits.max_n}", param=name)
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ProtocolError(f"seed must be a 64-bit integer, got {self.seed}", param="seed")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ProtocolError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and (getattr(self, "best_of", None) or self.num_choices) > self.num_choices:
+            raise ProtocolError("best_of > n cannot be streamed", param="best_of")
+        if self.use_beam_search and self.stream:
+            raise ProtocolError("beam search cannot be streamed (beams are chosen at the end)",
+                                param="use_beam_search")
+        if self.length_penalty is not None and not self.use_beam_search:
+            raise ProtocolError("length_penalty applies to beam search only (use_beam_search: true)",
+                                param="length_penalty")
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ProtocolError(f"{name} is not supported by this server (only {neutral})", param=name)
+        if self.logit_bias:
+            raise ProtocolError("logit_bias is not supported by this server", param="logit_bias")
+        if self.suffix:
+            raise ProtocolError("suffix is not supported by this server", param="suffix")
+        if self.tools or self.functions:
+            raise ProtocolError("tools are not supported by this server", param="tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ProtocolError('response_format: only {"type": "text"} is supported', param="response_format")
+        self.sampling_params(1 if max_tokens is None else max_tokens)
+
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+def _prompt_list(prompt, limits: Limits | None = None) -> list:
+    """``str | [str] | [int] | [[int]]`` -> a list of prompts (strings or token-id lists)."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ProtocolError("prompt is empty", param="prompt")
+    if limits is not None and len(prompts) > limits.max_prompts:
+        raise ProtocolError(f"{len(prompts)} prompts in one request; at most {limits.max_prompts}", param="prompt")
+    return prompts
+
+
+class CompletionRequest(GenerationRequest):
+    """A ``POST /v1/completions`` body."""
+
+    prompt: PromptType
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self, limits: Limits) -> list:
+        return _prompt_list(self.prompt, limits)
+
+    def check(self, limits: Limits) -> None:
+        super().check(limits)
+        self.prompts(limits)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """A ``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "chat"
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages"
+
+    @property
+    def max_tokens_param(self) -> str:  # max_completion_tokens wins, as in OpenAI's API
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _client_param(self, param: str | None) -> str | None:
+        return "top_logprobs" if param == "logprobs" else super()._client_param(param)
+
+    def check(self, limits: Limits) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        super().check(limits)
+
+    def template_messages(self) -> list:
+        return [m.as_template_message() for m in self.messages]
+
+
+class WebSocketGenerateRequest(GenerationRequest):
+    """A websocket ``{"type": "generate", "id": ...}`` message: ``prompt`` (a string or token ids) or
+    ``messages`` (rendered with the chat template), plus the completions parameters (``logprobs`` an
+    integer). A socket always streams: the caller drops ``stream`` and ``stream_options``."""
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "chat" if self.messages is not None else "completion"
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check(self, limits: Limits) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("exactly one of prompt and messages is required", param="prompt")
+        super().check(limits)
+
+    def prompts(self, limits: Limits) -> list:
+        return _prompt_list(self.prompt)
+
+    def template_messages(self) -> list:
+        return [m.as_template_message() for m in self.messages]
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
+# Field -> what it must be, for messages clearer than a union's first member's complaint.
+_EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "stop_token_ids": "a list of non-negative integers",
+    "messages": "a non-empty list of {role, content} objects",
+}
+
+
+def parse_request(model: type[GenerationRequest], data, limits: Limits) -> GenerationRequest:
+    """A request body (bytes/str of JSON, or an already decoded object) as ``model``, checked
+    (``GenerationRequest.check``). Raises ProtocolError naming the field at fault."""
+    try:
+        req = model.model_validate_json(data) if isinstance(data, (bytes, str)) else model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e, data) from None
+    req.check(limits)
+    return req
+
+
+def _validation_error(e: ValidationError, data) -> ProtocolError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return ProtocolError(f"request body is not valid JSON: {err['msg']}")
+    # pydantic names the union member it tried ("str", "list[int]") in the location: not a field.
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+    if not loc:
+        return ProtocolError("request body must be a JSON object")
+    param = loc[0]
+    if err["type"] == "missing":
+        return ProtocolError(f"{'.'.join(loc)} is required", param=param)
+    got = json.dumps(err.get("input"), default=str)[:100]
+    if param in _EXPECTED and len(loc) == 1:
+        return ProtocolError(f"{param} must be {_EXPECTED[param]}, got {got}", param=param)
+    return ProtocolError(f"{'.'.join(loc)}: {err['msg']}, got {got}", param=param)
+
+
+# -------------------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def models_response(name: str, created: int, max_model_len: int | None) -> dict:
+    card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name,
+            "parent": None}
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_, "system_fingerprint": None}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _chunk(obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None,
+           include_usage: bool) -> dict:
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+             "system_fingerprint": None}
+    if include_usage:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
+                     include_usage: bool = False) -> dict:
+    return _chunk("text_completion", rid, created, model, choices, usage_, include_usage)
+
+
+def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_, "system_fingerprint": None}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
+               include_usage: bool = False) -> dict:
+    return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage)
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: int = 0) -> dict:
+    """OpenAI's completions ``logprobs`` object for generated tokens; ``entries[i]`` is the engine's
+    ``{token_id: logprob}`` for token i (the chosen token first, then the top ones)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        s = token_text(tokenizer, tid)
+        tokens.append(s)
+        lps.append(entry.get(tid))
+        tops.append({token_text(tokenizer, t): lp for t, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict:
+    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        s = token_text(tokenizer, tid)
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({
+            "token": s, "logprob": entry.get(tid), "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": (ts := token_text(tokenizer, t)), "logprob": lp,
+                              "bytes": list(ts.encode("utf-8"))} for t, lp in top],
+        })
+    return {"content": content}

@@ -1,0 +1,240 @@
+"""What the OpenAI routes (and the websocket) share: reading a body, turning a parsed request into
+engine requests (prompts tokenized off the event loop, checked by the engine, ``max_tokens`` picked), and
+answering with one JSON response or a server-sent-event stream.
+
+The two routes differ only in shapes; each passes a ``ResponseFormat`` (``serving_completion``,
+``serving_chat``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiohttp import web
+
+from rawpaged.engine.async_engine import AsyncEngine, EngineDeadError
+from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
+from rawpaged.entrypoints.openai import protocol
+from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
+from rawpaged.entrypoints.server_state import STATE, ServerState, check_model, json_response, require_engine
+from rawpaged.errors import InvalidRequestError
+from rawpaged.sampling_params import SamplingParams
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body; a 413 past ``--max-body-size``."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProtocolError(f"request body is larger than {request.app[STATE].max_body_size} bytes",
+                            status=413) from None
+
+
+@dataclass
+class PreparedPrompt:
+    text: str | None
+    ids: list
+    params: SamplingParams
+    tokenizer: object
+
+    @functools.cached_property
+    def echo_text(self) -> str:
+        return self.text if self.text is not None else self.tokenizer.decode(self.ids, skip_special_tokens=False)
+
+
+async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: Limits) -> list:
+    """Tokenize (in a worker thread: a long prompt or chat template must not stall the event loop),
+    check each prompt with the engine's own checks, pick ``max_tokens`` (the client's, refused beyond the
+    context; else 16 for completions, for chat whatever fits up to the server's limit) and build its
+    ``SamplingParams``. Raises ProtocolError naming the field."""
+    tok = engine.tokenizer
+
+    def work():
+        if req.kind == "chat":
+            try:
+                text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+            except ValueError as e:
+                raise ProtocolError(str(e), param="messages") from None
+            return [(text, tok.encode(text))]
+        return [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts(limits)]
+
+    items = await asyncio.to_thread(work)
+    max_len = engine.max_model_len
+    out = []
+    for text, ids in items:
+        try:
+            engine.engine.input_processor.check_prompt(ids)
+        except InvalidRequestError as e:
+            raise ProtocolError(str(e), param=req.prompt_param) from None
+        room = max_len - len(ids)
+        requested = req.requested_max_tokens
+        if requested is None:
+            default = protocol.DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else limits.max_tokens
+            max_tokens = min(default, room)
+        elif requested > room:
+            raise ProtocolError(f"this model's maximum context length is {max_len} tokens; the prompt has "
+                                f"{len(ids)} tokens and {req.max_tokens_param} asks for {requested} more",
+                                param=req.max_tokens_param)
+        else:
+            max_tokens = requested
+        out.append(PreparedPrompt(text, list(ids), req.sampling_params(max_tokens), tok))
+    return out
+
+
+async def add_requests(engine: AsyncEngine, req: GenerationRequest, prompts: list, base_id: str) -> list:
+    """One engine request per prompt (ids ``base_id``, or ``base_id-i`` for several); their streams. On
+    any failure every request added so far is aborted."""
+    streams = []
+    try:
+        for i, p in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(await engine.add_request({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, rid))
+    except BaseException as e:
+        for s in streams:
+            engine.abort(s.request_id)
+        if isinstance(e, InvalidRequestError):
+            raise ProtocolError(str(e), param=req.prompt_param if e.param == "prompt" else e.param) from None
+        raise
+    return streams
+
+
+async def merge_streams(streams: list):
+    """Yield ``(prompt_index, RequestOutput)`` from several streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def check_complete(streams: list) -> None:
+    for s in streams:
+        if not s.finished:
+            raise EngineDeadError("the request was aborted by the server")
+
+
+# ------------------------------------------------------------------------------------------ responses
+class ResponseFormat(Protocol):
+    """The shapes of one route's responses."""
+
+    id_prefix: str
+
+    def response(self, rid: str, created: int, model: str, choices: list, usage: dict) -> dict: ...
+
+    def choice(self, req: GenerationRequest, index: int, prompt: PreparedPrompt, output: CompletionOutput) -> dict:
+        """One choice of the full (non-streamed) response."""
+
+    def chunk(self, rid: str, created: int, model: str, choices: list, usage: dict | None,
+              include_usage: bool) -> dict: ...
+
+    def opening_choices(self, req: GenerationRequest, num_choices: int) -> list:
+        """Chunk choices sent before any token (chat: the role of every choice)."""
+
+    def chunk_choice(self, req: GenerationRequest, index: int, prompt: PreparedPrompt,
+                     delta: CompletionDelta) -> dict | None:
+        """The chunk choice for one delta, or None when it carries nothing to send."""
+
+
+async def serve_generation(request: web.Request, req: GenerationRequest, fmt: ResponseFormat) -> web.StreamResponse:
+    """Run ``req`` on the engine and answer in ``fmt``'s shapes: JSON, or SSE with ``stream``. The
+    engine requests are aborted when the handler ends (a no-op for finished ones; frees the blocks of a
+    client that left)."""
+    state = request.app[STATE]
+    check_model(state, req.model)
+    engine = require_engine(state)
+    prompts = await prepare_prompts(engine, req, state.limits)
+    rid = protocol.new_id(fmt.id_prefix)
+    streams = await add_requests(engine, req, prompts, rid)
+    try:
+        if req.stream:
+            return await _stream_response(request, state, req, fmt, rid, prompts, streams)
+        return await _full_response(state, req, fmt, rid, prompts, streams)
+    finally:
+        for s in streams:
+            engine.abort(s.request_id)
+
+
+async def _full_response(state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams) -> web.Response:
+    final = {}
+    async for i, out in merge_streams(streams):
+        final[i] = out
+    check_complete(streams)
+    n = req.num_choices
+    choices, completion_tokens = [], 0
+    for i, p in enumerate(prompts):
+        for c in sorted(final[i].outputs, key=lambda c: c.index):
+            completion_tokens += len(c.token_ids)
+            choices.append(fmt.choice(req, i * n + c.index, p, c))
+    usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)
+    return json_response(fmt.response(rid, protocol.now(), state.model_name, choices, usage))
+
+
+async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams):
+    resp = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    created = protocol.now()
+    model = state.model_name
+    n = req.num_choices
+
+    async def send(obj) -> None:
+        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    trackers = [DeltaTracker() for _ in prompts]
+    completion_tokens = 0
+    try:
+        opening = fmt.opening_choices(req, len(prompts) * n)
+        if opening:
+            await send(fmt.chunk(rid, created, model, opening, None, req.include_usage))
+        async for i, out in merge_streams(streams):
+            choices = [c for d in trackers[i].deltas(out)
+                       if (c := fmt.chunk_choice(req, i * n + d.index, prompts[i], d)) is not None]
+            if out.finished:
+                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if choices:
+                await send(fmt.chunk(rid, created, model, choices, None, req.include_usage))
+        check_complete(streams)
+        if req.include_usage:
+            usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)
+            await send(fmt.chunk(rid, created, model, [], usage, True))
+    except EngineDeadError as e:
+        error = protocol.error_body(str(e), "internal_server_error")
+    except ConnectionError:
+        return resp  # the client left; the caller aborts its requests
+    else:
+        error = None
+    try:
+        if error is not None:
+            await send(error)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+    return resp

@@ -1,0 +1,64 @@
+"""What every route reads: the server's state (engine, limits, metrics, names) and the small helpers
+around it (JSON and error responses, the model and engine checks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from rawpaged.engine.async_engine import AsyncEngine
+from rawpaged.entrypoints.metrics import ServerMetrics
+from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, error_body, now
+
+DEFAULT_MAX_BODY_SIZE = 4 << 20
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    model_aliases: set
+    loader: Callable | None
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    engine: AsyncEngine | None = None
+    owns_engine: bool = True
+    load_error: str | None = None
+    failed: asyncio.Event | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=now)
+    load_started: float = 0.0
+
+
+STATE = web.AppKey("rawpaged_state", ServerState)
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(state: ServerState, status: int, message: str, type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> web.Response:
+    """An OpenAI error body with ``status``, counted in the metrics."""
+    state.metrics.count_error(status)
+    return json_response(error_body(message, type, param, code), status=status)
+
+
+def require_engine(state: ServerState) -> AsyncEngine:
+    """The engine, or a 503 while the model loads (or after it failed to)."""
+    if state.engine is None:
+        msg = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
+        raise ProtocolError(msg, status=503, type="service_unavailable_error")
+    return state.engine
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    """A 404 for a ``model`` this server does not serve (None: the served model)."""
+    if model is not None and model not in state.model_aliases:
+        raise ProtocolError(f"The model `{model}` does not exist.", param="model", status=404,
+                            type="invalid_request_error", code="model_not_found")

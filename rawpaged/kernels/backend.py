@@ -1,0 +1,85 @@
+"""The backend contract: everything the engine, the model runner and the model call on a backend.
+
+``CPUBackend`` (NumPy + Numba, ``rawpaged.kernels.cpu``) and ``CudaBackend`` (CuPy + ``cuda/*.cu``,
+``rawpaged.kernels.cuda``) both implement all of it, with the same names and semantics (vLLM's kernel
+names), so nothing above this layer asks which backend it runs on. Arrays are the backend's own
+(``xp``: NumPy or CuPy); shapes below use ``T`` tokens, ``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    """"cpu" or "cuda" (for messages and logs only)."""
+    xp: object
+    """The array module (``numpy`` or ``cupy``)."""
+    dtype_pairs: tuple
+    """(activation dtype, KV-cache dtype) name pairs this backend runs."""
+
+    def auto_dtype(self, checkpoint_dtype: str | None) -> str:
+        """The activation dtype ``dtype="auto"`` means here, given the checkpoint's ``torch_dtype``."""
+
+    def default_kv_cache_memory(self, gpu_memory_utilization: float) -> int:
+        """Bytes for the KV pool when the configuration gives no size (call after loading weights)."""
+
+    # ---------------------------------------------------------------- arrays and weights
+    def zeros(self, shape, dtype):
+        """A zero-filled array of ``dtype`` (a NumPy dtype; ``ml_dtypes.bfloat16`` allowed)."""
+
+    def asarray(self, x, dtype=None):
+        """Host array -> backend array."""
+
+    def to_numpy(self, x):
+        """Backend array -> NumPy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
+
+    def load_weight(self, host, dtype: str):
+        """A host tensor (e.g. memory-mapped safetensors) -> a backend array of ``dtype``."""
+
+    def load_linear(self, parts: list, dtype: str):
+        """HF ``[out_i, in]`` weights fused along ``out`` -> the weight layout ``linear`` takes."""
+
+    def finish_loading(self) -> None:
+        """Wait for weight uploads and release what loading needed."""
+
+    # ---------------------------------------------------------------- dense math
+    def linear(self, x, weight, bias=None):
+        """``x [n, in]`` times a weight from ``load_linear`` (+ bias) -> ``[n, out]``."""
+
+    def embedding(self, token_ids, table):
+        """Rows of ``table [vocab, hidden]`` for int64 ``token_ids [T]``."""
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """RMSNorm of ``x [T, hidden]`` (Zhang & Sennrich 2019); with ``residual``, ``residual += x``
+        first and the norm of the sum is returned."""
+
+    def rotary_embedding(self, positions, query, key, cos_sin_cache) -> None:
+        """RoPE in place on ``query [T, H, D]`` and ``key [T, Hkv, D]`` (rotate-half layout)."""
+
+    def silu_and_mul(self, x):
+        """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]`` (SwiGLU)."""
+
+    # ---------------------------------------------------------------- paged KV cache
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """Scatter ``key``/``value [T, Hkv, D]`` into their slots of the ``[num_blocks, block_size, Hkv,
+        D]`` caches (``slot_mapping`` int64 ``[T]``)."""
+
+    def paged_attention(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                        max_context_len=None) -> None:
+        """Decode attention: one query token per sequence over its cached K/V, read through its block table."""
+
+    def prefill_attention(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                          scale, max_query_len=None) -> None:
+        """Causal attention of each sequence's new tokens over all its cached K/V (plain, chunked and
+        prefix-cached prefill)."""
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        """Copy-on-write: ``(src, dst)`` block copies (int64 ``[n, 2]``) for every layer in one call."""
+
+    # ---------------------------------------------------------------- sampling
+    def sample(self, logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
+        """One token id per sample (int64 host array): greedy where temperature is 0, else temperature,
+        top-k, top-p and min-p filtering, and an inverse-CDF draw with the sample's uniform."""

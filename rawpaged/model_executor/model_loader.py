@@ -1,0 +1,223 @@
+"""Load an HF-style model directory: ``config.json`` + safetensors (single or sharded), no PyTorch.
+
+safetensors layout (https://github.com/huggingface/safetensors#format): 8-byte little-endian header
+length N, N bytes of JSON ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}``,
+then the data; offsets are relative to the end of the header. The file is memory-mapped and each
+tensor becomes a NumPy view (F32, F16, BF16 via ml_dtypes); the caller converts to the compute dtype
+and places it on its backend one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rawpaged.dtypes import SAFETENSORS_DTYPES
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of ``config.json`` the Llama/Qwen2 forward needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple
+    torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if config.json gives one
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"{source}: architectures {archs} not supported (supported: {SUPPORTED_ARCHITECTURES})")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            if cfg.get("rope_scaling"):
+                raise ValueError(f"{source}: rope_scaling {cfg['rope_scaling']} is not supported")
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+
+    def expected_shapes(self) -> dict:
+        """HF tensor name -> shape, for every tensor the model needs."""
+        H, I, D = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * D, self.num_key_value_heads * D
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, H), "model.norm.weight": (H,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, H)
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H),
+                p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H),
+                p + "self_attn.o_proj.weight": (H, q),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+            })
+            if self.attention_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+        return shapes
+
+
+def read_safetensors(path: Path) -> dict:
+    """Memory-map one safetensors file: name -> read-only NumPy view.
+
+    Raises:
+        ValueError naming the file (and tensor) for a truncated file, a header length beyond the file,
+        bad JSON, an unknown dtype, a size that disagrees with shape x dtype, out-of-range or
+        overlapping data offsets.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise ValueError(f"{path}: truncated file ({size} bytes, no header length)")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise ValueError(f"{path}: header length {header_len} beyond the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    data_len = size - data_start
+    spans = []
+    for name, info in header.items():
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except KeyError as e:
+            raise ValueError(f"{path}: tensor {name!r}: unknown dtype or missing field {e}") from None
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: tensor {name!r}: malformed header entry {info!r}") from None
+        if not 0 <= begin <= end <= data_len:
+            raise ValueError(f"{path}: tensor {name!r}: data offsets [{begin}, {end}) outside the data "
+                             f"section ({data_len} bytes; truncated file?)")
+        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r}: {end - begin} bytes for shape {shape} {info['dtype']}")
+        spans.append((begin, end, name, dtype, shape))
+    spans.sort()
+    for (b0, e0, n0, *_), (b1, e1, n1, *_) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ValueError(f"{path}: tensors {n0!r} and {n1!r} overlap ([{b0}, {e0}) and [{b1}, {e1}))")
+    if not spans:
+        return {}
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_len,)) if data_len else None
+    return {name: mm[b:e].view(dtype).reshape(shape) for b, e, name, dtype, shape in spans}
+
+
+def safetensors_files(model_dir: Path) -> list:
+    """The safetensors files of a model directory (single file or sharded with an index)."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ValueError(f"{index}: shard files missing: {missing}")
+        return files
+    raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory for ``EngineConfig.model``: None or the default model's name -> the prepared
+    default model (downloaded and converted on first use); else an existing directory. Raises ValueError
+    for anything else."""
+    from rawpaged import weights
+
+    if model is None or model == weights.DEFAULT_MODEL:
+        return weights.prepare() if not weights.is_prepared(weights.default_model_dir()) else weights.default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is neither {weights.DEFAULT_MODEL!r} nor a directory")
+    return path
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{model_dir}: no config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return ModelConfig.from_dict(cfg, str(path))
+
+
+def load_weights(model_dir: Path, config: ModelConfig) -> dict:
+    """All tensors of the model as memory-mapped NumPy views, validated against ``config``.
+
+    Raises:
+        ValueError naming the file and tensor for missing or unexpected tensors and wrong shapes.
+    """
+    model_dir = Path(model_dir)
+    tensors, origin = {}, {}
+    for f in safetensors_files(model_dir):
+        for name, arr in read_safetensors(f).items():
+            if name in tensors:
+                raise ValueError(f"{f}: tensor {name!r} also in {origin[name]}")
+            tensors[name] = arr
+            origin[name] = f
+    expected = config.expected_shapes()
+    # Tied checkpoints sometimes also store lm_head; rotary caches are recomputed.
+    ignorable = {"lm_head.weight"} | {n for n in tensors if n.endswith("rotary_emb.inv_freq")}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{model_dir}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(set(tensors) - set(expected) - ignorable)
+    if unexpected:
+        raise ValueError(f"{origin[unexpected[0]]}: unexpected tensors {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{origin[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                             f"config.json implies {shape}")
+    return {n: tensors[n] for n in expected}

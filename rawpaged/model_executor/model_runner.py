@@ -1,0 +1,107 @@
+"""Turns a scheduled batch into arrays (input ids, positions, ``slot_mapping``, block tables), runs the
+copy-on-write block copies, the model, the LM head and the sampling kernel. Owns the paged KV caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rawpaged.core.scheduler import SchedulerOutput
+from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
+from rawpaged.model_executor.sampler import sampling_arrays
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * np.dtype(dtype).itemsize
+
+
+class ModelRunner:
+    """Runs one engine step's forward pass.
+
+    Args:
+        model: the ``LlamaModel`` (weights already on ``model.backend``).
+        num_blocks, block_size: KV pool geometry; caches per layer are
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype="float32"):
+        self.model = model
+        self.backend = model.backend
+        self.block_size = block_size
+        cfg = model.config
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        be = self.backend
+        self.key_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.value_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
+
+        Copies the copy-on-write blocks (``blocks_to_copy``) first. Returns ``(logits, sampling_seqs)``:
+        logits ``[len(sampling_seqs), vocab]`` on the backend (see ``sample``, ``fetch_rows``) for the
+        sequences whose last scheduled token is their last token (they sample next), in ``scheduled`` order.
+        """
+        be = self.backend
+        scheduled = scheduler_output.scheduled
+        if scheduler_output.blocks_to_copy:
+            be.copy_blocks(self.key_caches, self.value_caches,
+                           np.asarray(scheduler_output.blocks_to_copy, dtype=np.int64))
+        decodes, prefills = [], []
+        for s, n in scheduled:  # a decode computes exactly the last token
+            (decodes if n == 1 and s.num_computed_tokens == s.num_tokens - 1 else prefills).append((s, n))
+        ordered = decodes + prefills
+        ids, positions, slots = [], [], []
+        for seq, n in ordered:
+            start = seq.num_computed_tokens
+            positions.extend(range(start, start + n))
+            ids.extend(seq.token_at(p) for p in range(start, start + n))
+            slots.extend(seq.block_table.slots(start, start + n))
+
+        def tables(group):
+            width = max((len(s.block_table.block_ids) for s, _ in group), default=0)
+            bt = np.zeros((len(group), max(width, 1)), dtype=np.int32)
+            for row, (s, _) in enumerate(group):
+                bt[row, : len(s.block_table.block_ids)] = s.block_table.block_ids
+            return bt
+
+        qsl = np.zeros(len(prefills) + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum([n for _, n in prefills])
+        attn = AttentionMetadata(
+            slot_mapping=be.asarray(np.array(slots, dtype=np.int64)),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=be.asarray(tables(decodes)),
+            decode_context_lens=be.asarray(np.array([s.num_tokens for s, _ in decodes], dtype=np.int32)),
+            prefill_block_tables=be.asarray(tables(prefills)),
+            query_start_loc=be.asarray(qsl),
+            prefill_seq_lens=be.asarray(np.array([s.num_computed_tokens + n for s, n in prefills], dtype=np.int32)),
+            max_query_len=max((n for _, n in prefills), default=0),
+            max_context_len=max((s.num_tokens for s, _ in decodes), default=0),
+        )
+        hidden = self.model.forward(be.asarray(np.array(ids, dtype=np.int64)),
+                                    be.asarray(np.array(positions, dtype=np.int64)), attn,
+                                    self.key_caches, self.value_caches)
+        # Row of each sequence's last new token; only sequences that reach their end sample.
+        last_row, row = {}, 0
+        for seq, n in ordered:
+            row += n
+            last_row[id(seq)] = row - 1
+        sampling = [s for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens]
+        if not sampling:
+            return np.zeros((0, self.model.config.vocab_size), np.float32), []
+        rows = be.asarray(np.array([last_row[id(s)] for s in sampling], dtype=np.int64))
+        return self.model.compute_logits(hidden[rows]), sampling
+
+    def sample(self, logits, draws: list):
+        """Token ids for ``draws`` = [(logits row, SamplingParams, uniform)], drawn on the backend (only
+        the ids reach the host). Returns int64 ``[len(draws)]``."""
+        return self.backend.sample(logits, **sampling_arrays(draws))
+
+    def fetch_rows(self, logits, rows: list) -> dict:
+        """float32 host copies of the logits ``rows`` that need the whole distribution (logprobs, beam
+        search, best_of): ``{row: float32 [vocab]}``."""
+        if not rows:
+            return {}
+        be = self.backend
+        host = be.to_numpy(logits[be.asarray(np.array(rows, dtype=np.int64))]).astype(np.float32, copy=False)
+        return dict(zip(rows, host))

@@ -1,0 +1,135 @@
+"""Llama / Qwen2 decoder forward over the backend's ops, K/V kept only in the paged cache.
+
+Math as in HF transformers' ``modeling_llama.py`` / ``modeling_qwen2.py``: token embedding; per layer
+pre-norm RMSNorm -> fused QKV projection (+ bias for Qwen2) -> RoPE (rotate-half) -> paged attention
+with GQA -> output projection -> residual; RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head
+(tied to the embeddings when ``tie_word_embeddings``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rawpaged.model_executor.model_loader import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each sequence attends to, for one step.
+
+    Tokens are ordered decodes first (``num_decode_tokens`` of them, one per sequence), then the
+    prefill/chunk tokens grouped by sequence.
+
+    slot_mapping: int64 ``[num_tokens]``.
+    decode_block_tables: int32 ``[num_decodes, max_blocks]``; decode_context_lens: int32 ``[num_decodes]``.
+    prefill_block_tables: int32 ``[num_prefills, max_blocks]``; query_start_loc: int32
+    ``[num_prefills + 1]`` (relative to the first prefill token); prefill_seq_lens: int32 ``[num_prefills]``.
+    """
+
+    slot_mapping: object
+    num_decode_tokens: int
+    decode_block_tables: object
+    decode_context_lens: object
+    prefill_block_tables: object
+    query_start_loc: object
+    prefill_seq_lens: object
+    max_query_len: int = 0  # host-side maxima, for launch sizing on the GPU
+    max_context_len: int = 0
+
+
+def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float) -> np.ndarray:
+    """float32 ``[max_position, head_dim]`` = concat(cos, sin) of ``pos * theta^(-2i/head_dim)``
+    (Su et al. 2021, RoFormer eq. 34), computed in float64."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+
+
+class LlamaModel:
+    """Weights on the backend plus the forward pass.
+
+    Args:
+        config: the model's ``ModelConfig``.
+        weights: HF name -> host array (any float dtype, typically memory-mapped); each tensor is placed
+            on the backend and converted to ``dtype`` one at a time (``backend.load_weight``/``load_linear``).
+        backend: ``CPUBackend`` or ``CudaBackend``.
+        dtype: compute dtype name for weights/activations: "float32" (CPU), "float16" or "bfloat16".
+        max_position: positions the RoPE cache covers (the engine's ``max_model_len``).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32",
+                 max_position: int = 2048):
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+
+        def put(name):
+            return backend.load_weight(weights[name], dtype)
+
+        def lin(*names):
+            return backend.load_linear([weights[n] for n in names], dtype)
+
+        self.embed_tokens = put("model.embed_tokens.weight")
+        self.norm = put("model.norm.weight")
+        self.lm_head = lin("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            layer = {
+                "input_layernorm": put(p + "input_layernorm.weight"),
+                "post_attention_layernorm": put(p + "post_attention_layernorm.weight"),
+                "qkv_proj": lin(*[n + ".weight" for n in qkv]),
+                "qkv_bias": (backend.load_weight(np.concatenate([weights[n + ".bias"] for n in qkv]), dtype)
+                             if config.attention_bias else None),
+                "o_proj": lin(p + "self_attn.o_proj.weight"),
+                "gate_up_proj": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "down_proj": lin(p + "mlp.down_proj.weight"),
+            }
+            self.layers.append(layer)
+        backend.finish_loading()
+        self.cos_sin_cache = backend.asarray(rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta))
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
+        """Hidden states after the final norm.
+
+        input_ids, positions: int64 ``[num_tokens]``; caches: per-layer lists of
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``. Returns ``[num_tokens, hidden]``.
+        """
+        be, cfg = self.backend, self.config
+        T = input_ids.shape[0]
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        nd = attn.num_decode_tokens
+        residual = be.embedding(input_ids, self.embed_tokens)
+        attn_out = be.xp.empty((T, Hq, D), dtype=residual.dtype)
+        h = None  # the previous layer's output, added into ``residual`` by the next fused norm
+        for i, layer in enumerate(self.layers):
+            if h is None:
+                x = be.rms_norm(residual, layer["input_layernorm"], cfg.rms_norm_eps)
+            else:
+                x = be.rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps, residual=residual)
+            qkv = be.linear(x, layer["qkv_proj"], layer["qkv_bias"])
+            q = be.xp.ascontiguousarray(qkv[:, : Hq * D]).reshape(T, Hq, D)
+            k = be.xp.ascontiguousarray(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(T, Hkv, D)
+            v = be.xp.ascontiguousarray(qkv[:, (Hq + Hkv) * D:]).reshape(T, Hkv, D)
+            be.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            be.reshape_and_cache(k, v, key_caches[i], value_caches[i], attn.slot_mapping)
+            if nd:
+                be.paged_attention(attn_out[:nd], q[:nd], key_caches[i], value_caches[i],
+                                   attn.decode_block_tables, attn.decode_context_lens, self.scale,
+                                   max_context_len=attn.max_context_len)
+            if nd < T:
+                be.prefill_attention(attn_out[nd:], q[nd:], key_caches[i], value_caches[i],
+                                     attn.prefill_block_tables, attn.query_start_loc, attn.prefill_seq_lens,
+                                     self.scale, max_query_len=attn.max_query_len)
+            h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
+            x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
+            h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])
+        return be.rms_norm(h, self.norm, cfg.rms_norm_eps, residual=residual)
+
+    def compute_logits(self, hidden):
+        """float32 logits ``[n, vocab]`` for hidden ``[n, hidden_size]``."""
+        return self.backend.linear(hidden, self.lm_head)

@@ -1,0 +1,89 @@
+"""Block pool: the free queue is the eviction order, cached blocks stay findable until reused, ref
+counts and owners, copy-on-write records, misuse raises."""
+
+import pytest
+
+from rawpaged.core.block_pool import BlockPool, BlockPoolError
+from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens
+
+
+def test_take_pops_least_recently_freed_and_release_appends():
+    pool = BlockPool(4)
+    a, b, c = (pool.take(owner=i).block_id for i in range(3))
+    assert (a, b, c) == (0, 1, 2) and pool.num_free_blocks == 1 and pool.peak_used_blocks == 3
+    pool.release(b, 1)
+    pool.release(a, 0)
+    # Free queue now: 3, 1, 0 (oldest first).
+    assert [pool.take(owner=9).block_id for _ in range(3)] == [3, 1, 0]
+    assert pool.num_free_blocks == 0 and pool.usage() == 1.0
+    pool.check_invariants()
+
+
+def test_cached_block_survives_release_until_taken_again():
+    pool = BlockPool(2)
+    h = hash_block_tokens(None, (1, 2))
+    blk = pool.take(owner=0)
+    pool.cache_block(blk.block_id, h, (1, 2))
+    pool.release(blk.block_id, 0)
+    assert pool.get_cached_block(h, (1, 2)) == blk.block_id and pool.num_cached_free_blocks == 1
+    assert pool.get_cached_block(h, (1, 3)) is None  # same hash, other tokens: never a hit
+    pool.share(blk.block_id, owner=5)  # a hit on a free cached block takes it off the free queue
+    assert pool.blocks[blk.block_id].ref_count == 1 and pool.num_free_blocks == 1
+    pool.release(blk.block_id, 5)
+    other = pool.take(owner=1)  # the other block is older in the queue
+    assert other.block_id != blk.block_id and pool.get_cached_block(h, (1, 2)) == blk.block_id
+    evicting = pool.take(owner=2)  # now the cached block is reused: its prefix is evicted
+    assert evicting.block_id == blk.block_id and evicting.block_hash is None
+    assert pool.get_cached_block(h, (1, 2)) is None
+    pool.check_invariants()
+
+
+def test_cache_block_registers_each_hash_once():
+    pool = BlockPool(3)
+    h = hash_block_tokens(None, (4,))
+    x, y = pool.take(0).block_id, pool.take(1).block_id
+    pool.cache_block(x, h, (4,))
+    pool.cache_block(y, h, (4,))  # same content in another block: the first one stays the cached one
+    assert pool.get_cached_block(h, (4,)) == x and pool.blocks[y].block_hash is None
+    pool.cache_block(x, hash_block_tokens(h, (5,)), (5,))  # an already cached block keeps its identity
+    assert pool.blocks[x].block_hash == h
+
+
+def test_copy_on_write_replaces_the_reference_and_records_the_copy():
+    pool = BlockPool(3)
+    src = pool.take(owner=0).block_id
+    pool.share(src, owner=1)
+    dst = pool.copy_on_write(src, owner=1)
+    assert dst != src and pool.take_copies() == [(src, dst)] and pool.take_copies() == []
+    assert pool.blocks[src].owners == {0} and pool.blocks[dst].owners == {1} and pool.num_cow_copies == 1
+    pool.check_invariants()
+
+
+def test_release_by_a_non_owner_raises():
+    pool = BlockPool(2)
+    b = pool.take(owner=0).block_id
+    with pytest.raises(BlockPoolError, match="does not own"):
+        pool.release(b, 7)
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+
+
+def test_check_invariants_catches_a_corrupt_ref_count():
+    pool = BlockPool(2)
+    b = pool.take(owner=0)
+    b.ref_count = 2
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
+
+
+def test_longest_cache_hit_stops_at_the_first_miss_and_at_max_blocks():
+    pool = BlockPool(4)
+    tokens = list(range(8))
+    parent = None
+    for i in range(2):  # cache the first two 4-token blocks... but only blocks 0 and 1 of a 3-block prompt
+        blk = pool.take(owner=i)
+        parent = hash_block_tokens(parent, tuple(tokens[4 * i:4 * i + 4]))
+        pool.cache_block(blk.block_id, parent, tuple(tokens[4 * i:4 * i + 4]))
+    assert find_longest_cache_hit(pool, tokens + [9, 9, 9, 9], 4, max_blocks=3) == ([0, 1], 3)
+    assert find_longest_cache_hit(pool, tokens, 4, max_blocks=1) == ([0], 1)
+    assert find_longest_cache_hit(pool, [99] + tokens[1:], 4, max_blocks=2) == ([], 1)  # chained: no later hit

@@ -1,0 +1,289 @@
+"""KV-cache manager: slot mapping, on-demand blocks, copy-on-write forks, frees, prefix-cache lookups
+(no model), and a hypothesis state machine that checks every sequence reads back exactly the KV it wrote
+through a simulated slot store."""
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from benchmarks.baselines import CopyingForks
+from rawpaged.core.block_pool import BlockPoolError
+from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.sequence import Sequence
+from rawpaged.sampling_params import SamplingParams
+
+_PARAMS = SamplingParams()
+
+
+def seq(tokens=(), seq_id=0) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), _PARAMS, None, 0.0)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33])
+def test_slot_mapping_at_block_boundaries(n):
+    kv = KVCacheManager(num_blocks=8, block_size=16)
+    # Take blocks in a scrambled order so block ids differ from logical indices.
+    decoy = seq()
+    kv.allocate_slots(decoy, 16)
+    s = seq(seq_id=1)
+    assert kv.allocate_slots(s, n)
+    t = s.block_table
+    assert len(t.block_ids) == -(-n // 16)
+    expected = [t.block_ids[p // 16] * 16 + p % 16 for p in range(n)]
+    assert t.slots(0, n) == expected
+    assert decoy.block_table.block_ids[0] not in t.block_ids
+    # One more token: a new block exactly when n is a multiple of 16.
+    before = len(t.block_ids)
+    assert kv.allocate_slots(s, 1)
+    assert len(t.block_ids) == before + (n % 16 == 0)
+    assert t.slots(n, n + 1) == [t.block_ids[n // 16] * 16 + n % 16]
+    kv.check_invariants([s, decoy])
+
+
+def test_out_of_blocks_is_a_signal_and_changes_nothing():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    s = seq()
+    assert kv.allocate_slots(s, 8)
+    assert not kv.allocate_slots(s, 1)
+    assert s.block_table.num_tokens == 8 and len(s.block_table.block_ids) == 2
+    kv.check_invariants([s])
+    kv.free(s)
+    assert s.block_table is None and kv.block_pool.num_free_blocks == 2
+
+
+def test_fork_shares_blocks_and_cow_on_partial_last_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    pool = kv.block_pool
+    parent, child = seq(), seq(seq_id=1)
+    kv.allocate_slots(parent, 6)  # blocks: full, half
+    kv.fork(parent, child)
+    pt, ct = parent.block_table, child.block_table
+    assert ct.block_ids == pt.block_ids and ct is not pt
+    assert [pool.blocks[b].ref_count for b in pt.block_ids] == [2, 2]
+    shared_last = pt.block_ids[1]
+    assert kv.allocate_slots(child, 1)
+    assert ct.block_ids[0] == pt.block_ids[0]
+    assert ct.block_ids[1] != shared_last
+    assert kv.take_block_copies() == [(shared_last, ct.block_ids[1])]
+    assert kv.take_block_copies() == []
+    assert pool.blocks[shared_last].ref_count == 1 and pool.num_cow_copies == 1
+    # The parent now owns its last block alone: no copy on its next write.
+    assert kv.allocate_slots(parent, 1)
+    assert pt.block_ids[1] == shared_last and kv.take_block_copies() == []
+    kv.check_invariants([parent, child])
+    kv.free(parent)
+    kv.free(child)
+    assert pool.num_free_blocks == 8 and all(b.ref_count == 0 for b in pool.blocks)
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent, child = seq(), seq(seq_id=1)
+    kv.allocate_slots(parent, 8)
+    kv.fork(parent, child)
+    assert kv.num_blocks_to_allocate(child, 1) == 1
+    kv.allocate_slots(child, 1)
+    assert kv.take_block_copies() == []
+    assert child.block_table.block_ids[:2] == parent.block_table.block_ids
+
+
+def test_cow_counts_toward_blocks_needed_and_fails_atomically():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    parent, child = seq(), seq(seq_id=1)
+    kv.allocate_slots(parent, 6)
+    kv.fork(parent, child)
+    assert kv.num_blocks_to_allocate(child, 1) == 1  # the copy
+    assert not kv.allocate_slots(child, 1)  # pool empty
+    assert kv.take_block_copies() == [] and child.block_table.block_ids == parent.block_table.block_ids
+    kv.check_invariants([parent, child])
+
+
+def test_double_free_and_foreign_block_raise():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    s = seq()
+    kv.allocate_slots(s, 5)
+    table = s.block_table
+    kv.free(s)
+    kv.free(s)  # a sequence without blocks: nothing to do
+    s.block_table = table
+    with pytest.raises(BlockPoolError, match="already freed"):
+        kv.free(s)
+    with pytest.raises(BlockPoolError, match="already freed"):
+        kv.allocate_slots(s, 1)
+    a, b = seq(seq_id=1), seq(seq_id=2)
+    kv.allocate_slots(a, 4)
+    kv.allocate_slots(b, 0)
+    b.block_table.block_ids = list(a.block_table.block_ids)  # forged: b never got these from the manager
+    b.block_table.num_tokens = 4
+    with pytest.raises(BlockPoolError, match="does not own"):
+        kv.free(b)
+    kv.check_invariants([a])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCacheManager(0, 16)
+    with pytest.raises(ValueError, match="block_size"):
+        KVCacheManager(4, 0)
+    kv = KVCacheManager(4, 4)
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        kv.allocate_slots(seq(), -1)
+    s = seq()
+    kv.allocate_slots(s, 4)
+    with pytest.raises(ValueError, match="computed_blocks"):
+        kv.allocate_slots(s, 1, [0])
+    with pytest.raises(BlockPoolError, match="no blocks"):
+        kv.fork(seq(seq_id=5), seq(seq_id=6))
+
+
+def test_prefix_cache_hit_reuses_blocks_and_recomputes_the_last_token():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(100, 112))  # three full blocks
+    first = seq(tokens)
+    assert kv.get_computed_blocks(first) == []
+    kv.allocate_slots(first, 12)
+    first.num_computed_tokens = 12
+    kv.cache_full_blocks(first)
+    assert len(first.block_table.block_hashes) == 3
+    second = seq(tokens, seq_id=1)  # the same prompt: the last block is recomputed, so two hits
+    computed = kv.get_computed_blocks(second)
+    assert computed == first.block_table.block_ids[:2]
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (3, 2)  # one miss on the empty cache, then 2 hits
+    kv.allocate_slots(second, 4, computed)
+    assert second.block_table.block_ids[:2] == computed and second.block_table.num_tokens == 12
+    assert [kv.block_pool.blocks[b].ref_count for b in computed] == [2, 2]
+    kv.check_invariants([first, second])
+    # Freed, the blocks stay findable until reused.
+    kv.free(first)
+    kv.free(second)
+    assert kv.block_pool.num_cached_free_blocks == 3
+    third = seq(tokens[:8] + [7, 7, 7, 7], seq_id=2)
+    assert kv.get_computed_blocks(third) == computed
+
+
+def test_prefix_cache_hit_that_does_not_fit_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    a = seq(list(range(8)) + [50])
+    kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_full_blocks(a)
+    kv.free(a)
+    pool = kv.block_pool
+    free_order = list(pool._free)
+    b = seq(list(range(8)) + list(range(60, 68)), seq_id=1)  # 2 cached blocks + 2 new: 4 > 3 blocks
+    computed = kv.get_computed_blocks(b)
+    assert len(computed) == 2
+    assert kv.num_blocks_to_allocate(b, 8, computed) == 4
+    assert not kv.allocate_slots(b, 8, computed)
+    assert b.block_table is None and list(pool._free) == free_order
+    assert all(pool.blocks[i].ref_count == 0 for i in computed)
+
+
+def test_copying_forks_baseline_copies_every_block():
+    kv = CopyingForks(num_blocks=8, block_size=4)
+    parent, child = seq(), seq(seq_id=1)
+    kv.allocate_slots(parent, 6)
+    kv.fork(parent, child)
+    assert not set(child.block_table.block_ids) & set(parent.block_table.block_ids)
+    assert kv.take_block_copies() == list(zip(parent.block_table.block_ids, child.block_table.block_ids))
+    kv.check_invariants([parent, child])
+    big = CopyingForks(num_blocks=3, block_size=4)
+    parent, child = seq(), seq(seq_id=1)
+    big.allocate_slots(parent, 8)
+    big.fork(parent, child)  # one free block for a two-block copy: shares after all
+    assert child.block_table.block_ids == parent.block_table.block_ids and big.take_block_copies() == []
+
+
+class PagedKVMachine(RuleBasedStateMachine):
+    """Sequences write unique values into their slots; forks must never see each other's later writes."""
+
+    @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]))
+    def setup(self, num_blocks, block_size):
+        self.kv = CopyingForks(num_blocks, block_size)  # its fork_by_copy, and the shared fork via super()
+        self.store = np.full(num_blocks * block_size, -1, dtype=np.int64)  # one "KV" value per slot
+        self.seqs = {}  # name -> (sequence, list of values it wrote, in position order)
+        self.counter = 0
+        self.names = 0
+
+    def _run_copies(self):
+        """The runner's ``copy_blocks``, run before the step's kernels."""
+        bs = self.kv.block_size
+        for src, dst in self.kv.take_block_copies():
+            self.store[dst * bs:(dst + 1) * bs] = self.store[src * bs:(src + 1) * bs]
+
+    def _write(self, s, values, n):
+        if not self.kv.allocate_slots(s, n):
+            return False
+        self._run_copies()
+        new = list(range(self.counter, self.counter + n))
+        self.counter += n
+        t = s.block_table
+        self.store[t.slots(t.num_tokens - n, t.num_tokens)] = new
+        values.extend(new)
+        return True
+
+    def _new_seq(self):
+        self.names += 1
+        return seq(seq_id=self.names)
+
+    @rule(n=st.integers(1, 40))
+    def new_sequence(self, n):
+        s = self._new_seq()
+        values = []
+        if self._write(s, values, n):
+            self.seqs[s.seq_id] = (s, values)
+        else:
+            assert s.block_table is None
+            assert self.kv.num_blocks_to_allocate(s, n) > self.kv.block_pool.num_free_blocks
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent, values = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        child = self._new_seq()
+        KVCacheManager.fork(self.kv, parent, child)
+        self.seqs[child.seq_id] = (child, list(values))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork_by_copy(self, data):
+        parent, values = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        free_before = self.kv.block_pool.num_free_blocks
+        child = self._new_seq()
+        self.kv.fork(parent, child)
+        self._run_copies()
+        shared = set(child.block_table.block_ids) & set(parent.block_table.block_ids)
+        assert not shared or len(parent.block_table.block_ids) > free_before
+        self.seqs[child.seq_id] = (child, list(values))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), n=st.integers(1, 20))
+    def append(self, data, n):
+        s, values = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        free_before, blocks_before = self.kv.block_pool.num_free_blocks, list(s.block_table.block_ids)
+        if not self._write(s, values, n):
+            assert self.kv.block_pool.num_free_blocks == free_before and s.block_table.block_ids == blocks_before
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        s, _ = self.seqs.pop(data.draw(st.sampled_from(sorted(self.seqs))))
+        table = s.block_table
+        self.kv.free(s)
+        assert s.block_table is None and table.freed
+
+    @invariant()
+    def pool_invariants(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_invariants([s for s, _ in self.seqs.values()])
+        for s, values in self.seqs.values():
+            assert list(self.store[s.block_table.slots(0, s.block_table.num_tokens)]) == values
+        if not self.seqs:
+            assert self.kv.block_pool.num_free_blocks == self.kv.num_blocks
+
+
+TestPagedKVMachine = PagedKVMachine.TestCase
+TestPagedKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,119 @@
+"""AsyncEngine without a model: slow consumers never block others, aborts take effect before the next
+step, errors reach their caller and the loop survives them."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rawpaged.engine.async_engine import AsyncEngine, EngineDeadError
+from rawpaged.engine.outputs import CompletionOutput, RequestOutput
+from rawpaged.sampling_params import SamplingParams
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class FakeEngine:
+    """Just enough of LLMEngine: each step adds one character/token to every request."""
+
+    def __init__(self, step_time=0.005):
+        self.requests = {}
+        self.tokenizer = None
+        self.max_model_len = 100
+        self.step_time = step_time
+        self.log = []
+        self.fail_next = False
+
+    def add_request(self, prompt, params, request_id):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        self.requests[request_id] = SimpleNamespace(prompt_token_ids=[1, 2, 3], n=0, max=params.max_tokens)
+        return request_id
+
+    def step(self):
+        self.log.append(("step", set(self.requests)))
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        time.sleep(self.step_time)
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r.n += 1
+            fin = r.n >= r.max
+            outs.append(RequestOutput(rid, None, r.prompt_token_ids,
+                                      [CompletionOutput(0, "x" * r.n, list(range(r.n)), "length" if fin else None)],
+                                      fin))
+            if fin:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, rid):
+        self.log.append(("abort", rid))
+        return self.requests.pop(rid, None) is not None
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def stats(self):
+        return {"num_requests": len(self.requests)}
+
+
+def test_async_engine_slow_consumer_never_blocks_others():
+    async def main():
+        fake = FakeEngine()
+        ae = AsyncEngine(fake, log_requests=False)
+        slow = await ae.add_request("a", SamplingParams(max_tokens=40), "slow")  # never read while b runs
+        fast = await ae.add_request("b", SamplingParams(max_tokens=5), "fast")
+        outs = [o async for o in fast]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4, 5] and outs[-1].finished
+        first = await slow.__anext__()  # only the newest state was kept: several tokens at once
+        assert len(first.outputs[0].token_ids) >= 5
+        rest = [o async for o in slow]
+        assert rest[-1].finished and rest[-1].outputs[0].text == "x" * 40
+        await ae.close()
+
+    run(main())
+
+
+def test_async_engine_abort_takes_effect_before_next_step():
+    async def main():
+        fake = FakeEngine(step_time=0.02)
+        ae = AsyncEngine(fake, log_requests=False)
+        stream = await ae.add_request("a", SamplingParams(max_tokens=1000), "a")
+        await stream.__anext__()
+        await stream.__anext__()
+        steps_before = sum(1 for e in fake.log if e[0] == "step")
+        assert ae.abort("a") and not ae.abort("a")
+        assert [o async for o in stream] == [] and stream.aborted
+        await ae.stats()  # a round trip through the engine thread
+        i = fake.log.index(("abort", "a"))
+        steps_with_a = [k for k, e in enumerate(fake.log) if e[0] == "step" and "a" in e[1]]
+        assert all(k < i for k in steps_with_a)  # no step after the abort saw it
+        assert len(steps_with_a) <= steps_before + 1  # at most the step that was running
+        assert ae.num_active_requests == 0
+        await ae.close()
+
+    run(main())
+
+
+def test_async_engine_errors_reach_the_caller_and_the_loop_survives():
+    async def main():
+        fake = FakeEngine()
+        ae = AsyncEngine(fake, log_requests=False)
+        with pytest.raises(ValueError, match="empty"):
+            await ae.add_request("", SamplingParams(max_tokens=3))
+        fake.fail_next = True
+        doomed = await ae.add_request("a", SamplingParams(max_tokens=3))
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in doomed:
+                pass
+        ok = await ae.add_request("b", SamplingParams(max_tokens=3))
+        assert [o async for o in ok][-1].finished
+        await ae.close()
+        with pytest.raises(EngineDeadError):
+            await ae.add_request("c", SamplingParams(max_tokens=3))
+
+    run(main())

@@ -1,0 +1,106 @@
+"""The command line: ``python server.py`` / ``rawpaged serve`` options built from ``EngineConfig``, a clean
+one-line failure without a GPU, sizes, and ``rawpaged generate``."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rawpaged.config import EngineConfig
+from rawpaged.entrypoints import cli as cli_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+model = pytest.mark.model
+parse_size = cli_mod.parse_size
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, str(ROOT / "server.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_cli_help():
+    r = _cli("--help")
+    assert r.returncode == 0
+    for opt in ("--model", "--host", "--port", "--device", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
+                "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens", "--no-prefix-caching",
+                "--api-key", "--max-tokens-limit"):
+        assert opt in r.stdout, opt
+
+
+@model
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is present")
+def test_cli_cuda_without_gpu_fails_cleanly(model_dir):
+    r = _cli("--model", str(model_dir), "--device", "cuda", "--port", "0")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cuda" in errors[0].lower(), r.stderr
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4M") == 4 << 20
+    assert parse_size("1000") == 1000
+    with pytest.raises(Exception):
+        parse_size("lots")
+
+
+def test_every_engine_config_field_is_an_option_with_its_docstring():
+    parser = cli_mod.build_serve_parser()
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings and a.default != "==SUPPRESS=="}
+    docs = cli_mod.field_docs(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        action = by_dest[f.name]
+        assert "--" + f.name.replace("_", "-") in action.option_strings
+        assert action.help == docs[f.name] and len(docs[f.name]) > 10, f.name
+        assert action.default == f.default, f.name
+
+
+def test_options_build_the_engine_config():
+    parser = cli_mod.build_serve_parser()
+    args = parser.parse_args(["--model", "/m", "--device", "cpu", "--kv-cache-memory", "512MiB", "--max-num-seqs", "3",
+                              "--no-prefix-caching", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
+    cfg = cli_mod.engine_config_from_args(args)
+    assert cfg == EngineConfig(model="/m", device="cpu", kv_cache_memory=512 << 20, max_num_seqs=3,
+                               enable_prefix_caching=False, dtype="float32", gpu_memory_utilization=0.5)
+    assert cli_mod.engine_config_from_args(parser.parse_args([])) == EngineConfig()
+    assert not cli_mod.engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--num-kv-blocks", "8", "--kv-cache-memory", "1GiB"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int8"])
+
+
+def test_invalid_engine_option_is_one_error_line():
+    r = _cli("--block-size", "3", "--device", "cpu")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
+        "error: block_size must be a power of two in [1, 128], got 3"]
+    r = _cli("--model", "/no/such/dir")
+    assert r.returncode == 1 and "is not a directory" in r.stderr
+
+
+def test_rawpaged_command_dispatches():
+    r = subprocess.run([sys.executable, "-m", "rawpaged", "serve", "--help"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.startswith("usage: rawpaged serve") and "--max-num-seqs" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "rawpaged", "bogus"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "serve" in r.stderr
+
+
+def test_generate_streams_the_same_text_as_the_engine(tiny_dir):
+    from rawpaged import LLM, SamplingParams
+
+    want = LLM(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64).generate(
+        ["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text
+    r = subprocess.run([sys.executable, "-m", "rawpaged", "generate", "--prompt", "hello", "--max-tokens", "6",
+                        "--model", str(tiny_dir), "--device", "cpu", "--num-kv-blocks", "16", "--max-model-len", "64"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"

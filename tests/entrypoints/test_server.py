@@ -1,0 +1,525 @@
+"""The HTTP/websocket server on the real default model: OpenAI API through the official ``openai`` client
+(streaming and not, completions and chat, n=2), the websocket protocol, concurrency, disconnects (every
+block back), bad input (400 while a concurrent stream goes on), health, metrics and the API key.
+
+The server runs in-process in a background thread with its own event loop, on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from rawpaged.config import EngineConfig
+from rawpaged.entrypoints.app import create_app, serve
+from rawpaged.entrypoints.server_state import STATE
+from tests.conftest import FIXTURES
+
+model = pytest.mark.model  # tests that run the real default model
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS_LIMIT = 512
+MAX_MODEL_LEN = 1024
+
+
+class ServerThread:
+    """Runs ``server.serve(app)`` on 127.0.0.1:<free port> in a thread with its own event loop."""
+
+    def __init__(self, app):
+        self.app = app
+        self.port = None
+        self.exit_code = None
+        self._started = threading.Event()
+        self._loop = None
+        self._stop = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def started(port):
+                self.port = port
+                self._started.set()
+
+            return await serve(self.app, "127.0.0.1", 0, handle_signals=False, stop=self._stop,
+                                          on_started=started)
+
+        self.exit_code = asyncio.run(main())
+        self._started.set()
+
+    def start(self):
+        self._thread.start()
+        assert self._started.wait(30), "server did not start"
+        return self
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state(self):
+        return self.app[STATE]
+
+    def wait_healthy(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state.engine is not None:
+                return
+            assert self.state.load_error is None, self.state.load_error
+            time.sleep(0.05)
+        raise AssertionError("model did not load")
+
+    def stop(self, timeout=30):
+        if self._thread.is_alive() and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+        return self.exit_code
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
+                          max_num_seqs=32)
+    srv = ServerThread(create_app(config, max_tokens_limit=MAX_TOKENS_LIMIT)).start()
+    srv.wait_healthy()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def get_json(url):
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return r.status, await r.json()
+
+
+def stats(server):
+    return run(get_json(server.url + "/v1/debug/stats"))[1]
+
+
+def wait_pool_empty(server, timeout=10.0):
+    """Poll /v1/debug/stats until nothing runs and every block is free; return the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(server)
+        if (s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0 and s["num_waiting"] == 0
+                and s["num_active_streams"] == 0):
+            return s
+        assert time.monotonic() < deadline, f"blocks not returned: {s}"
+        time.sleep(0.05)
+
+
+async def sse(session, url, body):
+    """POST a streaming request; return the parsed ``data:`` chunks (without [DONE]) and whether [DONE] came."""
+    chunks, done = [], False
+    async with session.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        async for line in r.content:
+            line = line.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunks.append(json.loads(line[6:]))
+    return chunks, done
+
+
+# ------------------------------------------------------------------------------------------ OpenAI API
+@model
+def test_health_and_models(server, client):
+    status, body = run(get_json(server.url + "/health"))
+    assert status == 200 and body["status"] == "ok"
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+@model
+def test_completions_stream_equals_nonstream_n2(server, client, caplog):
+    caplog.set_level(logging.INFO, logger="rawpaged.server")
+    prompt = "Once upon a time, there was a little girl named"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2)
+    assert full.id.startswith("cmpl-") and full.object == "text_completion" and full.model == MODEL
+    assert sorted(c.index for c in full.choices) == [0, 1]
+    texts = {c.index: c.text for c in full.choices}
+    assert texts[0] == texts[1] and texts[0].startswith(" Emma who loved to play")
+    assert all(c.finish_reason == "length" for c in full.choices)
+    assert full.usage.prompt_tokens == 11 and full.usage.completion_tokens == 16
+
+    streamed = {0: "", 1: ""}
+    finish = {}
+    usage = None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert streamed == texts and finish == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 16 and usage.prompt_tokens == 11
+
+    # token-id prompts (a list of lists), echo, per-prompt choice indices
+    ids = server.state.engine.tokenizer.encode(prompt)
+    multi = client.completions.create(model=MODEL, prompt=[ids, ids[:5]], max_tokens=2, temperature=0, echo=True)
+    assert [c.index for c in multi.choices] == [0, 1]
+    assert multi.choices[0].text.startswith(prompt)
+    continuation = multi.choices[0].text[len(prompt):]
+    assert continuation and texts[0].startswith(continuation)
+    assert multi.usage.prompt_tokens == 16
+    # one INFO line per request: id, tokens, finish reason, latency
+    lines = [r.getMessage() for r in caplog.records if r.name == "rawpaged.server" and full.id in r.getMessage()]
+    assert len(lines) == 1 and "completion_tokens=16" in lines[0] and "finish_reason=length" in lines[0]
+    assert "latency=" in lines[0]
+    wait_pool_empty(server)
+
+
+@model
+def test_chat_capital_of_france_stream_and_not_n2(server, client):
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16, n=2)
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
+    assert [c.message.content for c in full.choices] == ["The capital of France is Paris."] * 2
+    assert [c.finish_reason for c in full.choices] == ["stop", "stop"]
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 16  # 8 tokens (with <|im_end|>) per choice
+
+    roles, content, finish = {}, {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                                max_completion_tokens=16, n=2, stream=True):
+        assert chunk.object == "chat.completion.chunk"
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.setdefault(c.index, c.delta.role)
+                assert content[c.index] == ""  # the role comes first
+            content[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert content == {0: "The capital of France is Paris.", 1: "The capital of France is Paris."}
+    assert finish == {0: "stop", 1: "stop"}
+
+    lp = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=2,
+                                        logprobs=True, top_logprobs=3)
+    content_lp = lp.choices[0].logprobs.content
+    assert [t.token for t in content_lp] == ["The", " capital"]
+    assert len(content_lp[0].top_logprobs) == 3 and content_lp[0].top_logprobs[0].token == "The"
+    wait_pool_empty(server)
+
+
+@model
+def test_sixteen_concurrent_streams(server):
+    async def one(aclient, i):
+        text, finish = "", None
+        stream = await aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=6,
+                                                  temperature=0.8, seed=i, stream=True)
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                finish = c.finish_reason or finish
+        return text, finish
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, i) for i in range(16)))
+        finally:
+            await aclient.close()
+
+    results = run(main())
+    assert len(results) == 16
+    assert all(finish in ("length", "stop") and text for text, finish in results), results
+    wait_pool_empty(server)
+
+
+@model
+def test_client_disconnect_frees_blocks(server):
+    before = stats(server)["generation_tokens_total"]
+
+    async def stream_then_leave():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(server.url + "/v1/completions",
+                              json={"prompt": "Write a long story about a dragon.", "max_tokens": 400,
+                                    "stream": True, "ignore_eos": True}) as r:
+                got = 0
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        got += 1
+                        if got == 3:
+                            break  # leave mid-stream: the connection closes with the session
+
+    async def nonstream_then_leave():
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post(server.url + "/v1/completions",
+                                  json={"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True},
+                                  timeout=aiohttp.ClientTimeout(total=1.5)) as r:
+                    await r.read()
+
+    run(stream_then_leave())
+    run(nonstream_then_leave())
+    after = wait_pool_empty(server)
+    # aborted long before their 400 tokens each
+    assert after["generation_tokens_total"] - before < 400
+
+
+# ------------------------------------------------------------------------------------------ websocket
+@model
+def test_websocket_concurrent_requests_cancel_and_close(server, client):
+    greedy = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=8,
+                                       temperature=0).choices[0].text
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(server.url + "/v1/ws") as ws:
+                await ws.send_json({"type": "generate", "id": "a", "prompt": "The three primary colors are",
+                                    "max_tokens": 8, "temperature": 0})
+                await ws.send_json({"type": "generate", "id": "b", "messages": FRANCE, "max_tokens": 16,
+                                    "temperature": 0, "n": 2})
+                await ws.send_json({"type": "generate", "id": "c", "prompt": "Once upon a time", "max_tokens": 200,
+                                    "ignore_eos": True})
+                await ws.send_json({"type": "generate", "id": "d", "prompt": "x", "temperature": -1})
+                await ws.send_json({"type": "cancel", "id": "nope"})
+                await ws.send_str("{not json")
+                text, ids, done, errors = {}, {}, {}, []
+                cancelled = False
+                while len(done) < 4:
+                    msg = json.loads((await ws.receive(timeout=60)).data)
+                    key = (msg.get("id"), msg.get("index"))
+                    if msg["type"] == "delta":
+                        assert key not in done
+                        text[key] = text.get(key, "") + msg["text"]
+                        ids[key] = ids.get(key, []) + msg["token_ids"]
+                        if msg["id"] == "c" and not cancelled:
+                            cancelled = True
+                            await ws.send_json({"type": "cancel", "id": "c"})
+                    elif msg["type"] == "done":
+                        done[key] = msg
+                    else:
+                        assert msg["type"] == "error"
+                        errors.append(msg)
+                return text, ids, done, errors
+
+    text, ids, done, errors = run(main())
+    assert text[("a", 0)] == greedy and len(ids[("a", 0)]) == 8
+    assert done[("a", 0)]["finish_reason"] == "length"
+    n_prompt = len(server.state.engine.tokenizer.encode("The three primary colors are"))
+    assert done[("a", 0)]["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 8}
+    for i in (0, 1):
+        assert text[("b", i)] == "The capital of France is Paris."
+        assert done[("b", i)]["finish_reason"] == "stop"
+    assert done[("c", 0)]["finish_reason"] == "abort"
+    assert len(ids[("c", 0)]) < 200
+    by_id = {e["id"]: e for e in errors}
+    assert by_id["d"]["param"] == "temperature" and by_id["d"]["status"] == 400
+    assert by_id["nope"]["param"] == "id"
+    assert None in by_id  # the malformed message
+    wait_pool_empty(server)
+
+    async def close_mid_stream():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(server.url + "/v1/ws") as ws:
+                for i in range(3):
+                    await ws.send_json({"type": "generate", "id": i, "prompt": "Hello", "max_tokens": 300,
+                                        "ignore_eos": True})
+                while json.loads((await ws.receive(timeout=60)).data)["type"] != "delta":
+                    pass
+            # leaving the block closes the socket with three requests running
+
+    before = stats(server)["generation_tokens_total"]
+    run(close_mid_stream())
+    after = wait_pool_empty(server)
+    assert after["generation_tokens_total"] - before < 3 * 300
+
+
+# ------------------------------------------------------------------------------------------ bad input
+BIG_PROMPT = [100] * (MAX_MODEL_LEN + 10)
+BAD_REQUESTS = [
+    # (path, body (dict or raw bytes), status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_TOKENS_LIMIT + 1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": BIG_PROMPT}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [100] * 600, "max_tokens": 500}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": FRANCE, "logprobs": "yes"}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
+]
+
+
+@model
+def test_bad_inputs_get_400_while_a_stream_continues(server):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": "The history of the Roman empire", "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            background = asyncio.create_task(sse(s, server.url + "/v1/completions", body))
+            await asyncio.sleep(0.2)
+            results = []
+            for path, payload, status, param in BAD_REQUESTS:
+                kw = {"data": payload, "headers": {"Content-Type": "application/json"}} \
+                    if isinstance(payload, bytes) else {"json": payload}
+                async with s.post(server.url + path, **kw) as r:
+                    results.append((path, payload if isinstance(payload, dict) else payload[:20], status, param,
+                                    r.status, await r.json()))
+            assert not background.done() or background.exception() is None
+            chunks, done = await background
+            return results, chunks, done
+
+    results, chunks, done = run(main())
+    for path, payload, status, param, got_status, body in results:
+        where = f"{path} {str(payload)[:80]}: {got_status} {body}"
+        assert got_status == status, where
+        err = body["error"]
+        assert set(err) == {"message", "type", "param", "code"}, where
+        assert err["param"] == param and err["message"], where
+        if status == 400:
+            assert err["type"] == "invalid_request_error", where
+    assert done and chunks[-1]["usage"]["completion_tokens"] == 16
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    wait_pool_empty(server)
+
+
+@model
+def test_openai_client_errors(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, n=100)
+    assert e.value.body["param"] == "n"
+
+
+# ------------------------------------------------------------------------------------------ health, metrics
+@model
+def test_metrics(server):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            # At least one finished request, so the counters and histograms have something to show.
+            async with s.post(server.url + "/v1/completions",
+                              json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}) as r:
+                assert r.status == 200, await r.text()
+            async with s.get(server.url + "/metrics") as r:
+                return r.status, r.headers["Content-Type"], await r.text()
+
+    status, ctype, text = run(main())
+    assert status == 200 and ctype.startswith("text/plain")
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in ("rawpaged:num_requests_running", "rawpaged:num_requests_waiting", "rawpaged:kv_cache_usage_perc",
+                 "rawpaged:num_preemptions_total", "rawpaged:num_free_blocks", "rawpaged:num_total_blocks",
+                 "rawpaged:num_used_blocks", "rawpaged:num_shared_blocks", "rawpaged:num_cached_blocks",
+                 "rawpaged:prefix_cache_queries_total", "rawpaged:prefix_cache_hits_total",
+                 "rawpaged:cow_copies_total"):
+        assert name in values, name
+    assert values["rawpaged:num_total_blocks"] == 256
+    assert values["rawpaged:prompt_tokens_total"] > 0 and values["rawpaged:generation_tokens_total"] > 0
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert values[f"rawpaged:{hist}_count"] > 0, hist
+        assert f'rawpaged:{hist}_bucket{{le="+Inf"}}' in values
+
+
+def test_health_503_while_loading_api_key_and_load_failure():
+    release = threading.Event()
+
+    def loader():
+        release.wait(30)
+        raise RuntimeError("--device cuda: no CUDA device\nsecond line")
+
+    app = create_app(EngineConfig(model="/nonexistent/TinyModel"), loader=loader, api_key="sekret")
+    srv = ServerThread(app).start()
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                out = {}
+                for name, path, headers in (
+                        ("health", "/health", {}), ("metrics", "/metrics", {}),
+                        ("no_key", "/v1/models", {}), ("bad_key", "/v1/models", {"Authorization": "Bearer nope"}),
+                        ("models", "/v1/models", {"Authorization": "Bearer sekret"}),
+                        ("ws_no_key", "/v1/ws", {})):
+                    async with s.get(srv.url + path, headers=headers) as r:
+                        out[name] = (r.status, await r.text())
+                async with s.post(srv.url + "/v1/completions", json={"prompt": "hi"},
+                                  headers={"Authorization": "Bearer sekret"}) as r:
+                    out["generate"] = (r.status, await r.json())
+                return out
+
+        out = run(main())
+        assert out["health"][0] == 503 and json.loads(out["health"][1])["status"] == "loading"
+        assert out["metrics"][0] == 200
+        for name in ("no_key", "bad_key", "ws_no_key"):
+            assert out[name][0] == 401, name
+            assert json.loads(out[name][1])["error"]["type"] == "authentication_error"
+        assert out["models"][0] == 200 and json.loads(out["models"][1])["data"][0]["id"] == "TinyModel"
+        assert out["generate"][0] == 503 and "loading" in out["generate"][1]["error"]["message"]
+    finally:
+        release.set()
+    srv._thread.join(30)  # the failed load ends the server by itself ...
+    assert not srv._thread.is_alive()
+    assert srv.exit_code == 1  # ... with exit code 1
+
+
+@model
+def test_beam_search_over_http_matches_hf(server):
+    ref = json.loads((FIXTURES / "reference_beam.json").read_text())
+    p = ref["prompts"][0]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": p["prompt_token_ids"], "max_tokens": 16, "n": 4, "use_beam_search": True,
+                    "length_penalty": 1.0}
+            async with s.post(server.url + "/v1/completions", json=body) as r:
+                ok = (r.status, await r.json())
+            async with s.post(server.url + "/v1/completions", json={**body, "stream": True}) as r:
+                bad = (r.status, await r.json())
+        return ok, bad
+
+    (status, out), (bad_status, bad) = run(main())
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["choices"][0]["text"] == p["beams"][0]["output_text"].replace("<|im_end|>", "")
+    assert bad_status == 400 and bad["error"]["param"] == "use_beam_search"

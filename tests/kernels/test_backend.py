@@ -1,0 +1,56 @@
+"""The backend contract: both backends implement every member of ``Backend``; device selection fails in
+one clear line without a GPU; the dtype table agrees with itself."""
+
+import inspect
+import typing
+
+import numpy as np
+import pytest
+
+from rawpaged import dtypes
+from rawpaged.config import DType
+from rawpaged.kernels.backend import Backend
+from rawpaged.kernels.cpu import CPUBackend
+from rawpaged.kernels.cuda import CudaBackend
+
+
+def _members(protocol) -> set:
+    return {n for n in vars(protocol) if not n.startswith("_")} | set(typing.get_type_hints(protocol))
+
+
+def _instances():
+    # A CudaBackend over NumPy and no launcher: its methods and attributes, no GPU needed.
+    return [CPUBackend(), CudaBackend._with_launcher(np, launch=None, address=None, num_sms=1)]
+
+
+@pytest.mark.parametrize("backend", _instances(), ids=["cpu", "cuda"])
+def test_backend_implements_the_whole_contract(backend):
+    missing = sorted(m for m in _members(Backend) if not hasattr(backend, m))
+    assert not missing, f"{backend.name} lacks {missing}"
+    assert isinstance(backend, Backend)
+    for name in _members(Backend) - set(typing.get_type_hints(Backend)):
+        want = list(inspect.signature(getattr(Backend, name)).parameters)[1:]
+        got = list(inspect.signature(getattr(backend, name)).parameters)
+        assert got == want, f"{backend.name}.{name}{tuple(got)} != contract {tuple(want)}"
+
+
+def test_dtype_table():
+    assert typing.get_args(DType) == dtypes.DTYPE_CHOICES
+    assert dtypes.numpy_dtype("bfloat16") == dtypes.BFLOAT16.numpy and dtypes.BFLOAT16.device == np.uint16
+    assert {t.safetensors for t in dtypes.FLOAT_TYPES.values()} <= set(dtypes.SAFETENSORS_DTYPES)
+    with pytest.raises(ValueError, match="int8"):
+        dtypes.float_type("int8")
+    assert CPUBackend.auto_dtype("bfloat16") == "float32" and CudaBackend.auto_dtype(None) == "bfloat16"
+
+
+def test_cuda_unavailable_is_one_clear_line():
+    from rawpaged.kernels import get_backend
+
+    try:
+        get_backend("cuda")
+    except RuntimeError as e:
+        assert "\n" not in str(e) and "cuda" in str(e).lower()
+    else:
+        pytest.skip("a CUDA device is available here")
+    with pytest.raises(ValueError, match="device"):
+        get_backend("tpu")

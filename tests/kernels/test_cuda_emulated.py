@@ -1,0 +1,581 @@
+"""The real CUDA kernels (cuda/*.cu) executed on the CPU through the g++ emulation in tests/cuda_emu,
+launched by the real runtime code (``CudaBackend`` over NumPy arrays), compared against the Numba CPU
+backend and the float64 references. Outputs are NaN-poisoned before the kernels write them, pools hold
+NaN in every unused slot, blocks are scattered randomly. A replay of the launches under ThreadSanitizer
+checks the kernels for shared-memory races (and that the check itself can fail).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cpu
+from rawpaged.kernels import cuda_sources as src
+from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
+                            read_replay_output)
+from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
+                                copy_blocks_expected, make_paged_kv, rms_norm_ref, rope_cache, rope_ref)
+from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
+
+_why = missing_requirements()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"CUDA emulation unavailable: {_why}")
+
+CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 700]  # 700: several flash-decoding partitions, ends mid-block
+GROUPS = [1, 2, 4, 8, 16, 3, 6]
+F16 = np.dtype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return Emulator(build())
+
+
+def backend(emu, num_sms=64):
+    """num_sms=64 makes small grids split the context (flash-decoding path); num_sms=1 never splits."""
+    return emulated_backend(emu, num_sms=num_sms)
+
+
+def dev(a):
+    """Host array -> the emulated backend's representation (bf16 as uint16 bits, shares memory)."""
+    return a.view(np.uint16) if a.dtype == BF16 else a
+
+
+def host(a, dtype):
+    return a.view(BF16) if dtype == BF16 else a
+
+
+def tol(act):
+    if act == BF16:
+        return dict(rtol=1e-2, atol=1e-2)
+    if act == F16:
+        return dict(rtol=2e-3, atol=2e-3)
+    return dict(rtol=2e-4, atol=2e-5)
+
+
+def _decode_case(rng, contexts, num_kv_heads, group, head_dim, block_size, cache_dtype):
+    kc, vc, bt, keys, values = make_paged_kv(rng, contexts, num_kv_heads, head_dim, block_size, cache_dtype)
+    q = rng.standard_normal((len(contexts), num_kv_heads * group, head_dim)).astype(np.float32)
+    return kc, vc, bt, keys, values, q
+
+
+# ------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_attention_split_k_matches_cpu_and_float64(emu, cache_dtype, head_dim, group):
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    num_kv_heads = 2
+    kc, vc, bt, keys, values, q = _decode_case(rng, CONTEXTS, num_kv_heads, group, head_dim, 16, cache_dtype)
+    ctx = np.array(CONTEXTS, np.int32)
+    scale = head_dim ** -0.5
+    be = backend(emu)
+    emu.launches.clear()
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, dev(kc), dev(vc), bt, ctx, scale)
+    assert [n.split("<")[0] for n, *_ in emu.launches] == ["paged_attention_kernel", "paged_attention_reduce_kernel"]
+    assert emu.launches[0][1][2] >= 4, "the long context should span several partitions"
+    ref_cpu = np.full_like(q, np.nan)
+    cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    for s, c in enumerate(CONTEXTS):
+        ref = attention_ref(q[s:s + 1], keys[s], values[s], scale)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}")
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_attention_single_partition_path(emu, group):
+    """num_splits == 1: the decode kernel writes the output itself (no merge kernel)."""
+    rng = np.random.default_rng(group)
+    contexts = [1, 16, 17, 33, 200]
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 3, group, 64, 16, np.float32)
+    be = backend(emu, num_sms=1)
+    emu.launches.clear()
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125)
+    assert [n.split("<")[0] for n, *_ in emu.launches] == ["paged_attention_kernel"]
+    for s in range(len(contexts)):
+        ref = attention_ref(q[s:s + 1], keys[s], values[s], 0.125)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
+
+
+def test_paged_attention_group_beyond_gmax_and_empty_context(emu):
+    """Group 24 > GMAX 16 (two head chunks per KV head, the second partial), an empty context (zeros, as
+    on the CPU), strided query/out views of a wider buffer, both kernel paths."""
+    rng = np.random.default_rng(7)
+    contexts = [0, 5, 300]
+    group, head_dim = 24, 64
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 1, group, head_dim, 16, np.float32)
+    for num_sms in (1, 64):
+        wide = np.full((len(contexts), group + 5, head_dim), np.nan, np.float32)
+        out = wide[:, 2:2 + group]
+        qwide = np.zeros((len(contexts), group + 3, head_dim), np.float32)
+        qwide[:, 1:1 + group] = q
+        backend(emu, num_sms).paged_attention(out, qwide[:, 1:1 + group], kc, vc, bt, np.array(contexts, np.int32), 0.1)
+        np.testing.assert_array_equal(out[0], 0.0)
+        for s in (1, 2):
+            ref = attention_ref(q[s:s + 1], keys[s], values[s], 0.1)[0]
+            np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
+        assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, 2 + group:]).all(), "wrote outside the out view"
+
+
+@pytest.mark.parametrize("act,cache", [(np.float32, F16), (F16, F16), (BF16, BF16)], ids=["f32-f16", "f16", "bf16"])
+def test_paged_attention_half_precision_activations(emu, act, cache):
+    rng = np.random.default_rng(11)
+    contexts = [3, 16, 47, 400]
+    kc, vc, bt, keys, values, q32 = _decode_case(rng, contexts, 2, 4, 128, 16, cache)
+    q = q32.astype(act)
+    out = np.full(q.shape, np.nan, np.float32).astype(act)
+    backend(emu).paged_attention(dev(out), dev(q), dev(kc), dev(vc), bt, np.array(contexts, np.int32), 128 ** -0.5)
+    for s in range(len(contexts)):
+        ref = attention_ref(q[s:s + 1].astype(np.float64), keys[s], values[s], 128 ** -0.5)[0]
+        np.testing.assert_allclose(out[s].astype(np.float64), ref, **tol(act))
+
+
+# ------------------------------------------------------------------------------------------ prefill
+@pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefill_attention_causal_chunked(emu, cache_dtype, block_size):
+    """Full prefill, prefill after a cached prefix, and one-token chunks in one call (the CPU test's case)."""
+    rng = np.random.default_rng(block_size)
+    num_kv_heads, group, head_dim = 3, 3, 64
+    seq_lens = [17, 33, 40, 1, 100, 16]
+    new_tokens = [17, 1, 24, 1, 37, 16]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, block_size, cache_dtype)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    lens = np.array(seq_lens, np.int32)
+    backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, lens, head_dim ** -0.5)
+    ref_cpu = np.full_like(q, np.nan)
+    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 128), (1, 16, 64), (2, 6, 128), (1, 8, 64)])
+def test_prefill_attention_gqa_shapes(emu, num_kv_heads, group, head_dim):
+    """Tile geometry across GQA groups: 64 tokens x 1 head ... 4 tokens x 16 heads per tile, partial
+    tiles, several key tiles, a 2-token chunk after a prefix that ends mid-block."""
+    rng = np.random.default_rng(group * 10 + head_dim)
+    seq_lens = [70, 37, 9]
+    new_tokens = [70, 2, 9]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, 16, BF16)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, np.array(seq_lens, np.int32), 0.1)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.1)
+
+
+def test_prefill_attention_group_larger_than_a_tile(emu):
+    """Group 80 > 64 rows per tile: two head chunks per KV head, one token per tile."""
+    rng = np.random.default_rng(80)
+    seq_lens = [5, 3]  # 3 new tokens each
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 1, 64, 8, np.float32)
+    qsl = np.array([0, 3, 6], np.int32)
+    q = rng.standard_normal((6, 80, 64)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    backend(emu).prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), 0.125)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125)
+
+
+@pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
+def test_prefill_attention_half_precision(emu, act):
+    rng = np.random.default_rng(5)
+    seq_lens = [20, 45]  # 20 and 13 new tokens
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 128, 16, act)
+    qsl = np.array([0, 20, 33], np.int32)
+    q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
+    out = np.full(q.shape, np.nan, np.float32).astype(act)
+    # Device-side query_start_loc/seq_lens: no host validation, max_query_len given explicitly.
+    backend(emu).prefill_attention(dev(out), dev(q), dev(kc), dev(vc), bt, qsl,
+                                   np.array(seq_lens, np.int32), 128 ** -0.5, max_query_len=20)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128 ** -0.5, **tol(act))
+
+
+# ------------------------------------------------------------------------------------------ caches
+@pytest.mark.parametrize("act,cache", [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16),
+                                       (F16, F16)], ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"])
+def test_reshape_and_cache_writes_slots_and_skips_padding(emu, act, cache):
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, H, D = 9, 16, 3, 64
+    kc = np.full((num_blocks, block_size, H, D), np.nan, np.float32).astype(cache)
+    vc = kc.copy()
+    slots = rng.permutation(num_blocks * block_size)[:40].astype(np.int64)
+    slots[[3, 17]] = -1
+    # key/value as views into a fused [tokens, (Hq + 2 Hkv) * D] projection output (token stride != H * D).
+    qkv = rng.standard_normal((40, (5 + 2 * H) * D)).astype(np.float32).astype(act)
+    key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
+    value = qkv[:, (5 + H) * D:].reshape(40, H, D)
+    backend(emu).reshape_and_cache(dev(key), dev(value), dev(kc), dev(vc), slots)
+    assert_cache_rows_written(kc, vc, key, value, slots)
+
+
+def test_bf16_rounding_is_nearest_even(emu):
+    vals = np.array([1.0, 1.00390625, 1.01171875, -3.3e38, 1e-40, 65504.0, np.inf, -np.inf], np.float32)
+    key = np.tile(vals[:, None, None], (1, 1, 2)).astype(np.float32)
+    kc = np.zeros((1, 8, 1, 2), np.uint16)
+    vc = np.zeros_like(kc)
+    backend(emu).reshape_and_cache(key, key, kc, vc, np.arange(8, dtype=np.int64))
+    np.testing.assert_array_equal(kc[0, :, 0, 0], vals.astype(BF16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype,shape", [(np.float32, (10, 16, 3, 64)), (BF16, (10, 16, 2, 128)),
+                                         (F16, (10, 3, 1, 6)), (F16, (10, 1, 1, 3))],
+                         ids=["f32-w16", "bf16-w16", "f16-w4", "f16-w2"])
+def test_copy_blocks_all_layers_one_launch(emu, dtype, shape):
+    rng = np.random.default_rng(1)
+    kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    exp_k, exp_v = copy_blocks_expected(kcs, mapping), copy_blocks_expected(vcs, mapping)
+    emu.launches.clear()
+    backend(emu).copy_blocks([dev(k) for k in kcs], [dev(v) for v in vcs], mapping)
+    assert len(emu.launches) == 1
+    for layer in range(3):
+        np.testing.assert_array_equal(kcs[layer].view(np.uint8), exp_k[layer].view(np.uint8))
+        np.testing.assert_array_equal(vcs[layer].view(np.uint8), exp_v[layer].view(np.uint8))
+
+
+# ------------------------------------------------------------------------------------------ dense layers
+def test_rms_norm_rotary_silu_against_float64_and_cpu(emu):
+    be = backend(emu)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    res = rng.standard_normal((5, 576)).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    ref, _ = rms_norm_ref(x, w, 1e-5, residual=res)
+    res_in = res.copy()
+    out = be.rms_norm(x, w, 1e-5, residual=res_in)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(res_in, x + res)
+    plain = be.rms_norm(x, w, 1e-5)
+    np.testing.assert_allclose(plain, cpu.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+    D, theta = 64, 100000.0
+    cache = rope_cache(D, 50, theta)
+    pos = np.array([0, 3, 49, 7], np.int64)
+    qkv = rng.standard_normal((4, (9 + 3 + 3) * D)).astype(np.float32)
+    q = qkv[:, :9 * D].reshape(4, 9, D)  # views into a fused projection: token stride (9+3+3)*D
+    k = qkv[:, 9 * D:12 * D].reshape(4, 3, D)
+    v_before = qkv[:, 12 * D:].copy()
+
+    rq, rk = rope_ref(q, pos, theta), rope_ref(k, pos, theta)
+    be.rotary_embedding(pos, q, k, cache)
+    np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(qkv[:, 12 * D:], v_before)
+
+    g = rng.standard_normal((3, 2 * 300)).astype(np.float32)
+    gd = g.astype(np.float64)
+    np.testing.assert_allclose(be.silu_and_mul(g), gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:],
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
+def test_dense_layers_half_precision(emu, act):
+    be = backend(emu)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 200)).astype(np.float32).astype(act)
+    res = rng.standard_normal((4, 200)).astype(np.float32).astype(act)
+    res_in = res.copy()
+    for w in (rng.standard_normal(200).astype(np.float32).astype(act), rng.standard_normal(200).astype(np.float32)):
+        res_in = res.copy()
+        out = host(be.rms_norm(dev(x), dev(w), 1e-6, residual=dev(res_in)), act)
+        summed = (x.astype(np.float32) + res.astype(np.float32)).astype(act)
+        np.testing.assert_array_equal(res_in.view(np.uint16), summed.view(np.uint16))  # one rounding, like T(x + r)
+        ref, _ = rms_norm_ref(summed.astype(np.float32), w.astype(np.float32), 1e-6)
+        np.testing.assert_allclose(out.astype(np.float64), ref, **tol(act))
+    g = rng.standard_normal((3, 64)).astype(np.float32).astype(act)
+    gd = g.astype(np.float64)
+    np.testing.assert_allclose(host(be.silu_and_mul(dev(g)), act).astype(np.float64),
+                               gd[:, :32] / (1 + np.exp(-gd[:, :32])) * gd[:, 32:], **tol(act))
+    ang = np.arange(10)[:, None] * 0.3 ** np.arange(16)[None]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    q = rng.standard_normal((2, 2, 32)).astype(np.float32).astype(act)
+    k = rng.standard_normal((2, 1, 32)).astype(np.float32).astype(act)
+    pos = np.array([9, 4], np.int64)
+    q64, k64 = q.astype(np.float64), k.astype(np.float64)
+    be.rotary_embedding(pos, dev(q), dev(k), cache)
+    for before, after in ((q64, q), (k64, k)):
+        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
+        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
+        rot = np.concatenate([-before[..., 16:], before[..., :16]], -1)
+        np.testing.assert_allclose(after.astype(np.float64), before * cos + rot * sin, **tol(act))
+
+
+# ------------------------------------------------------------------------------------------ sampling
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 37, 1000, 5003])
+def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab):
+    """Greedy, temperature, top-k, top-p, min-p and their combinations; one row of integer logits (ties at
+    every threshold); bf16 rows are full of ties too. Exact ids wherever the reference is not on a
+    rounding boundary, and those must be the large majority."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+    logits[2] = np.round(logits[2])
+    logits = logits.astype(act)
+    args = sample_args(3, SAMPLE_CASES, rng)
+    be = backend(emu)
+    emu.launches.clear()
+    got = be.sample(dev(logits), **args)
+    assert [n for n, *_ in emu.launches] == [f"sample_kernel<{src.F32 if act == np.float32 else src.F16 if act == F16 else src.BF16}>"]
+    assert got.dtype == np.int64 and ((got >= 0) & (got < vocab)).all()
+    assert_draws_match(got, logits.astype(np.float32), args, min_stable=0.9)
+    greedy = args["temperature"] == 0
+    np.testing.assert_array_equal(got[greedy], logits.astype(np.float32)[args["sample_rows"][greedy]].argmax(-1))
+
+
+def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
+    """Stratified uniforms through the kernel: each kept token is drawn for n * p of them (within one),
+    a dropped token never."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((1, 40)) * 2).astype(np.float32)
+    n = 150
+    case = (0.8, 12, 0.9, 0.02)
+    args = dict(sample_rows=np.zeros(n, np.int64), temperature=np.full(n, case[0]), top_k=np.full(n, case[1]),
+                top_p=np.full(n, case[2]), min_p=np.full(n, case[3]), uniforms=(np.arange(n) + 0.5) / n)
+    got = backend(emu).sample(logits, **args)
+    counts = np.bincount(got, minlength=40)
+    expect = cpu.filtered_probs(logits[0], *case) * n
+    assert np.abs(counts - expect).max() <= 1.0
+    assert (counts[expect == 0] == 0).all()
+
+
+def test_sample_rejects_rows_outside_the_logits(emu):
+    with pytest.raises(ValueError, match="sample_rows"):
+        backend(emu).sample(np.zeros((2, 10), np.float32), np.array([2]), np.ones(1), np.full(1, -1), np.ones(1),
+                            np.zeros(1), np.zeros(1))
+
+
+# ------------------------------------------------------------------------------------------ weight loading
+def test_convert_kernel_rounds_like_numpy_and_ml_dtypes(emu):
+    """Every ordered dtype pair, including values that round to even, overflow fp16 and denormals."""
+    be = backend(emu)
+    rng = np.random.default_rng(4)
+    x32 = np.concatenate([rng.standard_normal(1000) * 10, [1 + 2 ** -8, 1 + 3 * 2 ** -8, 70000.0, 1e-40, -0.0,
+                                                           np.inf, 2 ** -20]]).astype(np.float32)
+    with np.errstate(over="ignore"):  # 70000 overflows fp16 to inf, on purpose
+        sources = {"float32": x32, "float16": x32.astype(F16), "bfloat16": x32.astype(BF16)}
+    for s_name, s_host in sources.items():
+        for d_name, d_np in (("float32", np.float32), ("float16", F16), ("bfloat16", BF16)):
+            if s_name == d_name:
+                continue
+            out = (np.full(x32.shape, 0xFFFF, np.uint16) if d_name == "bfloat16"
+                   else np.full(x32.shape, np.nan, d_np))  # poisoned: NaN bits
+            be.convert(out, dev(s_host))
+            with np.errstate(over="ignore"):
+                expect = s_host.astype(np.float32).astype(d_np)
+            np.testing.assert_array_equal(host(out, d_np).view(np.uint8), expect.view(np.uint8),
+                                          err_msg=f"{s_name} -> {d_name}")
+
+
+@pytest.mark.parametrize("target", ["float32", "bfloat16", "float16"])
+def test_load_weight_and_fused_linear_from_any_checkpoint_dtype(emu, target):
+    """The loader's device path: bytes in the checkpoint's dtype, then convert_kernel; fused parts land in
+    their rows. Emulated arrays are host arrays, so the staged copy is a byte copy here (the pinned
+    staging itself is tested in test_cuda_launch_config.py)."""
+    be = backend(emu)
+    rng = np.random.default_rng(6)
+    t_np = {"float32": np.dtype(np.float32), "bfloat16": BF16, "float16": F16}[target]
+    for ckpt in (np.float32, F16, BF16, np.float64):
+        parts = [rng.standard_normal((r, 24)).astype(np.float32).astype(ckpt) for r in (8, 4, 4)]
+        fused = host(be.load_linear(parts, target), t_np)
+        np.testing.assert_array_equal(fused.view(np.uint8),
+                                      np.concatenate(parts).astype(np.float32).astype(t_np).view(np.uint8))
+        norm = host(be.load_weight(parts[0][0], target), t_np)
+        np.testing.assert_array_equal(norm.view(np.uint8), parts[0][0].astype(np.float32).astype(t_np).view(np.uint8))
+    with pytest.raises(ValueError, match="dtype"):
+        be.load_weight(parts[0], "int8")
+
+
+# ------------------------------------------------------------------------------------------ the engine
+def _numpy_linear_bf16(self, x, weight, bias):
+    """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, one rounding to bf16)."""
+    y = x.view(BF16).astype(np.float32) @ weight.view(BF16).astype(np.float32).T
+    if bias is not None:
+        y += bias.view(BF16).astype(np.float32)
+    return y.astype(BF16).view(np.uint16)
+
+
+def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypatch):
+    """The whole CUDA path (LLMEngine -> ModelRunner -> LlamaModel -> CudaBackend -> every kernel, device
+    sampling, COW block copies for n > 1, prefix-cache hits, weight upload with dtype conversion) on a
+    tiny random model, against the CPU engine. float32: the same greedy and seeded-sampled ids;
+    bfloat16 (the CUDA default): first-step logits within bf16 precision."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.random_model import write_random_model
+
+    model = write_random_model(tmp_path / "m", num_layers=2, hidden_size=128, intermediate_size=96, num_heads=4,
+                               num_kv_heads=2, head_dim=64, seed=3)
+    kw = dict(model=str(model), num_kv_blocks=64, block_size=16, max_model_len=256)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 16, 33)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=4, ignore_eos=True)
+
+    def run(llm):
+        g = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        smp = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[1:], sampled)]
+        again = llm.generate(prompts[2:], greedy)[0].outputs[0].token_ids  # prefix-cache hit
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        return g, smp, again
+
+    cpu_llm = LLM(device="cpu", **kw)
+    ref = run(cpu_llm)
+    monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    f32 = LLM(device="cuda", dtype="float32", **kw)
+    assert f32.engine.backend.name == "cuda" and f32.engine.kv_cache_dtype == "float32"
+    emu.launches.clear()
+    assert run(f32) == ref
+    launched = {n.split("<")[0] for n, *_ in emu.launches}
+    assert {"paged_attention_kernel", "prefill_attention_kernel", "reshape_and_cache_kernel", "copy_blocks_kernel",
+            "rms_norm_kernel", "rotary_embedding_kernel", "silu_and_mul_kernel", "sample_kernel"} <= launched
+    assert f32.stats()["prefix_cache_hits"] > 0
+
+    bf16 = LLM(device="cuda", **kw)
+    assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    assert bf16.engine.model.embed_tokens.dtype == np.uint16
+    from rawpaged.check_cuda_engine import _first_logits
+
+    for p in prompts:
+        want = _first_logits(cpu_llm, p["prompt_token_ids"])
+        got = _first_logits(bf16, p["prompt_token_ids"])
+        assert np.max(np.abs(got - want)) < 0.05 * np.max(np.abs(want)) + 1e-3
+    out = bf16.generate(prompts, sampled)
+    assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
+
+
+def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, monkeypatch):
+    """rawpaged/check_cuda_engine.py (run by scripts/gpu_check.sh on a GPU) end to end on a tiny shape, so
+    a device session is never spent on a broken script."""
+    from rawpaged import check_cuda_engine
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.kernels.cuda import CudaBackend
+
+    real = engine_mod.get_backend
+    monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(engine_mod, "get_backend",
+                        lambda device: backend(emu, num_sms=4) if device == "cuda" else real(device))
+    shape = dict(num_layers=1, hidden_size=128, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=64,
+                 vocab_size=259)
+    r = check_cuda_engine.check_shape("tiny", shape, tmp_path, np.random.default_rng(0), prompt_lens=(3, 17),
+                                      max_tokens=3, timing_batches=(2,), timing_tokens=2)
+    assert r["ok"], r
+    assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
+    assert r["bfloat16"]["sampled_ids_valid"] and r["bfloat16"]["batch2_tok_per_s"] > 0
+
+
+def test_kernel_benchmark_script_dry_run(tmp_path, capsys):
+    """benchmarks/kernels_cuda.py (run by scripts/gpu_check.sh) on the emulated kernels: tables and JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_cuda.py"
+    spec = importlib.util.spec_from_file_location("kernels_cuda", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "kernels_cuda.json").read_text())
+    assert len(result["results"]) == 16 and len(result["sampling"]) == 4
+    assert all(r["paged_us"] > 0 and r["contiguous_us"] > 0 for r in result["results"])
+    assert all(r["device_us"] > 0 and r["host_us"] > 0 for r in result["sampling"])
+    assert "sampling bf16 logits" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ launch rules
+def test_argument_checking_catches_a_wrong_scalar_type(emu):
+    """The emulator rejects what CuPy would silently misread (a Python int is passed as 64-bit)."""
+    out = np.zeros(64, np.float32)
+    with pytest.raises(TypeError):
+        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1), (out, out, np.int64(1), 32))
+    with pytest.raises(TypeError):
+        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1), (out, out, np.int32(1), np.int32(32)))
+    with pytest.raises(TypeError):
+        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1),
+                   (out, out.view(np.uint16), np.int64(1), np.int32(32)))
+
+
+def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
+    """Dynamic shared memory is NaN-filled before each block and fenced: a decode launch with too little
+    shared memory must be refused (guard bytes overwritten), not pass by luck."""
+    rng = np.random.default_rng(0)
+    kc, vc, bt, *_ , q = _decode_case(rng, [40], 1, 4, 64, 16, np.float32)
+    out = np.full_like(q, np.nan)
+    cfg = src.decode_config(1, 4, 1, 64, 48, num_sms=1)
+    args = (out, np.int64(4 * 64), np.uint64(0), np.uint64(0), q, np.int64(4 * 64), kc, vc, bt, np.int32(bt.shape[1]),
+            np.array([40], np.int32), np.int32(4), np.int32(1), np.int32(16), np.float32(0.125),
+            np.int32(cfg["split_len"]), np.int32(1))
+    with pytest.raises(RuntimeError, match="outside"):
+        emu.launch("paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args,
+                   cfg["smem_bytes"] - 64)
+    emu.launch("paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args, cfg["smem_bytes"])
+    assert np.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------ ThreadSanitizer
+def _replay_under_tsan(names, record, tmp_path):
+    """Record launches with the normal emulation, replay them in a -fsanitize=thread build."""
+    try:
+        exe = build(names, tsan=True, replay=True)
+    except RuntimeError as e:
+        if "tsan" in str(e).lower() or "sanitize" in str(e).lower():
+            pytest.skip(f"g++ cannot build with -fsanitize=thread here: {str(e)[-300:]}")
+        raise
+    rec = Recorder(Emulator(build(names)))
+    record(rec)
+    rec.write(tmp_path / "in.bin")
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
+    r = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if "unexpected memory mapping" in r.stderr:  # TSan vs. a kernel with high mmap entropy
+        pytest.skip("ThreadSanitizer cannot run on this kernel (unexpected memory mapping)")
+    return rec, r
+
+
+def test_kernels_have_no_data_races_under_tsan(tmp_path):
+    names = ["paged_attention_kernel<float, __nv_bfloat16, 64, 4>", "paged_attention_reduce_kernel<float>",
+             "prefill_attention_kernel<float, __nv_bfloat16, 64>", "rms_norm_kernel<float, float>",
+             "reshape_and_cache_kernel<float, __nv_bfloat16>", "sample_kernel<__nv_bfloat16>"]
+
+    def record(rec):
+        be = emulated_backend(rec, num_sms=64)
+        rng = np.random.default_rng(0)
+        contexts = [1, 17, 300]
+        kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 1, 3, 64, 16, BF16)
+        out = np.full_like(q, np.nan)
+        be.paged_attention(out, q, dev(kc), dev(vc), bt, np.array(contexts, np.int32), 0.125)
+        qsl = np.array([0, 2, 42], np.int32)  # rows 1 and 2 of the block table: 2 new of 17, 40 new of 40
+        qp = rng.standard_normal((42, 3, 64)).astype(np.float32)
+        be.prefill_attention(np.full_like(qp, np.nan), qp, dev(kc), dev(vc), bt[1:], qsl, np.array([17, 40], np.int32),
+                             0.1)
+        x = rng.standard_normal((2, 300)).astype(np.float32)
+        be.rms_norm(x, rng.standard_normal(300).astype(np.float32), 1e-5, residual=x.copy())
+        be.reshape_and_cache(qp[:5, :1], qp[:5, 1:2], dev(kc), dev(vc), np.arange(5, dtype=np.int64))
+        logits = (rng.standard_normal((2, 700)) * 3).astype(BF16)
+        be.sample(dev(logits), **sample_args(2, SAMPLE_CASES[:4] + SAMPLE_CASES[5:6], rng))
+
+    rec, r = _replay_under_tsan(names, record, tmp_path)
+    assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-6000:]
+    got = read_replay_output(tmp_path / "out.bin")
+    assert got == rec.final(), "the TSan replay computed different results"
+
+
+def test_tsan_replay_detects_a_missing_syncthreads(tmp_path):
+    """The race check can fail: the same exchange kernel without its __syncthreads() is reported."""
+    for sync, expect_race in (("true", False), ("false", True)):
+        def record(rec):
+            rec.launch(f"neighbour_exchange_kernel<{sync}>", (1, 1, 1), (64, 1, 1), (np.zeros(64, np.float32),))
+
+        _, r = _replay_under_tsan(list(SELFTEST_NAMES), record, tmp_path)
+        raced = "ThreadSanitizer: data race" in r.stderr
+        assert raced == expect_race, r.stderr[-3000:]
+        assert (r.returncode == 66) == expect_race

@@ -1,0 +1,283 @@
+"""CudaBackend on a real GPU against the CPU backend and float64 references (``pytest -m cuda``; skipped
+without a device). Same cases as tests/test_cuda_emulated.py, plus the CuPy-only parts (module compile,
+cuBLAS linear, embedding)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cpu
+from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
+                                copy_blocks_expected, make_paged_kv, rms_norm_ref)
+from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+# scripts/gpu_check.sh sets RAWPAGED_REQUIRE_CUDA=1: there a missing GPU fails these tests instead of skipping.
+_REQUIRED = os.environ.get("RAWPAGED_REQUIRE_CUDA") == "1"
+# RAWPAGED_CUDA_TESTS_ON_EMULATION=1 runs this module on the CPU emulation of the kernels (slow; checks the
+# tests themselves before a GPU session is spent on them); the CuPy-only tests are skipped then.
+_EMULATED = os.environ.get("RAWPAGED_CUDA_TESTS_ON_EMULATION") == "1"
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not _REQUIRED and not _EMULATED and not _gpu_available(),
+                                 reason="no CUDA device (CuPy sees none)")]
+cupy_only = pytest.mark.skipif(_EMULATED, reason="needs CuPy on a GPU (cuBLAS, device memory, the engine)")
+
+CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
+GROUPS = [1, 2, 4, 8, 16, 3, 6]
+F16 = np.dtype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def be():
+    if _EMULATED:
+        from tests.cuda_emu import Emulator, build, emulated_backend
+
+        return emulated_backend(Emulator(build()), num_sms=8)
+    from rawpaged.kernels.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def tol(act):
+    if act == BF16:
+        return dict(rtol=1e-2, atol=1e-2)
+    if act == F16:
+        return dict(rtol=2e-3, atol=2e-3)
+    return dict(rtol=2e-4, atol=2e-5)
+
+
+def f64(a):
+    return np.asarray(a).astype(np.float64)
+
+
+@pytest.mark.parametrize("num_sms", [None, 1], ids=["auto-splits", "no-split"])
+@pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", GROUPS)
+def test_paged_attention(be, num_sms, cache_dtype, head_dim, group):
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    kc, vc, bt, keys, values = make_paged_kv(rng, CONTEXTS, 2, head_dim, 16, cache_dtype)
+    q = rng.standard_normal((len(CONTEXTS), 2 * group, head_dim)).astype(np.float32)
+    ctx = np.array(CONTEXTS, np.int32)
+    scale = head_dim ** -0.5
+    saved = be.num_sms
+    if num_sms:
+        be.num_sms = num_sms
+    try:
+        out_d = be.asarray(np.full_like(q, np.nan))
+        be.paged_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, ctx, scale)
+    finally:
+        be.num_sms = saved
+    out = be.to_numpy(out_d)
+    ref_cpu = np.full_like(q, np.nan)
+    cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    for s, c in enumerate(CONTEXTS):
+        np.testing.assert_allclose(out[s], attention_ref(q[s:s + 1], keys[s], values[s], scale)[0], rtol=2e-4,
+                                   atol=2e-5, err_msg=f"ctx={c}")
+
+
+@pytest.mark.parametrize("act,cache", [(np.float32, F16), (F16, F16), (BF16, BF16)], ids=["f32-f16", "f16", "bf16"])
+def test_paged_attention_half_precision(be, act, cache):
+    rng = np.random.default_rng(11)
+    contexts = [0, 3, 16, 47, 4000]
+    kc, vc, bt, keys, values = make_paged_kv(rng, contexts[1:], 2, 128, 16, cache)
+    bt = np.concatenate([np.zeros((1, bt.shape[1]), np.int32), bt])
+    keys, values = [None] + keys, [None] + values
+    q = rng.standard_normal((len(contexts), 8, 128)).astype(np.float32).astype(act)
+    out_d = be.asarray(np.full(q.shape, np.nan, np.float32).astype(act))
+    be.paged_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, np.array(contexts, np.int32),
+                       128 ** -0.5)
+    out = f64(be.to_numpy(out_d))
+    np.testing.assert_array_equal(out[0], 0.0)
+    for s in range(1, len(contexts)):
+        ref = attention_ref(f64(q[s:s + 1]), keys[s], values[s], 128 ** -0.5)[0]
+        np.testing.assert_allclose(out[s], ref, **tol(act))
+
+
+@pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
+                         [(3, 3, 64, 8), (3, 3, 64, 16), (3, 3, 64, 32), (2, 1, 128, 16), (1, 16, 64, 16),
+                          (2, 6, 128, 16)])
+def test_prefill_attention(be, cache_dtype, num_kv_heads, group, head_dim, block_size):
+    rng = np.random.default_rng(block_size + group)
+    seq_lens = [17, 33, 40, 1, 100, 16, 300]
+    new_tokens = [17, 1, 24, 1, 37, 16, 300]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, block_size, cache_dtype)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
+    out_d = be.asarray(np.full_like(q, np.nan))
+    lens = np.array(seq_lens, np.int32)
+    be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, qsl, lens, head_dim ** -0.5)
+    out = be.to_numpy(out_d)
+    ref_cpu = np.full_like(q, np.nan)
+    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
+def test_prefill_attention_half_precision(be, act):
+    rng = np.random.default_rng(5)
+    seq_lens = [20, 45]  # 20 and 13 new tokens
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 128, 16, act)
+    qsl = np.array([0, 20, 33], np.int32)
+    q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
+    out_d = be.asarray(np.full(q.shape, np.nan, np.float32).astype(act))
+    be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), be.asarray(bt), be.asarray(qsl),
+                         be.asarray(np.array(seq_lens, np.int32)), 128 ** -0.5, max_query_len=20)
+    out = f64(be.to_numpy(out_d))
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128 ** -0.5, **tol(act))
+
+
+@pytest.mark.parametrize("act,cache", [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16),
+                                       (F16, F16)], ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"])
+def test_reshape_and_cache(be, act, cache):
+    rng = np.random.default_rng(0)
+    num_blocks, block_size, H, D = 9, 16, 3, 64
+    kc = np.full((num_blocks, block_size, H, D), np.nan, np.float32).astype(cache)
+    slots = rng.permutation(num_blocks * block_size)[:40].astype(np.int64)
+    slots[[3, 17]] = -1
+    qkv = rng.standard_normal((40, (5 + 2 * H) * D)).astype(np.float32).astype(act)
+    qkv_d = be.asarray(qkv)
+    key_d = qkv_d[:, 5 * D:(5 + H) * D].reshape(40, H, D)
+    value_d = qkv_d[:, (5 + H) * D:].reshape(40, H, D)
+    kc_d, vc_d = be.asarray(kc), be.asarray(kc.copy())
+    be.reshape_and_cache(key_d, value_d, kc_d, vc_d, slots)
+    key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
+    value = qkv[:, (5 + H) * D:].reshape(40, H, D)
+    assert_cache_rows_written(be.to_numpy(kc_d), be.to_numpy(vc_d), key, value, slots)
+
+
+def test_bf16_rounding_is_nearest_even(be):
+    vals = np.array([1.0, 1.00390625, 1.01171875, -3.3e38, 1e-40, 65504.0, np.inf, -np.inf], np.float32)
+    key = be.asarray(np.tile(vals[:, None, None], (1, 1, 2)).astype(np.float32))
+    kc = be.asarray(np.zeros((1, 8, 1, 2), BF16))
+    vc = be.asarray(np.zeros((1, 8, 1, 2), BF16))
+    be.reshape_and_cache(key, key, kc, vc, np.arange(8, dtype=np.int64))
+    np.testing.assert_array_equal(be.to_numpy(kc)[0, :, 0, 0].view(np.uint16), vals.astype(BF16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype,shape", [(np.float32, (10, 16, 3, 64)), (BF16, (10, 16, 2, 128)), (F16, (10, 1, 1, 3))])
+def test_copy_blocks(be, dtype, shape):
+    rng = np.random.default_rng(1)
+    kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
+    kd, vd = [be.asarray(k) for k in kcs], [be.asarray(v) for v in vcs]
+    mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
+    exp_k, exp_v = copy_blocks_expected(kcs, mapping), copy_blocks_expected(vcs, mapping)
+    be.copy_blocks(kd, vd, mapping)
+    for layer in range(3):
+        np.testing.assert_array_equal(be.to_numpy(kd[layer]).view(np.uint8), exp_k[layer].view(np.uint8))
+        np.testing.assert_array_equal(be.to_numpy(vd[layer]).view(np.uint8), exp_v[layer].view(np.uint8))
+
+
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_dense_layers(be, act):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 576)).astype(np.float32).astype(act)
+    res = rng.standard_normal((5, 576)).astype(np.float32).astype(act)
+    w = rng.standard_normal(576).astype(np.float32)
+    summed = (x.astype(np.float32) + res.astype(np.float32)).astype(act)
+    res_d = be.asarray(res)
+    out = f64(be.to_numpy(be.rms_norm(be.asarray(x), be.asarray(w), 1e-5, residual=res_d)))
+    np.testing.assert_array_equal(np.asarray(be.to_numpy(res_d)).view(np.uint8), summed.view(np.uint8))
+    np.testing.assert_allclose(out, rms_norm_ref(summed.astype(np.float32), w, 1e-5)[0], **tol(act))
+
+    D = 64
+    inv = 100000.0 ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+    ang = np.arange(50)[:, None] * inv[None]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    pos = np.array([0, 3, 49, 7], np.int64)
+    qkv = rng.standard_normal((4, 15 * D)).astype(np.float32).astype(act)
+    qkv_d = be.asarray(qkv.copy())
+    be.rotary_embedding(pos, qkv_d[:, :9 * D].reshape(4, 9, D), qkv_d[:, 9 * D:12 * D].reshape(4, 3, D),
+                        be.asarray(cache))
+    got = f64(be.to_numpy(qkv_d))
+    for lo, hi, h in ((0, 9 * D, 9), (9 * D, 12 * D, 3)):
+        a = f64(qkv[:, lo:hi]).reshape(4, h, D)
+        cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
+        sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
+        rot = np.concatenate([-a[..., D // 2:], a[..., :D // 2]], -1)
+        np.testing.assert_allclose(got[:, lo:hi].reshape(4, h, D), a * cos + rot * sin, **tol(act))
+    np.testing.assert_array_equal(got[:, 12 * D:], f64(qkv[:, 12 * D:]))
+
+    g = rng.standard_normal((3, 600)).astype(np.float32).astype(act)
+    gd = f64(g)
+    np.testing.assert_allclose(f64(be.to_numpy(be.silu_and_mul(be.asarray(g)))),
+                               gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:], **tol(act))
+
+
+@cupy_only
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_and_embedding(be, act, with_bias):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((7, 96)).astype(np.float32).astype(act)
+    w = rng.standard_normal((40, 96)).astype(np.float32).astype(act)
+    b = rng.standard_normal(40).astype(np.float32).astype(act) if with_bias else None
+    y = f64(be.to_numpy(be.linear(be.asarray(x), be.asarray(w), be.asarray(b) if with_bias else None)))
+    ref = f64(x) @ f64(w).T + (f64(b) if with_bias else 0.0)
+    loose = act != np.float32
+    np.testing.assert_allclose(y, ref, rtol=2e-2 if loose else 1e-4, atol=5e-2 if loose else 1e-3)
+    table = rng.standard_normal((50, 16)).astype(np.float32).astype(act)
+    ids = np.array([3, 0, 49, 3], np.int64)
+    rows = be.to_numpy(be.embedding(ids, be.asarray(table)))
+    np.testing.assert_array_equal(np.asarray(rows).view(np.uint8), table[ids].view(np.uint8))
+
+
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("vocab", [1, 1000, 49152, 151936])
+def test_sample(be, act, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+    logits[2] = np.round(logits[2])
+    logits = logits.astype(act)
+    args = sample_args(3, SAMPLE_CASES, rng)
+    got = be.sample(be.asarray(logits), **args)
+    assert_draws_match(got, logits.astype(np.float32), args)
+
+
+@cupy_only
+def test_default_kv_cache_memory_within_device_memory(be):
+    free, total = be.xp.cuda.runtime.memGetInfo()
+    budget = be.default_kv_cache_memory(0.9)
+    assert 0 < budget <= 0.9 * total
+    assert be.default_kv_cache_memory(0.0) == 0
+
+
+@cupy_only
+def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
+    """The whole engine (loader, model, runner, kernels) on the device against the CPU engine."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.random_model import write_random_model
+
+    model = write_random_model(tmp_path / "m", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                               num_kv_heads=2, head_dim=64, vocab_size=512)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 16, 17, 40)]
+    kw = dict(model=str(model), num_kv_blocks=64, max_model_len=256)
+    cpu = [o.outputs[0].token_ids for o in LLM(device="cpu", **kw).generate(prompts, params)]
+    gpu_llm = LLM(device="cuda", dtype="float32", **kw)
+    gpu = [o.outputs[0].token_ids for o in gpu_llm.generate(prompts, params)]
+    assert gpu == cpu
+    s = gpu_llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    bf16 = LLM(device="cuda", **kw)  # the CUDA default: bfloat16 weights, activations and KV cache
+    assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    out = bf16.generate(prompts, params)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+    s = bf16.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]

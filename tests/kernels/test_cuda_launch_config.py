@@ -1,0 +1,174 @@
+"""Launch geometry of the CUDA kernels (pure Python, mirrors of the constants in cuda/attention.cu), and the
+GPU-less behaviour of the CUDA backend: weight staging over a fake CUDA API, dtype resolution."""
+
+import ctypes
+import types
+
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cuda_sources as src
+
+
+@pytest.mark.parametrize("head_dim", src.HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64])
+def test_decode_config_covers_group_and_fits_shared_memory(head_dim, group):
+    cfg = src.decode_config(num_seqs=3, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, max_context_len=5000,
+                            num_sms=132)
+    assert cfg["gmax"] in src.DECODE_GMAX and cfg["gmax"] <= src.gmax_cap(head_dim)
+    assert cfg["gchunks"] * cfg["gmax"] >= group > (cfg["gchunks"] - 1) * cfg["gmax"]
+    assert f"paged_attention_kernel<float, float, {head_dim}, {cfg['gmax']}>" in src.all_name_expressions()
+    assert cfg["smem_bytes"] <= 48 * 1024, "decode must run without the shared-memory opt-in"
+    assert cfg["num_splits"] * cfg["split_len"] >= 5000 > (cfg["num_splits"] - 1) * cfg["split_len"]
+    assert cfg["grid"] == (2 * cfg["gchunks"], 3, cfg["num_splits"])
+
+
+def test_decode_splits_fill_the_gpu_only_when_needed():
+    one = src.decode_config(1, 32, 8, 128, 4096, num_sms=132)
+    assert one["num_splits"] > 1 and np.prod(one["grid"]) >= 132, "batch 1 must fill the SMs"
+    assert one["split_len"] >= src.MIN_SPLIT_TOKENS
+    big = src.decode_config(64, 32, 8, 128, 4096, num_sms=132)
+    assert big["num_splits"] == 1, "512 (seq, kv-head) blocks already fill 132 SMs"
+    short = src.decode_config(1, 9, 3, 64, 100, num_sms=132)
+    assert short["num_splits"] == 1, "a context shorter than one partition is never split"
+
+
+@pytest.mark.parametrize("head_dim", src.HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 3, 6, 16, 80])
+def test_prefill_config(head_dim, group):
+    cfg = src.prefill_config(2, 4 * group, 4, head_dim, max_query_len=100)
+    rows = src.prefill_rows(head_dim)
+    assert 1 <= cfg["heads_per_block"] <= rows and cfg["tokens_per_tile"] * cfg["heads_per_block"] <= rows
+    assert cfg["grid"][0] * cfg["tokens_per_tile"] >= 100
+    assert cfg["smem_bytes"] <= 163 * 1024, "must fit the sm_80 opt-in limit"
+
+
+def test_copy_word_and_threads():
+    assert src.copy_word_bytes(16 * 8 * 128 * 2) == 16
+    assert src.copy_word_bytes(36) == 4
+    assert src.copy_word_bytes(6) == 2
+    assert src.round_threads(576, 1024) == 576 and src.round_threads(5, 1024) == 32
+    assert src.round_threads(4096, 1024) == 1024
+
+
+def test_module_source_inlines_the_header_once():
+    code = src.module_source()
+    assert code.count("namespace rp {") >= 1 and '#include "common.cuh"' not in code
+    for f in src.SOURCE_FILES:
+        assert f"// ---- {f}" in code
+
+
+def test_cuda_sources_does_not_import_cupy():
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-c", "import sys, rawpaged.kernels.cuda_sources, rawpaged.kernels.cuda; "
+                        "assert 'cupy' not in sys.modules, 'cupy imported'"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+
+
+def test_cuda_backend_without_gpu_raises_one_clear_line():
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a GPU is present")
+    except Exception:
+        pass
+    from rawpaged.kernels.cuda import CudaBackend
+
+    with pytest.raises(RuntimeError, match=r"^no CUDA device found: ") as exc:
+        CudaBackend()
+    assert "\n" not in str(exc.value)
+
+
+# ------------------------------------------------------------------------------------------ weight upload
+class _FakeCuda:
+    """The few CuPy calls PinnedStager makes, over host memory: memcpyAsync copies at once but records
+    the order of events, so the test sees which buffer was refilled after which wait."""
+
+    def __init__(self):
+        self.log = []
+        fake = self
+
+        class Event:
+            def __init__(self, n):
+                self.n = n
+
+            def synchronize(self):
+                fake.log.append(("wait", self.n))
+
+        class Stream:
+            ptr = 7
+            recorded = 0
+
+            def record(self):
+                Stream.recorded += 1
+                return Event(Stream.recorded)
+
+        class Runtime:
+            @staticmethod
+            def memcpyAsync(dst, src_ptr, n, kind, stream):
+                assert kind == 1 and stream == 7
+                ctypes.memmove(dst, src_ptr, n)
+                fake.log.append(("copy", n))
+
+        self.stream = Stream()
+        self.cuda = types.SimpleNamespace(
+            alloc_pinned_memory=lambda n: bytearray(n), get_current_stream=lambda: self.stream, runtime=Runtime)
+
+
+class _HostArray:
+    """A NumPy array with CuPy's ``.data.ptr`` (the stager only needs the address)."""
+
+    def __init__(self, a):
+        self.a = a
+        self.nbytes = a.nbytes
+        self.flags = a.flags
+        self.data = types.SimpleNamespace(ptr=a.ctypes.data)
+
+
+def test_pinned_stager_copies_in_chunks_through_two_alternating_buffers():
+    from rawpaged.kernels.cuda import PinnedStager
+
+    fake = _FakeCuda()
+    stager = PinnedStager(fake, chunk_bytes=1000)
+    host = np.random.default_rng(0).standard_normal((37, 29)).astype(np.float32)  # 4292 bytes: 5 chunks
+    dst = np.full((37, 29), np.nan, np.float32)
+    stager.copy(_HostArray(dst), host)
+    np.testing.assert_array_equal(dst, host)
+    assert [n for kind, n in fake.log if kind == "copy"] == [1000, 1000, 1000, 1000, 292]
+    # Chunk 3 reuses buffer 0: it must wait for chunk 1's event (1) first, chunk 4 for event 2, ...
+    assert [n for kind, n in fake.log if kind == "wait"] == [1, 2, 3]
+    assert fake.log.index(("wait", 1)) < [i for i, e in enumerate(fake.log) if e[0] == "copy"][2]
+    dst2 = np.zeros(10, np.float16)
+    stager.copy(_HostArray(dst2), np.arange(10, dtype=np.float16))
+    np.testing.assert_array_equal(dst2, np.arange(10))
+    with pytest.raises(ValueError, match="bytes"):
+        stager.copy(_HostArray(np.zeros(3, np.float32)), np.zeros(4, np.float32))
+    stager.close()
+    assert stager.bytes_copied == host.nbytes + 20
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+def test_dtype_auto_resolution_and_unsupported_pairs():
+    from rawpaged.config import resolve_dtypes
+    from rawpaged.kernels.cpu import CPUBackend
+    from rawpaged.kernels.cuda import CudaBackend
+
+    cpu, cuda = CPUBackend, CudaBackend  # the class attributes resolution reads need no device
+    assert resolve_dtypes("auto", "auto", cpu, "bfloat16") == ("float32", "float32")
+    assert resolve_dtypes("auto", "bfloat16", cpu, None) == ("float32", "bfloat16")
+    assert resolve_dtypes("auto", "auto", cuda, "float32") == ("bfloat16", "bfloat16")
+    assert resolve_dtypes("auto", "auto", cuda, "float16") == ("float16", "float16")
+    assert resolve_dtypes("float32", "auto", cuda, "bfloat16") == ("float32", "float32")
+    with pytest.raises(ValueError, match="dtype 'bfloat16' is not supported on the cpu backend"):
+        resolve_dtypes("bfloat16", "auto", cpu, None)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float32' with dtype 'bfloat16'"):
+        resolve_dtypes("bfloat16", "float32", cuda, None)
+    names = {"float32": src.F32, "float16": src.F16, "bfloat16": src.BF16}
+    assert {(names[a], names[c]) for a, c in CudaBackend.dtype_pairs} == set(src.DTYPE_PAIRS)
+    assert names == {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}

@@ -1,0 +1,89 @@
+"""Loading a model directory: malformed safetensors files, missing/unexpected/misshapen tensors, bad
+config.json, and sharded checkpoints (on small random models, no download)."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from rawpaged import LLM, SamplingParams
+from rawpaged.model_executor.model_loader import load_config, load_weights, read_safetensors
+from tests.conftest import tiny_engine as _engine
+
+
+def _write_raw(path, header: dict, data: bytes, header_len=None):
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", header_len if header_len is not None else len(h)) + h + data)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("truncated", "truncated"), ("header_beyond", "beyond the file"), ("overlap", "overlap"),
+    ("out_of_range", "outside the data"), ("bad_json", "not valid JSON"), ("size_mismatch", "bytes for shape"),
+])
+def test_bad_safetensors_files(tmp_path, case, match):
+    f = tmp_path / "model.safetensors"
+    a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    if case == "truncated":
+        f.write_bytes(b"\x01\x00")
+    elif case == "header_beyond":
+        _write_raw(f, {"a": a}, b"\0" * 8, header_len=10_000)
+    elif case == "overlap":
+        _write_raw(f, {"a": a, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12)
+    elif case == "out_of_range":
+        _write_raw(f, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
+    elif case == "bad_json":
+        f.write_bytes(struct.pack("<Q", 5) + b"{nope" + b"\0" * 8)
+    elif case == "size_mismatch":
+        _write_raw(f, {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8)
+    with pytest.raises(ValueError, match=match) as e:
+        read_safetensors(f)
+    assert str(f) in str(e.value)
+
+
+def test_missing_unexpected_and_misshapen_tensors(tmp_path, tiny_dir):
+    from safetensors.numpy import load_file, save_file
+
+    cfg = load_config(tiny_dir)
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    for name, mutate, match in [
+        ("missing", lambda t: t.pop("model.norm.weight"), "missing tensors"),
+        ("unexpected", lambda t: t.__setitem__("model.extra.weight", np.zeros(2, np.float32)), "unexpected"),
+        ("shape", lambda t: t.__setitem__("model.norm.weight", np.ones(5, np.float32)), "model.norm.weight"),
+    ]:
+        d = tmp_path / name
+        d.mkdir()
+        t = dict(tensors)
+        mutate(t)
+        save_file(t, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            load_weights(d, cfg)
+
+
+def test_bad_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="not supported"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 3}))
+    with pytest.raises(ValueError, match="missing field"):
+        load_config(tmp_path)
+    with pytest.raises(ValueError, match="neither"):
+        LLM(model=str(tmp_path / "nope"), device="cpu")
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_dir):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, ns in shards.items():
+        save_file({n: tensors[n] for n in ns}, str(tmp_path / fname))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((tiny_dir / f).read_bytes())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert (_engine(tmp_path).generate(["abc"], params)[0].outputs[0].token_ids
+            == _engine(tiny_dir).generate(["abc"], params)[0].outputs[0].token_ids)

@@ -1,0 +1,106 @@
+"""The CPU sampling reference (``rawpaged.kernels.cpu.sample``/``filtered_probs``) against definitions
+written out independently: sort-based top-k/top-p/min-p sets in pure Python with exact sums, and the
+inverse-CDF draw checked by stratified uniforms (the count of each token over N evenly spaced uniforms is
+N * p within one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cpu
+from rawpaged.model_executor.sampler import draw_uniform, sampling_arrays
+from rawpaged.sampling_params import SamplingParams
+
+
+def kept_set(x, temperature, top_k, top_p, min_p):
+    """Token ids kept by the filters, from their definitions (vLLM/HF order), in pure Python."""
+    vals = [float(v) / temperature for v in x]
+    ids = list(range(len(vals)))
+    if 0 < top_k < len(vals):
+        kth = sorted(vals, reverse=True)[top_k - 1]
+        ids = [i for i in ids if vals[i] >= kth]
+    m = max(vals[i] for i in ids)
+    w = {i: math.exp(vals[i] - m) for i in ids}
+    z = math.fsum(w.values())
+    if top_p < 1.0:
+        order = sorted(ids, key=lambda i: (-w[i], i))
+        chosen, acc = [], 0.0
+        for i in order:
+            chosen.append(i)
+            acc = math.fsum([acc, w[i] / z])
+            if acc >= top_p:
+                break
+        ids = sorted(chosen)
+    if min_p > 0.0:
+        top = max(w[i] for i in ids)
+        ids = [i for i in ids if w[i] >= min_p * top]
+    return set(ids), {i: w[i] for i in ids}
+
+
+CASES = [
+    dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
+    dict(temperature=1.3, top_k=-1, top_p=0.8, min_p=0.0),
+    dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.05),
+    dict(temperature=0.5, top_k=20, top_p=0.9, min_p=0.01),
+    dict(temperature=2.0, top_k=1, top_p=1.0, min_p=0.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_filtered_probs_matches_the_definitions(case):
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(200) * 3).astype(np.float32)
+    p = cpu.filtered_probs(x, **case)
+    ids, w = kept_set(x, **case)
+    assert set(np.flatnonzero(p)) == ids
+    z = math.fsum(w.values())
+    np.testing.assert_allclose(p[sorted(ids)], [w[i] / z for i in sorted(ids)], rtol=1e-12)
+
+
+def test_ties_top_k_keeps_all_ties_top_p_takes_lower_ids_first():
+    x = np.array([1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0], dtype=np.float32)
+    # top_k=2: the two 3.0s; top_k=3 reaches into the 2.0s, and every 2.0 is kept.
+    assert set(np.flatnonzero(cpu.filtered_probs(x, 1.0, 2, 1.0, 0.0))) == {1, 3}
+    assert set(np.flatnonzero(cpu.filtered_probs(x, 1.0, 3, 1.0, 0.0))) == {1, 2, 3, 4, 5}
+    # top_p: the 3.0s hold ~0.61 of the mass, each 2.0 ~0.11; 0.65 needs one 2.0: the lowest id (2).
+    p = cpu.filtered_probs(x, 1.0, -1, 0.65, 0.0)
+    assert set(np.flatnonzero(p)) == {1, 2, 3}
+    assert set(np.flatnonzero(p)) == kept_set(x, 1.0, -1, 0.65, 0.0)[0]
+
+
+@pytest.mark.parametrize("case", CASES[:5], ids=range(5))
+def test_inverse_cdf_draws_follow_the_filtered_distribution(case):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(50) * 2).astype(np.float32)[None, :]
+    n = 4000
+    u = (np.arange(n) + 0.5) / n  # stratified: token t is drawn for a run of about n * p_t uniforms
+    ids = cpu.sample(x, np.zeros(n, np.int64), np.full(n, case["temperature"]), np.full(n, case["top_k"]),
+                     np.full(n, case["top_p"]), np.full(n, case["min_p"]), u)
+    counts = np.bincount(ids, minlength=x.shape[1])
+    expect = cpu.filtered_probs(x[0], **case) * n
+    assert np.all(np.abs(counts - expect) <= 1.0), np.abs(counts - expect).max()
+    assert list(ids) == sorted(ids), "inverse CDF over token ids: increasing uniforms give non-decreasing ids"
+
+
+def test_greedy_rows_take_the_first_maximum_and_rows_are_indexed():
+    logits = np.array([[0.0, 5.0, 5.0, 1.0], [9.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    ids = cpu.sample(logits, np.array([0, 1, 0]), np.zeros(3), np.full(3, -1), np.ones(3), np.zeros(3), np.zeros(3))
+    assert ids.tolist() == [1, 0, 1]
+
+
+def test_sampling_arrays_and_uniform_draws():
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=7, top_p=0.9, min_p=0.1)
+    rng, same = np.random.default_rng(5), np.random.default_rng(5)
+    assert draw_uniform(greedy, rng) == 0.0
+    u = draw_uniform(hot, rng)
+    assert u == same.random(), "greedy tokens must not consume the request's generator"
+    arrays = sampling_arrays([(0, greedy, 0.0), (3, hot, u)])
+    assert arrays["sample_rows"].tolist() == [0, 3]
+    assert arrays["temperature"].tolist() == [0.0, 0.8]
+    assert arrays["top_k"].tolist() == [-1, 7] and arrays["top_p"].tolist() == [1.0, 0.9]
+    assert arrays["min_p"].tolist() == [0.0, 0.1] and arrays["uniforms"].tolist() == [0.0, u]
