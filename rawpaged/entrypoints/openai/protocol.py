@@ -145,7 +145,7 @@ class GenerationRequest(OpenAIBaseModel):
 
     @property
     def num_choices(self) -> int:
-        return self.n or 1
+        return 1 if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
