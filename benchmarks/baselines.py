@@ -34,8 +34,10 @@ class ReservationAdmission:
     @property
     def outstanding_blocks(self) -> int:
         """Blocks promised to admitted sequences but not yet allocated to them."""
-        return sum(max(0, n - (len(s.block_table.block_ids) if s.block_table is not None else 0))
-                   for s, n in self._reserved.values())
+        return sum(
+            max(0, n - (len(s.block_table.block_ids) if s.block_table is not None else 0))
+            for s, n in self._reserved.values()
+        )
 
     def can_admit(self, seq: Sequence) -> bool:
         free = self.kv_cache_manager.block_pool.num_free_blocks

@@ -60,12 +60,16 @@ def run_case(rng, batch, ctx, num_heads, num_kv_heads, head_dim, block_size):
     q = rng.standard_normal((batch, num_heads, head_dim), dtype=np.float32)
     lens = np.full(batch, ctx, np.int32)
     out = np.empty_like(q)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     # Contiguous per-sequence copies of exactly the same K/V, laid out [Hkv, ctx, D].
-    ks = [np.ascontiguousarray(kc[scattered[b]].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(1, 0, 2))
-          for b in range(batch)]
-    vs = [np.ascontiguousarray(vc[scattered[b]].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(1, 0, 2))
-          for b in range(batch)]
+    ks = [
+        np.ascontiguousarray(kc[scattered[b]].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(1, 0, 2))
+        for b in range(batch)
+    ]
+    vs = [
+        np.ascontiguousarray(vc[scattered[b]].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(1, 0, 2))
+        for b in range(batch)
+    ]
     ref = contiguous_attention(q, ks, vs, scale)
     cpu.paged_attention(out, q, kc, vc, scattered, lens, scale)
     assert np.allclose(out, ref, rtol=1e-3, atol=1e-4), "paged and contiguous disagree"
@@ -73,9 +77,16 @@ def run_case(rng, batch, ctx, num_heads, num_kv_heads, head_dim, block_size):
     t_consec = best_time(lambda: cpu.paged_attention(out, q, kc, vc, consecutive, lens, scale))
     t_contig = best_time(lambda: contiguous_attention(q, ks, vs, scale))
     kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 4
-    return dict(batch=batch, context=ctx, paged_ms=t_paged * 1e3, consecutive_ms=t_consec * 1e3,
-                contiguous_ms=t_contig * 1e3, paged_over_contiguous=t_paged / t_contig,
-                paged_GBps=kv_bytes / t_paged / 1e9, contiguous_GBps=kv_bytes / t_contig / 1e9)
+    return dict(
+        batch=batch,
+        context=ctx,
+        paged_ms=t_paged * 1e3,
+        consecutive_ms=t_consec * 1e3,
+        contiguous_ms=t_contig * 1e3,
+        paged_over_contiguous=t_paged / t_contig,
+        paged_GBps=kv_bytes / t_paged / 1e9,
+        contiguous_GBps=kv_bytes / t_contig / 1e9,
+    )
 
 
 def main(argv=None):
@@ -86,11 +97,18 @@ def main(argv=None):
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="cuda runs benchmarks/kernels_cuda.py (head_dim 64 and 128, fp32 and bf16)")
-    ap.add_argument("--engine-dispatch", action="store_true",
-                    help="keep the engine's serial/parallel choice (small calls serial, which wins next to "
-                         "BLAS in the engine); default: always the parallel kernel")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda runs benchmarks/kernels_cuda.py (head_dim 64 and 128, fp32 and bf16)",
+    )
+    ap.add_argument(
+        "--engine-dispatch",
+        action="store_true",
+        help="keep the engine's serial/parallel choice (small calls serial, which wins next to "
+        "BLAS in the engine); default: always the parallel kernel",
+    )
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -108,13 +126,35 @@ def main(argv=None):
             r = run_case(rng, batch, ctx, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size)
             r["paged_pct_of_copy_bw"] = 100 * r["paged_GBps"] * 1e9 / bw
             rows.append(r)
-    print_table(rows, ["batch", "context", "paged_ms", "consecutive_ms", "contiguous_ms",
-                       "paged_over_contiguous", "paged_GBps", "contiguous_GBps", "paged_pct_of_copy_bw"])
-    write_json(Path(args.out) / "kernels_cpu.json", {
-        "conditions": conditions(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                                 dispatch="engine" if args.engine_dispatch else "parallel kernel always",
-                                 head_dim=args.head_dim, block_size=args.block_size, kv_dtype="float32"),
-        "copy_bandwidth_GBps": bw / 1e9, "rows": rows})
+    print_table(
+        rows,
+        [
+            "batch",
+            "context",
+            "paged_ms",
+            "consecutive_ms",
+            "contiguous_ms",
+            "paged_over_contiguous",
+            "paged_GBps",
+            "contiguous_GBps",
+            "paged_pct_of_copy_bw",
+        ],
+    )
+    write_json(
+        Path(args.out) / "kernels_cpu.json",
+        {
+            "conditions": conditions(
+                num_heads=args.num_heads,
+                num_kv_heads=args.num_kv_heads,
+                dispatch="engine" if args.engine_dispatch else "parallel kernel always",
+                head_dim=args.head_dim,
+                block_size=args.block_size,
+                kv_dtype="float32",
+            ),
+            "copy_bandwidth_GBps": bw / 1e9,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

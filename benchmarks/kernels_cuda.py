@@ -106,14 +106,24 @@ def bench_case(be, timer, dtype, head_dim, num_heads, num_kv_heads, batch, conte
     perm = np.random.default_rng(0).permutation(num_blocks).astype(np.int32).reshape(batch, bps)
     identity = np.arange(num_blocks, dtype=np.int32).reshape(batch, bps)
     tables = {"paged": xp.asarray(perm), "contiguous": xp.asarray(identity)}
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     times = {k: timer(lambda bt=bt: be.paged_attention(out, q, kc, vc, bt, ctx, scale)) for k, bt in tables.items()}
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * np.dtype(dtype).itemsize
     cfg = src.decode_config(batch, num_heads, num_kv_heads, head_dim, bps * BLOCK_SIZE, be.num_sms)
-    return dict(dtype="bf16" if dtype == np.uint16 else "fp32", head_dim=head_dim, heads=num_heads,
-                kv_heads=num_kv_heads, batch=batch, context=context, splits=cfg["num_splits"],
-                kv_bytes=kv_bytes, paged_us=times["paged"] * 1e6, contiguous_us=times["contiguous"] * 1e6,
-                paged_GBps=kv_bytes / times["paged"] / 1e9, contiguous_GBps=kv_bytes / times["contiguous"] / 1e9)
+    return dict(
+        dtype="bf16" if dtype == np.uint16 else "fp32",
+        head_dim=head_dim,
+        heads=num_heads,
+        kv_heads=num_kv_heads,
+        batch=batch,
+        context=context,
+        splits=cfg["num_splits"],
+        kv_bytes=kv_bytes,
+        paged_us=times["paged"] * 1e6,
+        contiguous_us=times["contiguous"] * 1e6,
+        paged_GBps=kv_bytes / times["paged"] / 1e9,
+        contiguous_GBps=kv_bytes / times["contiguous"] / 1e9,
+    )
 
 
 SAMPLE_CASES = (("greedy", (0.0, -1, 1.0, 0.0)), ("T0.8 k50 p0.9", (0.8, 50, 0.9, 0.0)))
@@ -125,9 +135,14 @@ def bench_sampling(be, timer, batch, vocab, case):
     xp = be.xp
     logits = random_cache(xp, (batch, vocab), np.uint16, 3)
     t, k, p, m = case
-    args = dict(sample_rows=np.arange(batch), temperature=np.full(batch, t), top_k=np.full(batch, k),
-                top_p=np.full(batch, p), min_p=np.full(batch, m),
-                uniforms=np.random.default_rng(0).random(batch))
+    args = dict(
+        sample_rows=np.arange(batch),
+        temperature=np.full(batch, t),
+        top_k=np.full(batch, k),
+        top_p=np.full(batch, p),
+        min_p=np.full(batch, m),
+        uniforms=np.random.default_rng(0).random(batch),
+    )
     device = timer(lambda: be.sample(logits, **args))
     host = timer(lambda: cpu.sample(be.to_numpy(logits).astype(np.float32), **args), max_iters=20)
     return dict(batch=batch, vocab=vocab, device_us=device * 1e6, host_us=host * 1e6)
@@ -165,6 +180,7 @@ def main(argv=None):
         batches, contexts = (1, 2), (20, 40)
 
     t0 = time.perf_counter()
+
     def once(fn, **_):
         fn()
         timer.sync()
@@ -177,7 +193,7 @@ def main(argv=None):
         warm[name] = time.perf_counter() - t
     copy_gbps = copy_bandwidth(be, timer, (1 << 30) if not args.dry_run else (1 << 20))
     rows = []
-    for name, dtype in DTYPES:
+    for _, dtype in DTYPES:
         for head_dim, heads, kv_heads in HEAD_CONFIGS:
             for batch in batches:
                 for context in contexts:
@@ -191,23 +207,40 @@ def main(argv=None):
     for label, case in SAMPLE_CASES:
         for batch in (1, 32) if not args.dry_run else (1, 2):
             sampling.append(dict(case=label, **bench_sampling(be, timer, batch, vocab, case)))
-    result = dict(device=device, num_sms=be.num_sms, copy_GBps=copy_gbps, first_use_compile_s=warm,
-                  block_size=BLOCK_SIZE, host=platform.node(), seconds=time.perf_counter() - t0, results=rows,
-                  sampling=sampling)
+    result = dict(
+        device=device,
+        num_sms=be.num_sms,
+        copy_GBps=copy_gbps,
+        first_use_compile_s=warm,
+        block_size=BLOCK_SIZE,
+        host=platform.node(),
+        seconds=time.perf_counter() - t0,
+        results=rows,
+        sampling=sampling,
+    )
     (out_dir / "kernels_cuda.json").write_text(json.dumps(result, indent=1))
 
-    lines = [f"paged_attention on {device} ({be.num_sms} SMs); device copy {copy_gbps:.0f} GB/s (read+write)",
-             f"{'dtype':5} {'D':>3} {'H/Hkv':>6} {'batch':>5} {'ctx':>5} {'splits':>6} {'paged us':>9} "
-             f"{'GB/s':>7} {'%copy':>6} {'contig us':>9} {'GB/s':>7}"]
+    lines = [
+        f"paged_attention on {device} ({be.num_sms} SMs); device copy {copy_gbps:.0f} GB/s (read+write)",
+        f"{'dtype':5} {'D':>3} {'H/Hkv':>6} {'batch':>5} {'ctx':>5} {'splits':>6} {'paged us':>9} "
+        f"{'GB/s':>7} {'%copy':>6} {'contig us':>9} {'GB/s':>7}",
+    ]
     for r in rows:
-        lines.append(f"{r['dtype']:5} {r['head_dim']:>3} {r['heads']:>3}/{r['kv_heads']:<2} {r['batch']:>5} "
-                     f"{r['context']:>5} {r['splits']:>6} {r['paged_us']:>9.1f} {r['paged_GBps']:>7.0f} "
-                     f"{100 * r['paged_frac_of_copy']:>5.0f}% {r['contiguous_us']:>9.1f} {r['contiguous_GBps']:>7.0f}")
-    lines += ["", f"sampling bf16 logits, vocab {vocab}: device kernel vs logits to host + CPU reference",
-              f"{'case':14} {'batch':>5} {'device us':>10} {'host us':>10} {'host/device':>11}"]
+        lines.append(
+            f"{r['dtype']:5} {r['head_dim']:>3} {r['heads']:>3}/{r['kv_heads']:<2} {r['batch']:>5} "
+            f"{r['context']:>5} {r['splits']:>6} {r['paged_us']:>9.1f} {r['paged_GBps']:>7.0f} "
+            f"{100 * r['paged_frac_of_copy']:>5.0f}% {r['contiguous_us']:>9.1f} {r['contiguous_GBps']:>7.0f}"
+        )
+    lines += [
+        "",
+        f"sampling bf16 logits, vocab {vocab}: device kernel vs logits to host + CPU reference",
+        f"{'case':14} {'batch':>5} {'device us':>10} {'host us':>10} {'host/device':>11}",
+    ]
     for r in sampling:
-        lines.append(f"{r['case']:14} {r['batch']:>5} {r['device_us']:>10.1f} {r['host_us']:>10.1f} "
-                     f"{r['host_us'] / r['device_us']:>10.1f}x")
+        lines.append(
+            f"{r['case']:14} {r['batch']:>5} {r['device_us']:>10.1f} {r['host_us']:>10.1f} "
+            f"{r['host_us'] / r['device_us']:>10.1f}x"
+        )
     table = "\n".join(lines)
     (out_dir / "kernels_cuda.txt").write_text(table + "\n")
     print(table)

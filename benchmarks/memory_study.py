@@ -69,13 +69,18 @@ def workloads(args) -> dict:
     """name -> (trace, description, layouts)."""
     base = default_layouts(block_sizes=args.block_sizes)
     if args.overestimate != 2.0:
-        base = [Layout(f"contig-{args.overestimate:g}x", "contiguous", reserve="overestimate",
-                       factor=args.overestimate) if lay.reserve == "overestimate" else lay for lay in base]
+        base = [
+            Layout(f"contig-{args.overestimate:g}x", "contiguous", reserve="overestimate", factor=args.overestimate)
+            if lay.reserve == "overestimate"
+            else lay
+            for lay in base
+        ]
     share = [lay for lay in base if lay.name in ("contig-maxlen", "contig-oracle", "paged-16")]
     share.append(Layout("paged-16-share", "paged", block_size=16, sharing=True))
     kw = dict(max_model_len=args.max_model_len, arrival_rate=args.arrival_rate)
-    arr = (f"Poisson arrivals, {args.arrival_rate} requests/step" if args.arrival_rate
-           else "all requests arrive at step 0")
+    arr = (
+        f"Poisson arrivals, {args.arrival_rate} requests/step" if args.arrival_rate else "all requests arrive at step 0"
+    )
     if args.trace:
         trace = load_trace(args.trace, args.max_model_len)
         if args.arrival_rate:  # Poisson arrivals overriding the file's (if any)
@@ -88,22 +93,36 @@ def workloads(args) -> dict:
         return {Path(args.trace).stem: (trace, f"user trace {args.trace}", layouts)}
     s, a = args.sharegpt_requests, args.alpaca_requests
     w = {
-        "sharegpt": (synthetic_trace("sharegpt", s, args.seed, **kw),
-                     f"ShareGPT-like: {s} requests, input lognormal mean 160 sigma 0.8 (clip [1,1024]), "
-                     f"output lognormal mean 340 sigma 0.8 (clip to max_model_len), {arr}", base),
-        "alpaca": (synthetic_trace("alpaca", a, args.seed, **kw),
-                   f"Alpaca-like: {a} requests, input lognormal mean 20 sigma 0.6, output lognormal mean 60 "
-                   f"sigma 0.6, {arr}", base),
+        "sharegpt": (
+            synthetic_trace("sharegpt", s, args.seed, **kw),
+            f"ShareGPT-like: {s} requests, input lognormal mean 160 sigma 0.8 (clip [1,1024]), "
+            f"output lognormal mean 340 sigma 0.8 (clip to max_model_len), {arr}",
+            base,
+        ),
+        "alpaca": (
+            synthetic_trace("alpaca", a, args.seed, **kw),
+            f"Alpaca-like: {a} requests, input lognormal mean 20 sigma 0.6, output lognormal mean 60 sigma 0.6, {arr}",
+            base,
+        ),
     }
     if not args.no_sharing:
-        w["alpaca+sys"] = (synthetic_trace("alpaca", a, args.seed, shared_prefix_len=128, shared_fraction=0.5, **kw),
-                           f"Alpaca-like ({a} requests) with one shared 128-token system prompt prepended to a "
-                           f"random 50% of requests, {arr}", share)
-        w["alpaca-n4"] = (synthetic_trace("alpaca", max(1, a // 4), args.seed, n=4, **kw),
-                          f"Alpaca-like, {max(1, a // 4)} requests x n=4 samples (parallel sampling; each sample "
-                          f"its own output length), {arr}", share)
-        w["sharegpt-n4"] = (synthetic_trace("sharegpt", max(1, s // 4), args.seed, n=4, **kw),
-                            f"ShareGPT-like, {max(1, s // 4)} requests x n=4 samples, {arr}", share)
+        w["alpaca+sys"] = (
+            synthetic_trace("alpaca", a, args.seed, shared_prefix_len=128, shared_fraction=0.5, **kw),
+            f"Alpaca-like ({a} requests) with one shared 128-token system prompt prepended to a "
+            f"random 50% of requests, {arr}",
+            share,
+        )
+        w["alpaca-n4"] = (
+            synthetic_trace("alpaca", max(1, a // 4), args.seed, n=4, **kw),
+            f"Alpaca-like, {max(1, a // 4)} requests x n=4 samples (parallel sampling; each sample "
+            f"its own output length), {arr}",
+            share,
+        )
+        w["sharegpt-n4"] = (
+            synthetic_trace("sharegpt", max(1, s // 4), args.seed, n=4, **kw),
+            f"ShareGPT-like, {max(1, s // 4)} requests x n=4 samples, {arr}",
+            share,
+        )
     return w
 
 
@@ -116,9 +135,13 @@ def plot(path: Path, workload: str, results: list, num_slots: int) -> None:
     n = len(results)
     fig, axes = plt.subplots(n, 1, figsize=(10, 1.6 * n + 1), sharex=True, squeeze=False)
     xmax = max(r.steps for r in results)
-    colors = {"used (token KV)": "#2b7bba", "reserved, written later": "#9ecae1",
-              "reserved, never written": "#fdae6b", "free, unusable (external frag.)": "#e6550d",
-              "free": "#f0f0f0"}
+    colors = {
+        "used (token KV)": "#2b7bba",
+        "reserved, written later": "#9ecae1",
+        "reserved, never written": "#fdae6b",
+        "free, unusable (external frag.)": "#e6550d",
+        "free": "#f0f0f0",
+    }
     for ax, r in zip(axes[:, 0], results):
         s = r.series
         x = np.asarray(s["step"], float)
@@ -130,8 +153,12 @@ def plot(path: Path, workload: str, results: list, num_slots: int) -> None:
         ax.set_xlim(0, xmax)
         ax.set_ylim(0, 1)
         ax.set_ylabel("pool", fontsize=8)
-        ax.set_title(f"{r.layout}: utilization {100 * r.utilization:.1f}% of reserved, "
-                     f"peak {r.peak_running_requests} requests, makespan {r.steps} steps", fontsize=9, loc="left")
+        ax.set_title(
+            f"{r.layout}: utilization {100 * r.utilization:.1f}% of reserved, "
+            f"peak {r.peak_running_requests} requests, makespan {r.steps} steps",
+            fontsize=9,
+            loc="left",
+        )
         ax.tick_params(labelsize=8)
     axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
     axes[-1, 0].set_xlabel("simulated step")
@@ -141,15 +168,31 @@ def plot(path: Path, workload: str, results: list, num_slots: int) -> None:
     plt.close(fig)
 
 
-COLS = [("layout", "layout", "{}"), ("util%", "utilization", "{:.1f}"), ("waste%", "waste", "{:.1f}"),
-        ("floor%", "paged_waste_floor", "{:.1f}"), ("int-later%", "internal_future_frac_of_reserved", "{:.1f}"),
-        ("int-never%", "internal_never_frac_of_reserved", "{:.1f}"), ("ext%pool", "external_frac_of_pool", "{:.1f}"),
-        ("tok/slot", "logical_per_reserved", "{:.3f}"), ("peak req", "peak_running_requests", "{}"),
-        ("mean seqs", "mean_running_seqs", "{:.1f}"), ("preempt", "preemptions", "{}"),
-        ("req/1k steps", "requests_per_1k_steps", "{:.1f}"), ("out tok/step", "output_tokens_per_step", "{:.1f}"),
-        ("latency", "mean_latency_steps", "{:.0f}"), ("steps", "steps", "{}")]
-PCT = {"utilization", "waste", "paged_waste_floor", "internal_future_frac_of_reserved",
-       "internal_never_frac_of_reserved", "external_frac_of_pool"}
+COLS = [
+    ("layout", "layout", "{}"),
+    ("util%", "utilization", "{:.1f}"),
+    ("waste%", "waste", "{:.1f}"),
+    ("floor%", "paged_waste_floor", "{:.1f}"),
+    ("int-later%", "internal_future_frac_of_reserved", "{:.1f}"),
+    ("int-never%", "internal_never_frac_of_reserved", "{:.1f}"),
+    ("ext%pool", "external_frac_of_pool", "{:.1f}"),
+    ("tok/slot", "logical_per_reserved", "{:.3f}"),
+    ("peak req", "peak_running_requests", "{}"),
+    ("mean seqs", "mean_running_seqs", "{:.1f}"),
+    ("preempt", "preemptions", "{}"),
+    ("req/1k steps", "requests_per_1k_steps", "{:.1f}"),
+    ("out tok/step", "output_tokens_per_step", "{:.1f}"),
+    ("latency", "mean_latency_steps", "{:.0f}"),
+    ("steps", "steps", "{}"),
+]
+PCT = {
+    "utilization",
+    "waste",
+    "paged_waste_floor",
+    "internal_future_frac_of_reserved",
+    "internal_never_frac_of_reserved",
+    "external_frac_of_pool",
+}
 
 
 def format_table(rows: list, markdown: bool = False) -> str:
@@ -178,11 +221,23 @@ def check_goals(all_rows: dict) -> list:
         p, m = rows.get("paged-16"), rows.get("contig-maxlen")
         if not p or not m:
             continue
-        goals.append({"goal": f"{wl}: paged-16 waste < 4% of reserved slots", "value": p["waste"],
-                      "floor": p["paged_waste_floor"], "met": p["waste"] < 0.04})
+        goals.append(
+            {
+                "goal": f"{wl}: paged-16 waste < 4% of reserved slots",
+                "value": p["waste"],
+                "floor": p["paged_waste_floor"],
+                "met": p["waste"] < 0.04,
+            }
+        )
         ratio = p["peak_running_requests"] / max(1, m["peak_running_requests"])
-        goals.append({"goal": f"{wl}: paged-16 peak concurrent requests >= 2x contig-maxlen", "value": ratio,
-                      "mean_ratio": p["mean_running_seqs"] / max(1e-9, m["mean_running_seqs"]), "met": ratio >= 2})
+        goals.append(
+            {
+                "goal": f"{wl}: paged-16 peak concurrent requests >= 2x contig-maxlen",
+                "value": ratio,
+                "mean_ratio": p["mean_running_seqs"] / max(1e-9, m["mean_running_seqs"]),
+                "met": ratio >= 2,
+            }
+        )
     return goals
 
 
@@ -211,8 +266,11 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     conditions = {
-        "num_slots": args.num_slots, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+        "num_slots": args.num_slots,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "seed": args.seed,
         "arrivals": f"Poisson {args.arrival_rate}/step" if args.arrival_rate else "all at step 0",
         "step_model": "one engine step per simulated step; every step has the same duration",
     }
@@ -221,18 +279,29 @@ def main(argv=None) -> dict:
     for name, (trace, desc, layouts) in workloads(args).items():
         results = []
         for lay in layouts:
-            r = simulate(trace, lay, args.num_slots, args.max_model_len, args.max_num_seqs,
-                         args.max_num_batched_tokens, record_series=True)
+            r = simulate(
+                trace,
+                lay,
+                args.num_slots,
+                args.max_model_len,
+                args.max_num_seqs,
+                args.max_num_batched_tokens,
+                record_series=True,
+            )
             results.append(r)
         rows = [r.summary() for r in results]
         all_rows[name] = rows
         report["workloads"][name] = {
-            "description": desc, "trace": trace_summary(trace),
-            "layouts": [dict(row, series=downsample(r.series)) for row, r in zip(rows, results)]}
+            "description": desc,
+            "trace": trace_summary(trace),
+            "layouts": [dict(row, series=downsample(r.series)) for row, r in zip(rows, results)],
+        }
         ts = trace_summary(trace)
-        print(f"\n== {name}: {desc}\n   realized: input mean {ts['input_mean']:.1f} (p50 {ts['input_p50']:.0f}, "
-              f"max {ts['input_max']}), output mean {ts['output_mean']:.1f} (p50 {ts['output_p50']:.0f}, "
-              f"max {ts['output_max']}), {ts['sequences']} sequences")
+        print(
+            f"\n== {name}: {desc}\n   realized: input mean {ts['input_mean']:.1f} (p50 {ts['input_p50']:.0f}, "
+            f"max {ts['input_max']}), output mean {ts['output_mean']:.1f} (p50 {ts['output_p50']:.0f}, "
+            f"max {ts['output_max']}), {ts['sequences']} sequences"
+        )
         print(format_table(rows))
         if not args.no_plot:
             plot(out / f"memory_{name.replace('+', '_')}.png", name, results, args.num_slots)
@@ -241,7 +310,9 @@ def main(argv=None) -> dict:
     (out / "memory_study.json").write_text(json.dumps(report, indent=1))
     print()
     for g in report["goals"]:
-        extra = f" (floor {100 * g['floor']:.1f}%)" if "floor" in g else f" (mean-concurrency ratio {g['mean_ratio']:.1f}x)"
+        extra = (
+            f" (floor {100 * g['floor']:.1f}%)" if "floor" in g else f" (mean-concurrency ratio {g['mean_ratio']:.1f}x)"
+        )
         val = f"{100 * g['value']:.1f}%" if "waste" in g["goal"] else f"{g['value']:.1f}x"
         print(f"[{'MET' if g['met'] else 'NOT MET'}] {g['goal']}: {val}{extra}")
     print(f"\nwrote {out / 'memory_study.json'} and plots in {report['elapsed_s']} s")

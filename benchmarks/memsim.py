@@ -6,8 +6,9 @@ A simulated step is one engine step without the forward pass: ``Scheduler.schedu
 budget, preemption by recompute when the pool runs dry); a sequence whose KV then covers all of its
 tokens samples one token (after its prompt, one per step), and ``Scheduler.update_from_output`` applies
 the step as in the engine: ``num_computed_tokens`` advances, full blocks are cached, the token is
-appended, and a sequence with its trace's output length finishes, which frees its KV. Requests with ``n > 1`` samples either fork after the prompt (paged with
-sharing, as ``LLMEngine`` does) or run as ``n`` independent sequences (every other layout).
+appended, and a sequence with its trace's output length finishes, which frees its KV. Requests with
+``n > 1`` samples either fork after the prompt (paged with sharing, as ``LLMEngine`` does) or run as
+``n`` independent sequences (every other layout).
 
 Layouts (all over the same pool of ``num_slots`` KV token slots):
 
@@ -90,9 +91,17 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -
     return np.rint(rng.lognormal(mu, sigma, size)).astype(np.int64)
 
 
-def synthetic_trace(workload: str, num_requests: int, seed: int = 0, max_model_len: int = 2048,
-                    max_input: int = 1024, n: int = 1, shared_prefix_len: int = 0,
-                    shared_fraction: float = 0.0, arrival_rate: float | None = None) -> list:
+def synthetic_trace(
+    workload: str,
+    num_requests: int,
+    seed: int = 0,
+    max_model_len: int = 2048,
+    max_input: int = 1024,
+    n: int = 1,
+    shared_prefix_len: int = 0,
+    shared_fraction: float = 0.0,
+    arrival_rate: float | None = None,
+) -> list:
     """``num_requests`` requests of ``WORKLOADS[workload]``.
 
     ``n`` samples per request, each with its own output length from the same distribution. A fraction
@@ -139,22 +148,29 @@ def load_trace(path, max_model_len: int | None = None) -> list:
         if inp < 1 or out < 1:
             raise ValueError(f"{path}: row {k + 1}: lengths must be >= 1")
         if max_model_len is not None and inp + out > max_model_len:
-            raise ValueError(f"{path}: row {k + 1}: input_len + output_len = {inp + out} > max_model_len "
-                             f"{max_model_len}")
+            raise ValueError(
+                f"{path}: row {k + 1}: input_len + output_len = {inp + out} > max_model_len {max_model_len}"
+            )
         n = int(row.get("n") or 1)
-        trace.append(TraceRequest(inp, [out] * n, int(row.get("arrival") or 0),
-                                  int(row.get("shared_prefix_len") or 0)))
+        trace.append(TraceRequest(inp, [out] * n, int(row.get("arrival") or 0), int(row.get("shared_prefix_len") or 0)))
     return trace
 
 
 def trace_summary(trace: list) -> dict:
     ins = np.array([r.input_len for r in trace])
     outs = np.array([o for r in trace for o in r.output_lens])
-    return {"requests": len(trace), "sequences": int(len(outs)),
-            "input_mean": float(ins.mean()), "input_p50": float(np.median(ins)), "input_max": int(ins.max()),
-            "output_mean": float(outs.mean()), "output_p50": float(np.median(outs)), "output_max": int(outs.max()),
-            "with_shared_prefix": int(sum(r.shared_prefix_len > 0 for r in trace)),
-            "last_arrival": int(max(r.arrival for r in trace))}
+    return {
+        "requests": len(trace),
+        "sequences": int(len(outs)),
+        "input_mean": float(ins.mean()),
+        "input_p50": float(np.median(ins)),
+        "input_max": int(ins.max()),
+        "output_mean": float(outs.mean()),
+        "output_p50": float(np.median(outs)),
+        "output_max": int(outs.max()),
+        "with_shared_prefix": int(sum(r.shared_prefix_len > 0 for r in trace)),
+        "last_arrival": int(max(r.arrival for r in trace)),
+    }
 
 
 # -------------------------------------------------------------------------------------------- layouts
@@ -175,9 +191,11 @@ class Layout:
 
 
 def default_layouts(block_sizes=(8, 16, 32), sharing_block_sizes=()) -> list:
-    layouts = [Layout("contig-maxlen", "contiguous", reserve="max_model_len"),
-               Layout("contig-oracle", "contiguous", reserve="oracle"),
-               Layout("contig-2x", "contiguous", reserve="overestimate", factor=2.0)]
+    layouts = [
+        Layout("contig-maxlen", "contiguous", reserve="max_model_len"),
+        Layout("contig-oracle", "contiguous", reserve="oracle"),
+        Layout("contig-2x", "contiguous", reserve="overestimate", factor=2.0),
+    ]
     layouts += [Layout(f"paged-{bs}", "paged", block_size=bs) for bs in block_sizes]
     layouts += [Layout(f"paged-{bs}-share", "paged", block_size=bs, sharing=True) for bs in sharing_block_sizes]
     return layouts
@@ -301,21 +319,37 @@ class SimResult:
         b = self.busy_steps or 1
         cap = self.num_slots * b
         return {
-            "layout": self.layout, "num_slots": self.num_slots, "block_size": self.block_size,
-            "steps": self.steps, "busy_steps": self.busy_steps, "requests": self.num_requests,
-            "sequences": self.num_sequences, "output_tokens": self.output_tokens,
-            "utilization": self.utilization, "waste": self.waste,
-            "internal_frac_of_reserved": (self.sum_reserved - self.sum_used) / self.sum_reserved if self.sum_reserved else 0.0,
-            "internal_future_frac_of_reserved": self.sum_internal_future / self.sum_reserved if self.sum_reserved else 0.0,
-            "internal_never_frac_of_reserved": self.sum_internal_never / self.sum_reserved if self.sum_reserved else 0.0,
+            "layout": self.layout,
+            "num_slots": self.num_slots,
+            "block_size": self.block_size,
+            "steps": self.steps,
+            "busy_steps": self.busy_steps,
+            "requests": self.num_requests,
+            "sequences": self.num_sequences,
+            "output_tokens": self.output_tokens,
+            "utilization": self.utilization,
+            "waste": self.waste,
+            "internal_frac_of_reserved": (self.sum_reserved - self.sum_used) / self.sum_reserved
+            if self.sum_reserved
+            else 0.0,
+            "internal_future_frac_of_reserved": self.sum_internal_future / self.sum_reserved
+            if self.sum_reserved
+            else 0.0,
+            "internal_never_frac_of_reserved": self.sum_internal_never / self.sum_reserved
+            if self.sum_reserved
+            else 0.0,
             "paged_waste_floor": self.paged_floor,
             "logical_per_reserved": self.sum_logical / self.sum_reserved if self.sum_reserved else 0.0,
-            "used_frac_of_pool": self.sum_used / cap, "reserved_frac_of_pool": self.sum_reserved / cap,
-            "external_frac_of_pool": self.sum_external / cap, "ext_blocked_steps": self.ext_blocked_steps,
+            "used_frac_of_pool": self.sum_used / cap,
+            "reserved_frac_of_pool": self.sum_reserved / cap,
+            "external_frac_of_pool": self.sum_external / cap,
+            "ext_blocked_steps": self.ext_blocked_steps,
             "mean_internal_slots": (self.sum_reserved - self.sum_used) / b,
             "mean_external_slots": self.sum_external / b,
-            "peak_running_requests": self.peak_running_requests, "peak_running_seqs": self.peak_running_seqs,
-            "mean_running_seqs": self.mean_running_seqs, "preemptions": self.num_preemptions,
+            "peak_running_requests": self.peak_running_requests,
+            "peak_running_seqs": self.peak_running_seqs,
+            "mean_running_seqs": self.mean_running_seqs,
+            "preemptions": self.num_preemptions,
             "requests_per_1k_steps": 1000.0 * self.num_requests / self.steps if self.steps else 0.0,
             "output_tokens_per_step": self.output_tokens / self.steps if self.steps else 0.0,
             "mean_latency_steps": self.mean_latency_steps,
@@ -347,9 +381,17 @@ class _TokenSource:
         return list(range(start, start + k))
 
 
-def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2048,
-             max_num_seqs: int = 1024, max_num_batched_tokens: int = 2048, record_series: bool = True,
-             check_invariants: bool = False, max_steps: int = 10_000_000) -> SimResult:
+def simulate(
+    trace: list,
+    layout: Layout,
+    num_slots: int,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 1024,
+    max_num_batched_tokens: int = 2048,
+    record_series: bool = True,
+    check_invariants: bool = False,
+    max_steps: int = 10_000_000,
+) -> SimResult:
     """Replay ``trace`` under ``layout`` over ``num_slots`` KV slots; see the module docstring."""
     if layout.kind == "paged":
         bs = layout.block_size
@@ -380,8 +422,9 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
 
     def new_seq(rid: str, index: int, req: TraceRequest, out_len: int, width: int) -> Sequence:
         prompt = tokens.system_prompt[: req.shared_prefix_len] + tokens.fresh(req.input_len - req.shared_prefix_len)
-        seq = Sequence(next(seq_ids), rid, index, prompt, SamplingParams(n=width, max_tokens=out_len), None,
-                       float(req.arrival))
+        seq = Sequence(
+            next(seq_ids), rid, index, prompt, SamplingParams(n=width, max_tokens=out_len), None, float(req.arrival)
+        )
         final_kv[seq.seq_id] = req.input_len + out_len - 1
         return seq
 
@@ -404,8 +447,17 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
         if req_left[seq.request_id] == 0:
             latencies.append(step + 1 - req_arrival[seq.request_id])
 
-    keys = ("step", "reserved", "used", "internal_future", "internal_never", "external", "running_seqs",
-            "running_requests", "waiting")
+    keys = (
+        "step",
+        "reserved",
+        "used",
+        "internal_future",
+        "internal_never",
+        "external",
+        "running_seqs",
+        "running_requests",
+        "waiting",
+    )
     series = {k: [] for k in keys}
     sums = dict.fromkeys(keys[1:], 0)
     peak_req = peak_seq = 0
@@ -426,8 +478,10 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
         out = sched.schedule()
         if out.is_empty:
             head = sched.waiting[0] if sched.waiting else None
-            raise RuntimeError(f"{layout.name}: nothing can run at step {step}; a sequence of "
-                               f"{head.num_tokens if head else '?'} tokens does not fit the pool")
+            raise RuntimeError(
+                f"{layout.name}: nothing can run at step {step}; a sequence of "
+                f"{head.num_tokens if head else '?'} tokens does not fit the pool"
+            )
         busy += 1
 
         # ---- measure: the KV state of this step (its slots are allocated; nothing is freed before
@@ -509,8 +563,15 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
             if kids:
                 req = trace[int(seq.request_id[1:])]
                 for j, out_len in enumerate(kids, start=1):
-                    child = Sequence(next(seq_ids), seq.request_id, j, seq.prompt_token_ids,
-                                     SamplingParams(max_tokens=out_len), None, seq.arrival_time)
+                    child = Sequence(
+                        next(seq_ids),
+                        seq.request_id,
+                        j,
+                        seq.prompt_token_ids,
+                        SamplingParams(max_tokens=out_len),
+                        None,
+                        seq.arrival_time,
+                    )
                     sched.fork(seq, child)
                     final_kv[child.seq_id] = req.input_len + out_len - 1
                     targets.append(child)
@@ -525,13 +586,26 @@ def simulate(trace: list, layout: Layout, num_slots: int, max_model_len: int = 2
 
     num_seqs = sum(r.n for r in trace)
     return SimResult(
-        layout=layout.name, num_slots=num_slots, block_size=bs, steps=last_step + 1, busy_steps=busy,
-        num_requests=len(trace), num_sequences=num_seqs, output_tokens=output_tokens,
-        peak_running_requests=peak_req, peak_running_seqs=peak_seq,
+        layout=layout.name,
+        num_slots=num_slots,
+        block_size=bs,
+        steps=last_step + 1,
+        busy_steps=busy,
+        num_requests=len(trace),
+        num_sequences=num_seqs,
+        output_tokens=output_tokens,
+        peak_running_requests=peak_req,
+        peak_running_seqs=peak_seq,
         mean_running_seqs=sums["running_seqs"] / busy if busy else 0.0,
-        num_preemptions=sched.stats.num_preemptions, ext_blocked_steps=ext_blocked,
-        sum_reserved=sums["reserved"], sum_used=sums["used"], sum_internal_future=sums["internal_future"],
-        sum_internal_never=sums["internal_never"], sum_external=sums["external"],
-        sum_running_seqs=sums["running_seqs"], sum_logical=sum_logical,
+        num_preemptions=sched.stats.num_preemptions,
+        ext_blocked_steps=ext_blocked,
+        sum_reserved=sums["reserved"],
+        sum_used=sums["used"],
+        sum_internal_future=sums["internal_future"],
+        sum_internal_never=sums["internal_never"],
+        sum_external=sums["external"],
+        sum_running_seqs=sums["running_seqs"],
+        sum_logical=sum_logical,
         mean_latency_steps=float(np.mean(latencies)) if latencies else 0.0,
-        series=series if record_series else {})
+        series=series if record_series else {},
+    )

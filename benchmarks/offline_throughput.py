@@ -57,20 +57,39 @@ def timed_generate(llm, prompts, params):
 
 
 def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng):
-    llm = LLM(model=str(model_dir), device="cpu", max_num_seqs=max(batches), max_model_len=2048,
-              enable_prefix_caching=False, max_num_batched_tokens=max(2048, prefill_len))
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        max_num_seqs=max(batches),
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(2048, prefill_len),
+    )
     llm.generate(random_prompts(rng, 2, 16), SamplingParams(max_tokens=2))  # JIT warm-up
     rows = []
     prompt = random_prompts(rng, 1, prefill_len)
     t0 = time.perf_counter()
     llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))
-    rows.append(dict(engine="rawpaged", case=f"prefill {prefill_len}", batch=1,
-                     tok_per_s=prefill_len / (time.perf_counter() - t0)))
+    rows.append(
+        dict(
+            engine="rawpaged",
+            case=f"prefill {prefill_len}",
+            batch=1,
+            tok_per_s=prefill_len / (time.perf_counter() - t0),
+        )
+    )
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for b in batches:
         elapsed, gen, dec_t, dec_n = timed_generate(llm, random_prompts(rng, b, prompt_len), params)
-        rows.append(dict(engine="rawpaged", case=f"generate {prompt_len}+{output_len}", batch=b,
-                         tok_per_s=gen / elapsed, decode_tok_per_s=dec_n / dec_t if dec_t else None))
+        rows.append(
+            dict(
+                engine="rawpaged",
+                case=f"generate {prompt_len}+{output_len}",
+                batch=b,
+                tok_per_s=gen / elapsed,
+                decode_tok_per_s=dec_n / dec_t if dec_t else None,
+            )
+        )
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
     return rows
 
@@ -79,14 +98,22 @@ def step_overhead(model_dir, rng, batches=(1, 32), steps=64):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        tiny = write_random_model(Path(tmp) / "tiny", num_layers=cfg["num_hidden_layers"], hidden_size=72,
-                                  intermediate_size=64, num_heads=9, num_kv_heads=3, head_dim=8,
-                                  tokenizer_from=model_dir)
+        tiny = write_random_model(
+            Path(tmp) / "tiny",
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=72,
+            intermediate_size=64,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=8,
+            tokenizer_from=model_dir,
+        )
         llm = LLM(model=str(tiny), device="cpu", max_num_seqs=64, num_kv_blocks=1024, enable_prefix_caching=False)
         llm.generate(random_prompts(rng, 2, 16), SamplingParams(max_tokens=2))
         for b in batches:
             elapsed, gen, dec_t, dec_n = timed_generate(
-                llm, random_prompts(rng, b, 16), SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+                llm, random_prompts(rng, b, 16), SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+            )
             rows.append(dict(batch=b, ms_per_decode_step=1e3 * dec_t / (dec_n / b)))
     return rows
 
@@ -103,15 +130,33 @@ def bench_hf(model_dir, batches, prompt_len, output_len, prefill_len, rng):
         model(ids)  # warm-up
         t0 = time.perf_counter()
         model(ids)
-        rows.append(dict(engine="hf-transformers", case=f"prefill {prefill_len}", batch=1,
-                         tok_per_s=prefill_len / (time.perf_counter() - t0)))
+        rows.append(
+            dict(
+                engine="hf-transformers",
+                case=f"prefill {prefill_len}",
+                batch=1,
+                tok_per_s=prefill_len / (time.perf_counter() - t0),
+            )
+        )
         for b in batches:
             ids = torch.tensor([rng.integers(100, 49152, prompt_len).tolist() for _ in range(b)])
             t0 = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                           min_new_tokens=output_len, do_sample=False, pad_token_id=2)
-            rows.append(dict(engine="hf-transformers", case=f"generate {prompt_len}+{output_len}", batch=b,
-                             tok_per_s=b * output_len / (time.perf_counter() - t0)))
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=2,
+            )
+            rows.append(
+                dict(
+                    engine="hf-transformers",
+                    case=f"generate {prompt_len}+{output_len}",
+                    batch=b,
+                    tok_per_s=b * output_len / (time.perf_counter() - t0),
+                )
+            )
     return rows
 
 
@@ -139,12 +184,24 @@ def main(argv=None):
     overhead = step_overhead(model_dir, rng)
     print("\nPython overhead per decode step (tiny-width model, 30 layers, vocab 49152):")
     print_table(overhead, ["batch", "ms_per_decode_step"])
-    write_json(Path(args.out) / "offline_throughput.json", {
-        "conditions": conditions(model="SmolLM2-135M-Instruct", dtype="float32", kv_cache_dtype="float32",
-                                 block_size=16, prompt_len=args.prompt_len, output_len=args.output_len,
-                                 prefill_len=args.prefill_len, sampling="greedy, ignore_eos",
-                                 hf_transformers=hf_note or "measured side by side"),
-        "rows": rows, "step_overhead": overhead})
+    write_json(
+        Path(args.out) / "offline_throughput.json",
+        {
+            "conditions": conditions(
+                model="SmolLM2-135M-Instruct",
+                dtype="float32",
+                kv_cache_dtype="float32",
+                block_size=16,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                prefill_len=args.prefill_len,
+                sampling="greedy, ignore_eos",
+                hf_transformers=hf_note or "measured side by side",
+            ),
+            "rows": rows,
+            "step_overhead": overhead,
+        },
+    )
 
 
 if __name__ == "__main__":

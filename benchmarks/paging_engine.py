@@ -48,8 +48,10 @@ def make_policy(name: str, engine):
     if name == "reserve-maxlen":
         return ReservationAdmission(engine.kv_cache_manager, lambda s: engine.max_model_len)
     if name == "reserve-oracle":
-        return ReservationAdmission(engine.kv_cache_manager, lambda s: min(
-            s.num_prompt_tokens + s.sampling_params.max_tokens, engine.max_model_len))
+        return ReservationAdmission(
+            engine.kv_cache_manager,
+            lambda s: min(s.num_prompt_tokens + s.sampling_params.max_tokens, engine.max_model_len),
+        )
     raise ValueError(name)
 
 
@@ -89,14 +91,23 @@ def run_policy(llm: LLM, name: str, prompts: list, params: SamplingParams) -> di
     slots = sum(rec["used_blocks"]) * block_size
     reserved = sum(rec["reserved_blocks"]) * block_size
     assert pool.num_used_blocks == 0, "blocks leaked"
-    return {"policy": name, "wall_s": wall, "cpu_s": cpu, "output_tokens": gen, "output_tok_per_s": gen / wall,
-            "output_tok_per_cpu_s": gen / cpu,
-            "steps": steps, "output_tok_per_step": gen / steps, "peak_running": max(rec["running"]),
-            "mean_running": float(np.mean(rec["running"])), "preemptions": stats.num_preemptions - pre0,
-            "kv_util_of_allocated": sum(rec["tokens"]) / slots if slots else 0.0,
-            "kv_util_of_reserved": sum(rec["tokens"]) / reserved if reserved else 0.0,
-            "mean_kv_blocks_allocated": float(np.mean(rec["used_blocks"])),
-            "mean_kv_blocks_reserved": float(np.mean(rec["reserved_blocks"]))}
+    return {
+        "policy": name,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": gen,
+        "output_tok_per_s": gen / wall,
+        "output_tok_per_cpu_s": gen / cpu,
+        "steps": steps,
+        "output_tok_per_step": gen / steps,
+        "peak_running": max(rec["running"]),
+        "mean_running": float(np.mean(rec["running"])),
+        "preemptions": stats.num_preemptions - pre0,
+        "kv_util_of_allocated": sum(rec["tokens"]) / slots if slots else 0.0,
+        "kv_util_of_reserved": sum(rec["tokens"]) / reserved if reserved else 0.0,
+        "mean_kv_blocks_allocated": float(np.mean(rec["used_blocks"])),
+        "mean_kv_blocks_reserved": float(np.mean(rec["reserved_blocks"])),
+    }
 
 
 def main(argv=None) -> dict:
@@ -115,11 +126,18 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     load0 = os.getloadavg()
 
-    llm = LLM(device="cpu", num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(
+        device="cpu",
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,
+    )
     rng = np.random.default_rng(args.seed)
-    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, args.input_len)]}
-               for _ in range(args.requests)]
+    prompts = [
+        {"prompt_token_ids": [int(t) for t in rng.integers(100, 40000, args.input_len)]} for _ in range(args.requests)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # JIT warm-up
 
@@ -129,28 +147,46 @@ def main(argv=None) -> dict:
         for p in policies:
             r = run_policy(llm, p, prompts, params)
             runs[p].append(r)
-            print(f"  {p:15s} {r['output_tok_per_s']:6.1f} tok/s  {r['steps']} steps  peak {r['peak_running']}",
-                  flush=True)
+            print(
+                f"  {p:15s} {r['output_tok_per_s']:6.1f} tok/s  {r['steps']} steps  peak {r['peak_running']}",
+                flush=True,
+            )
     rows = []
     for p in policies:
         best = sorted(runs[p], key=lambda r: r["output_tok_per_s"])[len(runs[p]) // 2]
         rows.append(dict(best, tok_per_s_all=[round(r["output_tok_per_s"], 1) for r in runs[p]]))
-    conditions = {"model": "SmolLM2-135M-Instruct (default)", "device": "cpu",
-                  "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size,
-                  "kv_slots": args.num_kv_blocks * args.block_size, "max_model_len": args.max_model_len,
-                  "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
-                  "requests": args.requests, "input_len": args.input_len, "output_len": args.output_len,
-                  "arrivals": "all at once", "sampling": "greedy, ignore_eos", "prefix_caching": False,
-                  "repeats": args.repeats, "cpu_count": os.cpu_count(),
-                  "loadavg_before": load0}
+    conditions = {
+        "model": "SmolLM2-135M-Instruct (default)",
+        "device": "cpu",
+        "num_kv_blocks": args.num_kv_blocks,
+        "block_size": args.block_size,
+        "kv_slots": args.num_kv_blocks * args.block_size,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
+        "requests": args.requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "arrivals": "all at once",
+        "sampling": "greedy, ignore_eos",
+        "prefix_caching": False,
+        "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": load0,
+    }
     conditions["loadavg_after"] = os.getloadavg()
-    head = (f"{'policy':15s} {'tok/s':>7s} {'tok/cpu-s':>9s} {'tok/step':>8s} {'steps':>6s} {'peak':>5s} {'mean':>6s} {'preempt':>7s} "
-            f"{'util/alloc':>10s} {'util/resv':>9s}")
+    head = (
+        f"{'policy':15s} {'tok/s':>7s} {'tok/cpu-s':>9s} {'tok/step':>8s} {'steps':>6s} {'peak':>5s} {'mean':>6s} "
+        f"{'preempt':>7s} {'util/alloc':>10s} {'util/resv':>9s}"
+    )
     print("\n" + head)
     for r in rows:
-        print(f"{r['policy']:15s} {r['output_tok_per_s']:7.1f} {r['output_tok_per_cpu_s']:9.1f} {r['output_tok_per_step']:8.2f} {r['steps']:6d} "
-              f"{r['peak_running']:5d} {r['mean_running']:6.1f} {r['preemptions']:7d} "
-              f"{100 * r['kv_util_of_allocated']:9.1f}% {100 * r['kv_util_of_reserved']:8.1f}%")
+        print(
+            f"{r['policy']:15s} {r['output_tok_per_s']:7.1f} {r['output_tok_per_cpu_s']:9.1f} "
+            f"{r['output_tok_per_step']:8.2f} {r['steps']:6d} {r['peak_running']:5d} {r['mean_running']:6.1f} "
+            f"{r['preemptions']:7d} "
+            f"{100 * r['kv_util_of_allocated']:9.1f}% {100 * r['kv_util_of_reserved']:8.1f}%"
+        )
     print(f"load average before/after: {conditions['loadavg_before']} / {conditions['loadavg_after']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,8 +57,15 @@ def make_prompts(num: int, input_len: int, seed: int, low: int, high: int) -> li
 
 
 async def one_request(session, url, model, prompt, output_len, headers) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     res = Result()
     t0 = time.perf_counter()
     last = None
@@ -100,6 +107,7 @@ async def run_level(base_url, model, prompts, output_len, concurrency, request_r
     rng = np.random.default_rng(seed + 1)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
         async def limited(p):
             async with sem:
                 return await one_request(session, url, model, p, output_len, headers)
@@ -146,8 +154,10 @@ def summarize(results: list, duration: float, concurrency: int, request_rate: fl
 
 
 def print_table(runs: list) -> str:
-    head = (f"{'conc':>5} {'rate':>6} {'reqs':>5} {'ok':>4} {'out tok/s':>10} "
-            f"{'TTFT mean/p50/p99 ms':>24} {'ITL mean/p50/p99 ms':>22} {'E2E mean/p50/p99 ms':>26}")
+    head = (
+        f"{'conc':>5} {'rate':>6} {'reqs':>5} {'ok':>4} {'out tok/s':>10} "
+        f"{'TTFT mean/p50/p99 ms':>24} {'ITL mean/p50/p99 ms':>22} {'E2E mean/p50/p99 ms':>26}"
+    )
     lines = [head, "-" * len(head)]
 
     def f(s):
@@ -155,9 +165,11 @@ def print_table(runs: list) -> str:
 
     for r in runs:
         rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
-        lines.append(f"{r['concurrency']:>5} {rate:>6} {r['num_prompts']:>5} {r['completed']:>4} "
-                     f"{r['output_throughput_tok_s']:>10.1f} {f(r['ttft_ms']):>24} {f(r['itl_ms']):>22} "
-                     f"{f(r['e2e_ms']):>26}")
+        lines.append(
+            f"{r['concurrency']:>5} {rate:>6} {r['num_prompts']:>5} {r['completed']:>4} "
+            f"{r['output_throughput_tok_s']:>10.1f} {f(r['ttft_ms']):>24} {f(r['itl_ms']):>22} "
+            f"{f(r['e2e_ms']):>26}"
+        )
     text = "\n".join(lines)
     print(text)
     return text
@@ -199,26 +211,41 @@ def start_server(extra_args: list, timeout: float):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to benchmark")
-    p.add_argument("--start-server", action="store_true",
-                   help="start `python server.py` on a free port for the run (ignores --base-url)")
-    p.add_argument("--server-args", default="--device auto",
-                   help="extra arguments for the started server, one string")
+    p.add_argument(
+        "--start-server",
+        action="store_true",
+        help="start `python server.py` on a free port for the run (ignores --base-url)",
+    )
+    p.add_argument("--server-args", default="--device auto", help="extra arguments for the started server, one string")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to send (default: the server's /v1/models)")
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
     p.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="comma-separated concurrency levels")
-    p.add_argument("--num-prompts", type=_ints, default=None,
-                   help="requests per level: one number for all or one per level (default: 4 x concurrency)")
-    p.add_argument("--request-rate", type=_floats, default=None,
-                   help="comma-separated request rates (req/s, Poisson arrivals); each runs with the concurrency "
-                        "cap of the matching --concurrency level (or the first)")
+    p.add_argument(
+        "--num-prompts",
+        type=_ints,
+        default=None,
+        help="requests per level: one number for all or one per level (default: 4 x concurrency)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_floats,
+        default=None,
+        help="comma-separated request rates (req/s, Poisson arrivals); each runs with the concurrency "
+        "cap of the matching --concurrency level (or the first)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--token-id-range", type=_ints, default=[1000, 30000],
-                   help="prompt token ids are drawn uniformly from [low, high)")
+    p.add_argument(
+        "--token-id-range",
+        type=_ints,
+        default=[1000, 30000],
+        help="prompt token ids are drawn uniformly from [low, high)",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     p.add_argument("--out", default="benchmarks/out/serve.json", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -256,8 +283,9 @@ def main(argv=None) -> int:
         for i, ((conc, rate), num) in enumerate(zip(levels, nums)):
             prompts = make_prompts(num, args.input_len, args.seed + i, low, high)
             print(f"running concurrency={conc} rate={rate:g} num_prompts={num} ...", file=sys.stderr)
-            runs.append(asyncio.run(run_level(base_url, model, prompts, args.output_len, conc, rate, args.seed,
-                                              headers)))
+            runs.append(
+                asyncio.run(run_level(base_url, model, prompts, args.output_len, conc, rate, args.seed, headers))
+            )
         table = print_table(runs)
     finally:
         if proc is not None:
@@ -270,14 +298,25 @@ def main(argv=None) -> int:
         "benchmark": "serve",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "conditions": {
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                        "processor": platform.processor() or platform.machine(),
-                        "python": platform.python_version()},
-            "model": model, "max_model_len": card.get("max_model_len"),
-            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-            "token_id_range": [low, high], "endpoint": "/v1/completions (stream, token-id prompts, ignore_eos)",
-            "server": {"started_here": bool(proc), "args": args.server_args if proc else None,
-                       "base_url": base_url, "log": server_log},
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "processor": platform.processor() or platform.machine(),
+                "python": platform.python_version(),
+            },
+            "model": model,
+            "max_model_len": card.get("max_model_len"),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+            "token_id_range": [low, high],
+            "endpoint": "/v1/completions (stream, token-id prompts, ignore_eos)",
+            "server": {
+                "started_here": bool(proc),
+                "args": args.server_args if proc else None,
+                "base_url": base_url,
+                "log": server_log,
+            },
         },
         "runs": runs,
         "table": table,

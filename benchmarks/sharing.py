@@ -27,8 +27,14 @@ from rawpaged import weights as rp_weights  # noqa: E402
 
 
 def run_forks(model_dir, prompt, output_len, share, kind, n):
-    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=2048, max_model_len=2048,
-              enable_prefix_caching=False, max_num_seqs=16)
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        num_kv_blocks=2048,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        max_num_seqs=16,
+    )
     if not share:
         kv = llm.engine.kv_cache_manager
         llm.engine.scheduler.kv_cache_manager = CopyingForks(kv.num_blocks, kv.block_size, kv.enable_prefix_caching)
@@ -44,14 +50,18 @@ def run_forks(model_dir, prompt, output_len, share, kind, n):
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
     generated = sum(len(o.token_ids) for o in out.outputs) if kind != "beam" else n * output_len
-    return dict(case=f"{kind} {n}", sharing="on" if share else "off", peak_blocks=s["peak_used_blocks"],
-                peak_kv_MiB=s["peak_used_blocks"] * llm.engine.kv_block_bytes / 2**20,
-                cow_copies=s["num_cow_copies"], output_tok_per_s=generated / elapsed)
+    return dict(
+        case=f"{kind} {n}",
+        sharing="on" if share else "off",
+        peak_blocks=s["peak_used_blocks"],
+        peak_kv_MiB=s["peak_used_blocks"] * llm.engine.kv_block_bytes / 2**20,
+        cow_copies=s["num_cow_copies"],
+        output_tok_per_s=generated / elapsed,
+    )
 
 
 def run_prefix(model_dir, system, questions, caching):
-    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=1024, max_model_len=2048,
-              enable_prefix_caching=caching)
+    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=1024, max_model_len=2048, enable_prefix_caching=caching)
     llm.generate([{"prompt_token_ids": system + [13, 14]}], SamplingParams(max_tokens=1))  # warm-up + cache fill
     ttfts, cached = [], []
     for q in questions:
@@ -59,8 +69,12 @@ def run_prefix(model_dir, system, questions, caching):
         out = llm.generate([{"prompt_token_ids": system + q}], SamplingParams(temperature=0.0, max_tokens=1))[0]
         ttfts.append(time.perf_counter() - t0)
         cached.append(out.num_cached_tokens)
-    return dict(prefix_caching="on" if caching else "off", ttft_ms_mean=1e3 * statistics.mean(ttfts),
-                ttft_ms_p50=1e3 * statistics.median(ttfts), cached_tokens_per_request=statistics.mean(cached))
+    return dict(
+        prefix_caching="on" if caching else "off",
+        ttft_ms_mean=1e3 * statistics.mean(ttfts),
+        ttft_ms_p50=1e3 * statistics.median(ttfts),
+        cached_tokens_per_request=statistics.mean(cached),
+    )
 
 
 def main(argv=None):
@@ -85,21 +99,35 @@ def main(argv=None):
     by = {(r["case"], r["sharing"]): r for r in rows}
     for r in rows:
         r["blocks_vs_no_sharing"] = r["peak_blocks"] / by[(r["case"], "off")]["peak_blocks"]
-    print_table(rows, ["case", "sharing", "peak_blocks", "peak_kv_MiB", "blocks_vs_no_sharing", "cow_copies",
-                       "output_tok_per_s"])
+    print_table(
+        rows,
+        ["case", "sharing", "peak_blocks", "peak_kv_MiB", "blocks_vs_no_sharing", "cow_copies", "output_tok_per_s"],
+    )
     system = rng.integers(100, 49152, args.system_len).tolist()
     questions = [rng.integers(100, 49152, args.user_len).tolist() for _ in range(args.num_questions)]
     prefix_rows = [run_prefix(model_dir, system, questions, c) for c in (True, False)]
     prefix_rows[0]["ttft_speedup"] = prefix_rows[1]["ttft_ms_mean"] / prefix_rows[0]["ttft_ms_mean"]
     print()
-    print_table(prefix_rows, ["prefix_caching", "ttft_ms_mean", "ttft_ms_p50", "cached_tokens_per_request",
-                              "ttft_speedup"])
-    write_json(Path(args.out) / "sharing.json", {
-        "conditions": conditions(model="SmolLM2-135M-Instruct", dtype="float32", block_size=16,
-                                 prompt_len=args.prompt_len, output_len=args.output_len,
-                                 sampling="temperature 0.8 seed 0, ignore_eos; beam search greedy",
-                                 system_len=args.system_len, user_len=args.user_len),
-        "forks": rows, "prefix_caching": prefix_rows})
+    print_table(
+        prefix_rows, ["prefix_caching", "ttft_ms_mean", "ttft_ms_p50", "cached_tokens_per_request", "ttft_speedup"]
+    )
+    write_json(
+        Path(args.out) / "sharing.json",
+        {
+            "conditions": conditions(
+                model="SmolLM2-135M-Instruct",
+                dtype="float32",
+                block_size=16,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                sampling="temperature 0.8 seed 0, ignore_eos; beam search greedy",
+                system_len=args.system_len,
+                user_len=args.user_len,
+            ),
+            "forks": rows,
+            "prefix_caching": prefix_rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -20,10 +20,24 @@ from pathlib import Path
 import numpy as np
 
 SHAPES = {
-    "smollm2-135m-shape": dict(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
-                               head_dim=64, vocab_size=49152),
-    "llama-like-head128": dict(num_layers=8, hidden_size=1024, intermediate_size=2816, num_heads=8, num_kv_heads=2,
-                               head_dim=128, vocab_size=32000),
+    "smollm2-135m-shape": dict(
+        num_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+    ),
+    "llama-like-head128": dict(
+        num_layers=8,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -57,8 +71,9 @@ def _timings(llm, rng, batches=(1, 32), max_tokens=64) -> dict:
 PROMPT_LENS = (1, 15, 16, 17, 33, 100, 257, 600)
 
 
-def check_shape(name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24, timing_batches=(1, 32),
-                timing_tokens=64):
+def check_shape(
+    name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24, timing_batches=(1, 32), timing_tokens=64
+):
     """float32 on CUDA must reproduce the CPU engine (logits within 1e-2, greedy ids equal for all but at
     most one prompt); bfloat16 (the CUDA default) is held to its precision: first-step logits within 10%
     of their largest magnitude. Seeded top-p sampling must run and return valid ids on both."""
@@ -83,13 +98,18 @@ def check_shape(name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24, t
         draws = [o.outputs[0].token_ids for o in gpu.generate([{"prompt_token_ids": p} for p in prompts[:4]], sampled)]
         vocab = shape["vocab_size"]
         stats = gpu.stats()
-        r = {"max_abs_logit_diff": max(diffs), "max_abs_logit": scale, "per_prompt_logit_diff": diffs,
-             "ids_equal": equal,
-             "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                                  for x, y in zip(cpu_ids, gpu_ids)],
-             "sampled_ids_valid": all(len(d) == 16 and all(0 <= t < vocab for t in d) for d in draws),
-             "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"],
-             **_timings(gpu, rng, timing_batches, timing_tokens)}
+        r = {
+            "max_abs_logit_diff": max(diffs),
+            "max_abs_logit": scale,
+            "per_prompt_logit_diff": diffs,
+            "ids_equal": equal,
+            "first_divergence": [
+                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(cpu_ids, gpu_ids)
+            ],
+            "sampled_ids_valid": all(len(d) == 16 and all(0 <= t < vocab for t in d) for d in draws),
+            "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"],
+            **_timings(gpu, rng, timing_batches, timing_tokens),
+        }
         close = (max(diffs) < 1e-2 and equal >= len(prompts) - 1) if dtype == "float32" else max(diffs) < 0.1 * scale
         r["ok"] = bool(close and r["sampled_ids_valid"] and r["blocks_all_free"])
         result[dtype] = r
@@ -116,9 +136,11 @@ def main(argv=None) -> int:
                 continue
             for dtype in ("float32", "bfloat16"):
                 d = r[dtype]
-                print(f"{name} {dtype}: ok={d['ok']} max|dlogit|={d['max_abs_logit_diff']:.2e} "
-                      f"(max|logit| {d['max_abs_logit']:.2e}) ids_equal={d['ids_equal']}/{r['num_prompts']} "
-                      f"b1={d['batch1_tok_per_s']:.0f} b32={d['batch32_tok_per_s']:.0f} tok/s")
+                print(
+                    f"{name} {dtype}: ok={d['ok']} max|dlogit|={d['max_abs_logit_diff']:.2e} "
+                    f"(max|logit| {d['max_abs_logit']:.2e}) ids_equal={d['ids_equal']}/{r['num_prompts']} "
+                    f"b1={d['batch1_tok_per_s']:.0f} b32={d['batch32_tok_per_s']:.0f} tok/s"
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_check.json").write_text(json.dumps(results, indent=2))

@@ -9,7 +9,7 @@ from typing import Literal
 from rawpaged.dtypes import DTYPE_CHOICES
 
 Device = Literal["auto", "cpu", "cuda"]
-DType = Literal["auto", "float32", "float16", "bfloat16"]  # DTYPE_CHOICES
+DType = Literal[DTYPE_CHOICES]
 
 
 @dataclass
@@ -81,9 +81,13 @@ def resolve_dtypes(dtype: str, kv_cache_dtype: str, backend, checkpoint_dtype: s
         kv_cache_dtype = dtype if (dtype, dtype) in pairs else "float32"
     if (dtype, kv_cache_dtype) not in pairs:
         if all(a != dtype for a, _ in pairs):
-            raise ValueError(f"dtype {dtype!r} is not supported on the {backend.name} backend "
-                             f"(supported: {sorted({a for a, _ in pairs})})")
+            raise ValueError(
+                f"dtype {dtype!r} is not supported on the {backend.name} backend "
+                f"(supported: {sorted({a for a, _ in pairs})})"
+            )
         supported = ", ".join(f"{a}/{c}" for a, c in pairs)
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} is not supported on the "
-                         f"{backend.name} backend (supported dtype/kv_cache_dtype: {supported})")
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} is not supported on the "
+            f"{backend.name} backend (supported dtype/kv_cache_dtype: {supported})"
+        )
     return dtype, kv_cache_dtype

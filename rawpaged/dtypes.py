@@ -32,7 +32,10 @@ FLOAT_TYPES = {t.name: t for t in (FLOAT32, FLOAT16, BFLOAT16)}
 DTYPE_CHOICES = ("auto", *FLOAT_TYPES)
 #: safetensors header code -> NumPy dtype, for every code a checkpoint may hold.
 SAFETENSORS_DTYPES = {t.safetensors: t.numpy for t in FLOAT_TYPES.values()} | {
-    "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32)}
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+}
 
 
 def float_type(name: str) -> FloatType:

@@ -27,16 +27,36 @@ def _byte_tokenizer(dst: Path) -> int:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(dst / "tokenizer.json"))
-    (dst / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}))
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            }
+        )
+    )
     return len(vocab)
 
 
-def write_random_model(dst, *, num_layers=2, hidden_size=72, intermediate_size=64, num_heads=9, num_kv_heads=3,
-                       head_dim=8, vocab_size=None, tokenizer_from=None, architecture="LlamaForCausalLM",
-                       tie_word_embeddings=True, max_position_embeddings=2048, seed=0) -> Path:
+def write_random_model(
+    dst,
+    *,
+    num_layers=2,
+    hidden_size=72,
+    intermediate_size=64,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=8,
+    vocab_size=None,
+    tokenizer_from=None,
+    architecture="LlamaForCausalLM",
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    seed=0,
+) -> Path:
     """Write a random model directory at ``dst`` and return it.
 
     ``vocab_size`` defaults to the tokenizer's size. ``architecture="Qwen2ForCausalLM"`` adds q/k/v
@@ -58,34 +78,60 @@ def write_random_model(dst, *, num_layers=2, hidden_size=72, intermediate_size=6
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
-    tensors = {"model.embed_tokens.weight": w(vocab_size, hidden_size),
-               "model.norm.weight": np.ones(hidden_size, np.float32)}
+    tensors = {
+        "model.embed_tokens.weight": w(vocab_size, hidden_size),
+        "model.norm.weight": np.ones(hidden_size, np.float32),
+    }
     if not tie_word_embeddings:
         tensors["lm_head.weight"] = w(vocab_size, hidden_size)
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": np.ones(hidden_size, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(hidden_size, np.float32),
-            p + "self_attn.q_proj.weight": w(q, hidden_size),
-            p + "self_attn.k_proj.weight": w(kv, hidden_size),
-            p + "self_attn.v_proj.weight": w(kv, hidden_size),
-            p + "self_attn.o_proj.weight": w(hidden_size, q),
-            p + "mlp.gate_proj.weight": w(intermediate_size, hidden_size),
-            p + "mlp.up_proj.weight": w(intermediate_size, hidden_size),
-            p + "mlp.down_proj.weight": w(hidden_size, intermediate_size),
-        })
+        tensors.update(
+            {
+                p + "input_layernorm.weight": np.ones(hidden_size, np.float32),
+                p + "post_attention_layernorm.weight": np.ones(hidden_size, np.float32),
+                p + "self_attn.q_proj.weight": w(q, hidden_size),
+                p + "self_attn.k_proj.weight": w(kv, hidden_size),
+                p + "self_attn.v_proj.weight": w(kv, hidden_size),
+                p + "self_attn.o_proj.weight": w(hidden_size, q),
+                p + "mlp.gate_proj.weight": w(intermediate_size, hidden_size),
+                p + "mlp.up_proj.weight": w(intermediate_size, hidden_size),
+                p + "mlp.down_proj.weight": w(hidden_size, intermediate_size),
+            }
+        )
         if architecture == "Qwen2ForCausalLM":
-            tensors.update({p + "self_attn.q_proj.bias": w(q), p + "self_attn.k_proj.bias": w(kv),
-                            p + "self_attn.v_proj.bias": w(kv)})
+            tensors.update(
+                {
+                    p + "self_attn.q_proj.bias": w(q),
+                    p + "self_attn.k_proj.bias": w(kv),
+                    p + "self_attn.v_proj.bias": w(kv),
+                }
+            )
     from safetensors.numpy import save_file
 
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps({
-        "architectures": [architecture], "model_type": "qwen2" if architecture.startswith("Qwen2") else "llama",
-        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "hidden_act": "silu"}, indent=1))
+    (dst / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": [architecture],
+                "model_type": "qwen2" if architecture.startswith("Qwen2") else "llama",
+                "vocab_size": vocab_size,
+                "hidden_size": hidden_size,
+                "intermediate_size": intermediate_size,
+                "num_hidden_layers": num_layers,
+                "num_attention_heads": num_heads,
+                "num_key_value_heads": num_kv_heads,
+                "head_dim": head_dim,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": max_position_embeddings,
+                "tie_word_embeddings": tie_word_embeddings,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "torch_dtype": "float32",
+                "hidden_act": "silu",
+            },
+            indent=1,
+        )
+    )
     return dst

@@ -90,7 +90,9 @@ class SamplingParams:
             bad("stop", "must not contain empty strings")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
             bad("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")

@@ -38,8 +38,10 @@ class Tokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self.chat_template = cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
-            self.chat_template = next((t["template"] for t in self.chat_template if t.get("name") == "default"),
-                                      self.chat_template[0]["template"])
+            self.chat_template = next(
+                (t["template"] for t in self.chat_template if t.get("name") == "default"),
+                self.chat_template[0]["template"],
+            )
         self.bos_token = _special_token(cfg.get("bos_token"))
         self.eos_token = _special_token(cfg.get("eos_token"))
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
@@ -84,7 +86,11 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None

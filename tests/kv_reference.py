@@ -25,7 +25,7 @@ def make_paged_kv(rng, context_lens, num_kv_heads, head_dim, block_size, dtype, 
     block_tables = np.full((len(context_lens), max_blocks), -1, dtype=np.int32)
     keys, values, nxt = [], [], 0
     for s, ctx in enumerate(context_lens):
-        ids = perm[nxt:nxt + blocks_per_seq[s]]
+        ids = perm[nxt : nxt + blocks_per_seq[s]]
         nxt += blocks_per_seq[s]
         block_tables[s, : len(ids)] = ids
         k = rng.standard_normal((ctx, num_kv_heads, head_dim)).astype(np.float32).astype(dtype)
@@ -75,7 +75,7 @@ def rope_ref(x, positions, theta):
     cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None]
     sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None]
     x = x.astype(np.float64)
-    rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+    rot = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -121,4 +121,4 @@ def copy_blocks_expected(caches, block_mapping):
 def rms_norm_ref(x, weight, eps, residual=None):
     """float64 RMSNorm (Zhang & Sennrich 2019) of ``x + residual``; returns (output, the summed input)."""
     s = np.asarray(x, np.float64) + (0.0 if residual is None else np.asarray(residual, np.float64))
-    return s / np.sqrt((s ** 2).mean(-1, keepdims=True) + eps) * np.asarray(weight, np.float64), s
+    return s / np.sqrt((s**2).mean(-1, keepdims=True) + eps) * np.asarray(weight, np.float64), s

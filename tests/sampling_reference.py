@@ -8,8 +8,15 @@ import numpy as np
 from rawpaged.kernels import cpu
 
 SAMPLE_CASES = [  # (temperature, top_k, top_p, min_p)
-    (0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, -1, 0.8, 0.0), (1.0, -1, 1.0, 0.05),
-    (0.5, 20, 0.9, 0.01), (2.0, 1, 1.0, 0.0), (1.0, 3, 0.5, 0.0), (0.9, 0, 0.95, 0.0),
+    (0.0, -1, 1.0, 0.0),
+    (1.0, -1, 1.0, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (1.3, -1, 0.8, 0.0),
+    (1.0, -1, 1.0, 0.05),
+    (0.5, 20, 0.9, 0.01),
+    (2.0, 1, 1.0, 0.0),
+    (1.0, 3, 0.5, 0.0),
+    (0.9, 0, 0.95, 0.0),
 ]
 
 
@@ -20,8 +27,14 @@ def sample_args(num_rows, cases, rng):
             rows.append(r)
             params.append(case)
     t, k, p, m = (np.array(c) for c in zip(*params))
-    return dict(sample_rows=np.array(rows, np.int64), temperature=t, top_k=k, top_p=p, min_p=m,
-                uniforms=rng.random(len(rows)).astype(np.float32).astype(np.float64))
+    return dict(
+        sample_rows=np.array(rows, np.int64),
+        temperature=t,
+        top_k=k,
+        top_p=p,
+        min_p=m,
+        uniforms=rng.random(len(rows)).astype(np.float32).astype(np.float64),
+    )
 
 
 def robust_reference(logits, args, eps=1e-4):

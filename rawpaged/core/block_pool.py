@@ -26,11 +26,11 @@ class BlockPoolError(RuntimeError):
 @dataclass(slots=True)
 class KVCacheBlock:
     """Attributes:
-        block_id: index in ``[0, num_blocks)``; the block's slots are
-            ``block_id * block_size .. block_id * block_size + block_size - 1``.
-        ref_count: number of block tables holding the block (0: free).
-        owners: the ``table_id`` of each of those tables.
-        block_hash, token_ids: the prefix-cache identity of a full block (None when not cached).
+    block_id: index in ``[0, num_blocks)``; the block's slots are
+        ``block_id * block_size .. block_id * block_size + block_size - 1``.
+    ref_count: number of block tables holding the block (0: free).
+    owners: the ``table_id`` of each of those tables.
+    block_hash, token_ids: the prefix-cache identity of a full block (None when not cached).
     """
 
     block_id: int

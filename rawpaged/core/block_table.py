@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 @dataclass(slots=True, eq=False)
 class BlockTable:
     """Attributes:
-        table_id: unique per pool; the owner id recorded on each block it holds.
-        block_size: tokens per block.
-        block_ids: physical block of each logical block.
-        num_tokens: KV slots reserved, positions ``0 .. num_tokens-1``; always
-            ``len(block_ids) == ceil(num_tokens / block_size)``.
-        block_hashes: prefix-cache hashes of the leading full blocks hashed so far (chained).
-        freed: set once the table's blocks went back to the pool; a freed table is never used again.
+    table_id: unique per pool; the owner id recorded on each block it holds.
+    block_size: tokens per block.
+    block_ids: physical block of each logical block.
+    num_tokens: KV slots reserved, positions ``0 .. num_tokens-1``; always
+        ``len(block_ids) == ceil(num_tokens / block_size)``.
+    block_hashes: prefix-cache hashes of the leading full blocks hashed so far (chained).
+    freed: set once the table's blocks went back to the pool; a freed table is never used again.
     """
 
     table_id: int

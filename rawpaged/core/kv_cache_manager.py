@@ -54,8 +54,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         token_ids = seq.token_ids
-        found, queries = find_longest_cache_hit(self.block_pool, token_ids, self.block_size,
-                                                (len(token_ids) - 1) // self.block_size)
+        found, queries = find_longest_cache_hit(
+            self.block_pool, token_ids, self.block_size, (len(token_ids) - 1) // self.block_size
+        )
         self.num_prefix_queries += queries
         self.num_prefix_hits += len(found)
         return found
@@ -71,7 +72,7 @@ class KVCacheManager:
         hashes = table.block_hashes
         while len(hashes) < min(seq.num_computed_tokens, len(token_ids)) // bs:
             i = len(hashes)
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block_tokens(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
             self.block_pool.cache_block(table.block_ids[i], h, tokens)
@@ -85,7 +86,9 @@ class KVCacheManager:
         if table is None:
             num_tokens = len(computed_blocks) * bs + num_new_tokens
             pool = self.block_pool.blocks
-            return -(-num_tokens // bs) - len(computed_blocks) + sum(1 for b in computed_blocks if pool[b].ref_count == 0)
+            return (
+                -(-num_tokens // bs) - len(computed_blocks) + sum(1 for b in computed_blocks if pool[b].ref_count == 0)
+            )
         need = -(-(table.num_tokens + num_new_tokens) // bs) - len(table.block_ids)
         if num_new_tokens > 0 and table.num_tokens % bs and self.block_pool.blocks[table.block_ids[-1]].ref_count > 1:
             need += 1

@@ -30,7 +30,7 @@ def find_longest_cache_hit(pool: BlockPool, token_ids: list, block_size: int, ma
     """
     found, parent = [], None
     for i in range(min(max_blocks, len(token_ids) // block_size)):
-        tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
         parent = hash_block_tokens(parent, tokens)
         bid = pool.get_cached_block(parent, tokens)
         if bid is None:

@@ -77,9 +77,21 @@ class Sequence:
     def fork(self, seq_id: int, index: int, rng: np.random.Generator | None) -> Sequence:
         """A new sequence continuing from this one's state (tokens, text, logprobs); no blocks yet:
         ``Scheduler.fork`` shares them."""
-        return Sequence(seq_id, self.request_id, index, self.prompt_token_ids, self.sampling_params, rng,
-                        self.arrival_time, output_token_ids=list(self.output_token_ids),
-                        num_cached_tokens=self.num_cached_tokens, cumulative_logprob=self.cumulative_logprob,
-                        logprobs=list(self.logprobs), output_text=self.output_text,
-                        prefix_offset=self.prefix_offset, read_offset=self.read_offset,
-                        num_text_emitted=self.num_text_emitted, first_token_time=self.first_token_time)
+        return Sequence(
+            seq_id,
+            self.request_id,
+            index,
+            self.prompt_token_ids,
+            self.sampling_params,
+            rng,
+            self.arrival_time,
+            output_token_ids=list(self.output_token_ids),
+            num_cached_tokens=self.num_cached_tokens,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs),
+            output_text=self.output_text,
+            prefix_offset=self.prefix_offset,
+            read_offset=self.read_offset,
+            num_text_emitted=self.num_text_emitted,
+            first_token_time=self.first_token_time,
+        )

@@ -270,8 +270,15 @@ class AsyncEngine:
                 self.metrics.observe_finished(latency, r)
         if self.log_requests:
             ttft = f"{info.first_token_time - info.arrival:.3f}s" if info.first_token_time else "-"
-            logger.info("request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s latency=%.3fs ttft=%s",
-                        rid, info.num_prompt_tokens, info.num_generated, reason, latency, ttft)
+            logger.info(
+                "request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s latency=%.3fs ttft=%s",
+                rid,
+                info.num_prompt_tokens,
+                info.num_generated,
+                reason,
+                latency,
+                ttft,
+            )
 
     def _fail_all(self, error: BaseException) -> None:
         rids = list(self._streams)

@@ -48,8 +48,9 @@ class Candidate:
     cumulative_logprob: float
 
 
-def step(state: BeamState, cum_logprobs: list, generated: list, logprob_rows: np.ndarray,
-         stop_ids: set, max_new_tokens: int) -> list:
+def step(
+    state: BeamState, cum_logprobs: list, generated: list, logprob_rows: np.ndarray, stop_ids: set, max_new_tokens: int
+) -> list:
     """Advance one token. Returns the next running beams as ``Candidate``s (best first).
 
     Args:
@@ -75,8 +76,11 @@ def step(state: BeamState, cum_logprobs: list, generated: list, logprob_rows: np
         hits = at_limit or token in stop_ids
         if hits:
             if rank < k and state.improvement_possible:
-                new_finished.append(Hypothesis(total / (g + 1) ** state.length_penalty, total,
-                                               generated[parent] + [token], token in stop_ids))
+                new_finished.append(
+                    Hypothesis(
+                        total / (g + 1) ** state.length_penalty, total, generated[parent] + [token], token in stop_ids
+                    )
+                )
         elif len(running) < k:
             running.append(Candidate(parent, token, total))
     merged = state.finished + new_finished
@@ -108,8 +112,14 @@ def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tupl
     rows = np.stack([b.pending_logprobs for b in beams])
     for b in beams:
         b.pending_logprobs = None
-    chosen = step(req.beam, [b.cumulative_logprob for b in beams], [b.output_token_ids for b in beams], rows,
-                  stop_token_ids(params, eos_token_ids), limit)
+    chosen = step(
+        req.beam,
+        [b.cumulative_logprob for b in beams],
+        [b.output_token_ids for b in beams],
+        rows,
+        stop_token_ids(params, eos_token_ids),
+        limit,
+    )
     claimed, sampled = set(), []
     for cand in chosen:
         parent = beams[cand.parent]
@@ -123,10 +133,15 @@ def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tupl
     return sampled, [b for i, b in enumerate(beams) if i not in claimed]
 
 
-def beam_outputs(req, tokenizer, eos_token_ids) -> list:
+def beam_outputs(req, tokenizer) -> list:
     """The ``n`` best finished hypotheses of a done search, best first, as ``CompletionOutput``s."""
-    stop_ids = stop_token_ids(req.params, eos_token_ids)
-    return [CompletionOutput(index=i, text=tokenizer.decode(hyp.token_ids), token_ids=list(hyp.token_ids),
-                             finish_reason="stop" if hyp.token_ids[-1] in stop_ids else "length",
-                             cumulative_logprob=hyp.cumulative_logprob)
-            for i, hyp in enumerate(req.beam.finished[: req.params.n])]
+    return [
+        CompletionOutput(
+            index=i,
+            text=tokenizer.decode(hyp.token_ids),
+            token_ids=list(hyp.token_ids),
+            finish_reason="stop" if hyp.hit_eos else "length",
+            cumulative_logprob=hyp.cumulative_logprob,
+        )
+        for i, hyp in enumerate(req.beam.finished[: req.params.n])
+    ]

@@ -19,10 +19,10 @@ class IncrementalDetokenizer:
     def step(self, seq) -> str:
         """Append the text of ``seq.output_token_ids`` that became final; return the new piece."""
         ids = seq.output_token_ids
-        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
-        full_text = self.tokenizer.decode(ids[seq.prefix_offset:])
+        prefix_text = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+        full_text = self.tokenizer.decode(ids[seq.prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            new = full_text[len(prefix_text):]
+            new = full_text[len(prefix_text) :]
             seq.prefix_offset = seq.read_offset
             seq.read_offset = len(ids)
             seq.output_text += new
@@ -32,7 +32,7 @@ class IncrementalDetokenizer:
     def flush(self, seq) -> None:
         """At the end, append any text held back because it ended in an incomplete character."""
         ids = seq.output_token_ids
-        tail = self.tokenizer.decode(ids[seq.prefix_offset:])
-        head = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset])
-        seq.output_text += tail[len(head):]
+        tail = self.tokenizer.decode(ids[seq.prefix_offset :])
+        head = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
+        seq.output_text += tail[len(head) :]
         seq.prefix_offset = seq.read_offset = len(ids)

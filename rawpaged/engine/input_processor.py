@@ -12,10 +12,10 @@ from rawpaged.tokenizer import Tokenizer
 
 class InputProcessor:
     """Args:
-        tokenizer: the model's tokenizer.
-        vocab_size: token ids must lie in ``[0, vocab_size)``.
-        max_model_len: prompt + generated tokens per sequence.
-        block_size, num_blocks: the KV pool, which must hold a request's whole footprint when empty.
+    tokenizer: the model's tokenizer.
+    vocab_size: token ids must lie in ``[0, vocab_size)``.
+    max_model_len: prompt + generated tokens per sequence.
+    block_size, num_blocks: the KV pool, which must hold a request's whole footprint when empty.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int):
@@ -47,12 +47,16 @@ class InputProcessor:
             raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt_token_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}",
-                                      "prompt")
+            raise InvalidRequestError(
+                f"prompt_token_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}", "prompt"
+            )
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"this model's maximum context length (max_model_len) is {self.max_model_len} "
-                                      f"tokens; the prompt has {len(ids)} tokens and at least one must remain for "
-                                      f"generation", "prompt")
+            raise InvalidRequestError(
+                f"this model's maximum context length (max_model_len) is {self.max_model_len} "
+                f"tokens; the prompt has {len(ids)} tokens and at least one must remain for "
+                f"generation",
+                "prompt",
+            )
 
     def process(self, prompt, params: SamplingParams) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
@@ -66,6 +70,9 @@ class InputProcessor:
             need *= params.beam_width
         if need > self.num_blocks:
             beams = f" x beam_width {params.beam_width}" if params.use_beam_search else ""
-            raise InvalidRequestError(f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
-                                      f"{beams}) but the pool has only {self.num_blocks}", "max_tokens")
+            raise InvalidRequestError(
+                f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
+                f"{beams}) but the pool has only {self.num_blocks}",
+                "max_tokens",
+            )
         return text, [int(t) for t in ids]

@@ -47,14 +47,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.backend = get_backend(config.device)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.dtype, self.kv_cache_dtype = resolve_dtypes(config.dtype, config.kv_cache_dtype, self.backend,
-                                                         mc.torch_dtype)
+        self.dtype, self.kv_cache_dtype = resolve_dtypes(
+            config.dtype, config.kv_cache_dtype, self.backend, mc.torch_dtype
+        )
         weights = load_weights(self.model_dir, mc)
         self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
         del weights
         kv_dtype = numpy_dtype(self.kv_cache_dtype)
-        self.kv_block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
-                                             mc.head_dim, kv_dtype)
+        self.kv_block_bytes = kv_block_bytes(
+            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+        )
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory or self.backend.default_kv_cache_memory(config.gpu_memory_utilization)
@@ -62,13 +64,18 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
-                                   config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   self.eos_token_ids)
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.eos_token_ids,
+        )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
-        self.input_processor = InputProcessor(self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size,
-                                              num_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.input_processor = InputProcessor(
+            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
@@ -133,8 +140,10 @@ class LLMEngine:
             raise RuntimeError("warmup() needs an idle engine")
         t0 = time.monotonic()
         vocab = self.model_config.vocab_size
-        for n, params in ((40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
-                          (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True))):
+        for n, params in (
+            (40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
+            (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True)),
+        ):
             self.add_request({"prompt_token_ids": [(7 * i + 3) % vocab for i in range(n)]}, params)
         while self.has_unfinished_requests():
             self.step()
@@ -150,8 +159,9 @@ class LLMEngine:
             return []
         logits, sampling = self.runner.execute_model(sched_out)
         now = time.monotonic()
-        rows = self.runner.fetch_rows(logits, [row for row, seq in enumerate(sampling)
-                                               if _needs_distribution(seq.sampling_params)])
+        rows = self.runner.fetch_rows(
+            logits, [row for row, seq in enumerate(sampling) if _needs_distribution(seq.sampling_params)]
+        )
         touched: dict[str, Request] = {}
         draws, samples, pruned, beams_done = [], [], [], []  # one draw per sample, all in one backend call
         beam_sampled = []
@@ -161,8 +171,7 @@ class LLMEngine:
             if req.beam is not None:
                 seq.pending_logprobs = log_softmax(rows[row])
                 if all(b.pending_logprobs is not None for b in req.beams):
-                    sampled, dead = beam_search.step_beams(req, self._fork, self.eos_token_ids, self.max_model_len,
-                                                           now)
+                    sampled, dead = beam_search.step_beams(req, self._fork, self.eos_token_ids, self.max_model_len, now)
                     beam_sampled += sampled
                     pruned += dead
                     if req.beam.done:
@@ -176,13 +185,15 @@ class LLMEngine:
             touched[req.request_id] = req
         tokens = [int(t) for t in self.runner.sample(logits, draws)]
         self.scheduler.update_from_output(
-            sched_out, [(seq, tok) for (seq, _), tok in zip(samples, tokens)] + beam_sampled)
+            sched_out, [(seq, tok) for (seq, _), tok in zip(samples, tokens)] + beam_sampled
+        )
         self.scheduler.finish_seqs(pruned, "beam_pruned")
         for req in beams_done:
             self.scheduler.finish_seqs(req.beams, "beam_done")
             req.beams = []
         stopped = self.output_processor.process_tokens(
-            [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens)], now)
+            [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens)], now
+        )
         self.scheduler.finish_seqs(stopped, "stop")
         outputs = [self.output_processor.make_output(req) for req in touched.values()]
         for out in outputs:

@@ -32,9 +32,8 @@ def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer)
 
     def process_tokens(self, sampled: list, now: float) -> list:
@@ -74,18 +73,25 @@ class OutputProcessor:
         outputs = []
         if req.beam is not None:
             if finished:
-                outputs = beam_outputs(req, self.tokenizer, self.eos_token_ids)
+                outputs = beam_outputs(req, self.tokenizer)
         else:
             for index, seq in parallel_sampling.shown_sequences(req, finished):
                 text = visible_text(seq)
                 seq.num_text_emitted = len(text)
-                outputs.append(CompletionOutput(
-                    index=index, text=text, token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
-                    logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                    cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None))
+                outputs.append(
+                    CompletionOutput(
+                        index=index,
+                        text=text,
+                        token_ids=list(seq.output_token_ids),
+                        finish_reason=seq.finish_reason,
+                        logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                        cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                    )
+                )
         first = min((s.first_token_time for s in req.seqs if s.first_token_time), default=None)
         metrics = {"arrival_time": req.arrival_time, "first_token_time": first}
         if finished:
             metrics["finished_time"] = time.monotonic()
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished,
-                             req.seqs[0].num_cached_tokens, metrics)
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.seqs[0].num_cached_tokens, metrics
+        )

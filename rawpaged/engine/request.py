@@ -12,9 +12,9 @@ from rawpaged.sampling_params import SamplingParams
 @dataclass(eq=False)
 class Request:
     """Attributes:
-        seqs: every sequence the request made, first one first.
-        forked: whether the first sequence forked its ``best_of - 1`` siblings yet.
-        beam, beams: beam search only: the search state, and the beams still running.
+    seqs: every sequence the request made, first one first.
+    forked: whether the first sequence forked its ``best_of - 1`` siblings yet.
+    beam, beams: beam search only: the search state, and the beams still running.
     """
 
     request_id: str

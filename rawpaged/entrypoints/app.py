@@ -27,8 +27,13 @@ from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_models import show_available_models
-from rawpaged.entrypoints.server_state import (DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, STATE, ServerState,
-                                                error_response)
+from rawpaged.entrypoints.server_state import (
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    STATE,
+    ServerState,
+    error_response,
+)
 from rawpaged.entrypoints.websocket import websocket_handler
 
 logger = logging.getLogger("rawpaged.server")
@@ -43,8 +48,13 @@ async def _middleware(request: web.Request, handler):
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-            return error_response(state, 401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                  type="authentication_error", code="invalid_api_key")
+            return error_response(
+                state,
+                401,
+                "invalid or missing API key (Authorization: Bearer <key>)",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
     try:
         return await handler(request)
     except ProtocolError as e:
@@ -55,8 +65,9 @@ async def _middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         kind = {404: "not_found_error"}.get(e.status, "invalid_request_error")
-        return error_response(state, e.status, e.reason if e.text is None else e.text.removeprefix(f"{e.status}: "),
-                              kind)
+        return error_response(
+            state, e.status, e.reason if e.text is None else e.text.removeprefix(f"{e.status}: "), kind
+        )
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:  # noqa: BLE001
@@ -73,10 +84,17 @@ def model_name_of(config: EngineConfig) -> str:
     return Path(config.model).expanduser().name or str(config.model)
 
 
-def create_app(config: EngineConfig | None = None, *, engine=None, loader: Callable | None = None,
-               served_model_name: str | None = None, api_key: str | None = None,
-               max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-               max_n: int = 16) -> web.Application:
+def create_app(
+    config: EngineConfig | None = None,
+    *,
+    engine=None,
+    loader: Callable | None = None,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+    max_n: int = 16,
+) -> web.Application:
     """The aiohttp application.
 
     The model comes from ``engine`` (an ``LLMEngine`` or ``AsyncEngine``, ready now), ``loader`` (a
@@ -87,14 +105,22 @@ def create_app(config: EngineConfig | None = None, *, engine=None, loader: Calla
 
     config = config or EngineConfig()
     if engine is None and loader is None:
+
         def loader():
             engine = LLMEngine(config)
             logger.info("warm-up run (kernels compiled or loaded from their cache) took %.1fs", engine.warmup())
             return engine
+
     name = served_model_name or model_name_of(config)
     aliases = {name, model_name_of(config)} | ({config.model} if config.model else set())
-    state = ServerState(model_name=name, model_aliases=aliases, loader=loader, api_key=api_key or None,
-                        limits=Limits(max_tokens=max_tokens_limit, max_n=max_n), max_body_size=max_body_size)
+    state = ServerState(
+        model_name=name,
+        model_aliases=aliases,
+        loader=loader,
+        api_key=api_key or None,
+        limits=Limits(max_tokens=max_tokens_limit, max_n=max_n),
+        max_body_size=max_body_size,
+    )
     app = web.Application(client_max_size=max_body_size, middlewares=[_middleware])
     app[STATE] = state
 
@@ -127,10 +153,18 @@ def create_app(config: EngineConfig | None = None, *, engine=None, loader: Calla
                 state.failed.set()
                 return
             state.engine = AsyncEngine(result, metrics=state.metrics)
-            logger.info("ready: model %s loaded and warmed up in %.1fs on %s (%s, KV cache %s: %d blocks of %d "
-                        "tokens, max_model_len %d)", state.model_name, time.monotonic() - state.load_started,
-                        result.backend.name, result.dtype, result.kv_cache_dtype, result.kv_cache_manager.num_blocks,
-                        result.config.block_size, result.max_model_len)
+            logger.info(
+                "ready: model %s loaded and warmed up in %.1fs on %s (%s, KV cache %s: %d blocks of %d "
+                "tokens, max_model_len %d)",
+                state.model_name,
+                time.monotonic() - state.load_started,
+                result.backend.name,
+                result.dtype,
+                result.kv_cache_dtype,
+                result.kv_cache_manager.num_blocks,
+                result.config.block_size,
+                result.max_model_len,
+            )
 
         threading.Thread(target=load, name="rawpaged-load", daemon=True).start()
 
@@ -150,8 +184,15 @@ def create_app(config: EngineConfig | None = None, *, engine=None, loader: Calla
     return app
 
 
-async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, *, handle_signals: bool = True,
-                stop: asyncio.Event | None = None, on_started: Callable | None = None) -> int:
+async def serve(
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    handle_signals: bool = True,
+    stop: asyncio.Event | None = None,
+    on_started: Callable | None = None,
+) -> int:
     """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM), or until the model fails to load.
 
     Returns the exit code: 0 after a stop, 1 if the port cannot be bound or the model failed to load
@@ -169,8 +210,13 @@ async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
         await runner.cleanup()
         return 1
     bound = runner.addresses[0][1] if runner.addresses else port
-    logger.info("listening on http://%s:%d (health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s", host,
-                bound, "serving" if state.engine is not None else "loading", state.model_name)
+    logger.info(
+        "listening on http://%s:%d (health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s",
+        host,
+        bound,
+        "serving" if state.engine is not None else "loading",
+        state.model_name,
+    )
     if on_started is not None:
         on_started(bound)
     stop = stop or asyncio.Event()

@@ -34,7 +34,7 @@ def parse_size(text: str) -> int:
     num, unit, i, b = m.groups()
     power = "kmgt".find(unit.lower()) + 1 if unit else 0
     base = 1000 if (unit and b and not i) else 1024
-    value = int(float(num) * base ** power)
+    value = int(float(num) * base**power)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
     return value
@@ -64,8 +64,13 @@ def field_docs(cls) -> dict:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -100,15 +105,21 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
             if metavar:
                 kw["metavar"] = metavar
         target.add_argument(flag, **kw)
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       default=argparse.SUPPRESS, help="same as --no-enable-prefix-caching")
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="same as --no-enable-prefix-caching",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """``EngineConfig`` from parsed options (fields without an option keep their default). Raises
     ValueError naming the field for an invalid value."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                           if hasattr(args, f.name)})
+    return EngineConfig(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    )
 
 
 def _check_model_arg(model: str | None) -> str | None:
@@ -123,22 +134,41 @@ def _check_model_arg(model: str | None) -> str | None:
 # ------------------------------------------------------------------------------------------ serve
 def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, formatter_class=_HelpFormatter,
+        prog=prog,
+        formatter_class=_HelpFormatter,
         description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models), websocket streaming (/v1/ws), /health and Prometheus /metrics.")
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients use in 'model' (default: the model directory's name)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind; use 0.0.0.0 to accept connections from other machines")
+        "/v1/models), websocket streaming (/v1/ws), /health and Prometheus /metrics.",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients use in 'model' (default: the model directory's name)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 to accept connections from other machines"
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every route except /health and /metrics")
-    p.add_argument("--max-tokens-limit", type=_positive_int, default=DEFAULT_MAX_TOKENS_LIMIT,
-                   help="largest max_tokens a request may ask for (larger: HTTP 400); also the chat default")
-    p.add_argument("--max-body-size", type=parse_size, default=DEFAULT_MAX_BODY_SIZE,
-                   help="largest request body or websocket message in bytes (larger: HTTP 413)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                   help="logging level (info: one line per request)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route except /health and /metrics",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        default=DEFAULT_MAX_TOKENS_LIMIT,
+        help="largest max_tokens a request may ask for (larger: HTTP 400); also the chat default",
+    )
+    p.add_argument(
+        "--max-body-size",
+        type=parse_size,
+        default=DEFAULT_MAX_BODY_SIZE,
+        help="largest request body or websocket message in bytes (larger: HTTP 413)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="logging level (info: one line per request)",
+    )
     add_engine_args(p)
     return p
 
@@ -148,8 +178,9 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     from rawpaged.entrypoints.app import create_app, serve
 
     args = build_serve_parser(prog).parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = engine_config_from_args(args)
     except ValueError as e:
@@ -159,8 +190,13 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     if error:
         print(error, file=sys.stderr)
         return 1
-    app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
-                     max_tokens_limit=args.max_tokens_limit, max_body_size=args.max_body_size)
+    app = create_app(
+        config,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_tokens_limit=args.max_tokens_limit,
+        max_body_size=args.max_body_size,
+    )
     try:
         return asyncio.run(serve(app, args.host, args.port))
     except KeyboardInterrupt:
@@ -169,8 +205,9 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
 
 # ------------------------------------------------------------------------------------------ generate
 def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, formatter_class=_HelpFormatter,
-                                description="Generate from one prompt and stream the text to stdout.")
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=_HelpFormatter, description="Generate from one prompt and stream the text to stdout."
+    )
     p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
@@ -190,8 +227,9 @@ def generate_main(argv: list | None = None, prog: str = "rawpaged generate") -> 
 
     args = build_generate_parser(prog).parse_args(argv)
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, max_tokens=args.max_tokens)
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+        )
         config = engine_config_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "seed"}))
         engine = LLMEngine(config)
         prompt = args.prompt
@@ -216,7 +254,9 @@ def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = {"serve": serve_main, "generate": generate_main}
     if not argv or argv[0] not in commands:
-        print("usage: rawpaged {serve,generate} [options]   (rawpaged <command> --help for its options)",
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        print(
+            "usage: rawpaged {serve,generate} [options]   (rawpaged <command> --help for its options)",
+            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:], prog=f"rawpaged {argv[0]}")

@@ -18,8 +18,10 @@ async def health(request: web.Request) -> web.Response:
         return json_response({"status": "ok", "model": state.model_name})
     if state.load_error:
         return json_response({"status": "error", "message": state.load_error}, status=503)
-    return json_response({"status": "loading", "model": state.model_name,
-                          "seconds": round(time.monotonic() - state.load_started, 1)}, status=503)
+    return json_response(
+        {"status": "loading", "model": state.model_name, "seconds": round(time.monotonic() - state.load_started, 1)},
+        status=503,
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:

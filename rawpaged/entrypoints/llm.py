@@ -53,12 +53,25 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params)
 
-    def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 16, length_penalty: float = 1.0,
-                    n: int | None = None, ignore_eos: bool = False) -> list:
+    def beam_search(
+        self,
+        prompts,
+        beam_width: int = 4,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        n: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list:
         """Beam search for each prompt; ``outputs`` holds the ``n`` (default ``beam_width``) best
         hypotheses, best first (HF transformers' semantics, see ``rawpaged.engine.beam_search``)."""
-        params = SamplingParams(n=n or beam_width, beam_width=beam_width, max_tokens=max_tokens,
-                                length_penalty=length_penalty, temperature=0.0, ignore_eos=ignore_eos)
+        params = SamplingParams(
+            n=n or beam_width,
+            beam_width=beam_width,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            temperature=0.0,
+            ignore_eos=ignore_eos,
+        )
         return self.generate(prompts, params)
 
     def stats(self) -> dict:

@@ -12,18 +12,74 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 10.0)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_E2E_BUCKETS = (
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 
 
 class _EngineStatsCollector:
     """Exposes the last ``stats()`` snapshot handed to ``ServerMetrics.render``."""
 
-    def __init__(self, owner: "ServerMetrics"):
+    def __init__(self, owner: ServerMetrics):
         self.owner = owner
 
     def collect(self):
@@ -31,22 +87,43 @@ class _EngineStatsCollector:
         if not s:
             return
         gauges = (
-            ("rawpaged:num_requests_running", "Requests with a sequence in the running batch.",
-             s.get("num_requests_running", 0)),
-            ("rawpaged:num_requests_waiting", "Requests waiting to be scheduled (none of their sequences running).",
-             s.get("num_requests_waiting", 0)),
-            ("rawpaged:num_seqs_running", "Sequences in the running batch (n > 1 and beams: several per request).",
-             s.get("num_running", 0)),
-            ("rawpaged:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-             s.get("kv_cache_usage", 0.0)),
-            ("rawpaged:num_free_blocks", "Free KV-cache blocks (including evictable prefix-cache blocks).",
-             s.get("num_free_blocks", 0)),
+            (
+                "rawpaged:num_requests_running",
+                "Requests with a sequence in the running batch.",
+                s.get("num_requests_running", 0),
+            ),
+            (
+                "rawpaged:num_requests_waiting",
+                "Requests waiting to be scheduled (none of their sequences running).",
+                s.get("num_requests_waiting", 0),
+            ),
+            (
+                "rawpaged:num_seqs_running",
+                "Sequences in the running batch (n > 1 and beams: several per request).",
+                s.get("num_running", 0),
+            ),
+            (
+                "rawpaged:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0..1).",
+                s.get("kv_cache_usage", 0.0),
+            ),
+            (
+                "rawpaged:num_free_blocks",
+                "Free KV-cache blocks (including evictable prefix-cache blocks).",
+                s.get("num_free_blocks", 0),
+            ),
             ("rawpaged:num_total_blocks", "KV-cache blocks in the pool.", s.get("num_total_blocks", 0)),
-            ("rawpaged:num_cached_blocks", "Free blocks still holding a reusable prefix.",
-             s.get("num_cached_blocks", 0)),
+            (
+                "rawpaged:num_cached_blocks",
+                "Free blocks still holding a reusable prefix.",
+                s.get("num_cached_blocks", 0),
+            ),
             ("rawpaged:num_used_blocks", "KV-cache blocks referenced by some sequence.", s.get("num_used_blocks", 0)),
-            ("rawpaged:num_shared_blocks", "KV-cache blocks referenced by more than one sequence.",
-             s.get("num_shared_blocks", 0)),
+            (
+                "rawpaged:num_shared_blocks",
+                "KV-cache blocks referenced by more than one sequence.",
+                s.get("num_shared_blocks", 0),
+            ),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -74,20 +151,32 @@ class ServerMetrics:
         self.stats: dict = {}
         r = self.registry
         self.time_to_first_token = Histogram(
-            "rawpaged:time_to_first_token_seconds", "Time from request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "rawpaged:time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.inter_token_latency = Histogram(
-            "rawpaged:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
-            buckets=_ITL_BUCKETS, registry=r)
+            "rawpaged:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self.e2e_request_latency = Histogram(
-            "rawpaged:e2e_request_latency_seconds", "Time from request arrival to its last token.",
-            buckets=_E2E_BUCKETS, registry=r)
+            "rawpaged:e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
         self.request_success = Counter(
-            "rawpaged:request_success", "Requests finished, by finish reason (stop, length, abort).",
-            ["finished_reason"], registry=r)
+            "rawpaged:request_success",
+            "Requests finished, by finish reason (stop, length, abort).",
+            ["finished_reason"],
+            registry=r,
+        )
         self.http_errors = Counter(
-            "rawpaged:http_request_errors", "Requests refused with an HTTP error, by status.",
-            ["status"], registry=r)
+            "rawpaged:http_request_errors", "Requests refused with an HTTP error, by status.", ["status"], registry=r
+        )
         r.register(_EngineStatsCollector(self))
 
     def observe_first_token(self, seconds: float) -> None:

@@ -42,8 +42,14 @@ def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
 
 
-def error_response(state: ServerState, status: int, message: str, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> web.Response:
+def error_response(
+    state: ServerState,
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> web.Response:
     """An OpenAI error body with ``status``, counted in the metrics."""
     state.metrics.count_error(status)
     return json_response(error_body(message, type, param, code), status=status)
@@ -60,5 +66,10 @@ def require_engine(state: ServerState) -> AsyncEngine:
 def check_model(state: ServerState, model: str | None) -> None:
     """A 404 for a ``model`` this server does not serve (None: the served model)."""
     if model is not None and model not in state.model_aliases:
-        raise ProtocolError(f"The model `{model}` does not exist.", param="model", status=404,
-                            type="invalid_request_error", code="model_not_found")
+        raise ProtocolError(
+            f"The model `{model}` does not exist.",
+            param="model",
+            status=404,
+            type="invalid_request_error",
+            code="model_not_found",
+        )

@@ -66,8 +66,13 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         prompt_tokens = 0
 
         def done(index: int, finish_reason: str) -> dict:
-            return {"type": "done", "id": job.id, "index": index, "finish_reason": finish_reason,
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tracker.num_tokens(index)}}
+            return {
+                "type": "done",
+                "id": job.id,
+                "index": index,
+                "finish_reason": finish_reason,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tracker.num_tokens(index)},
+            }
 
         try:
             check_model(state, req.model)
@@ -83,8 +88,13 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             async for out in stream:
                 for d in tracker.deltas(out):
                     if d.text or d.token_ids:
-                        msg = {"type": "delta", "id": job.id, "index": d.index, "text": d.text,
-                               "token_ids": d.token_ids}
+                        msg = {
+                            "type": "delta",
+                            "id": job.id,
+                            "index": d.index,
+                            "text": d.text,
+                            "token_ids": d.token_ids,
+                        }
                         if d.logprobs is not None:
                             msg["logprobs"] = [{str(t): lp for t, lp in e.items()} for e in d.logprobs]
                         await send(msg)
@@ -150,8 +160,15 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                 except ProtocolError as e:
                     await send(_error_message(getattr(e, "ws_id", None), e))
             elif msg.type == web.WSMsgType.BINARY:
-                await send({"type": "error", "id": None, "message": "binary messages are not supported",
-                            "param": None, "status": 400})
+                await send(
+                    {
+                        "type": "error",
+                        "id": None,
+                        "message": "binary messages are not supported",
+                        "param": None,
+                        "status": 400,
+                    }
+                )
             else:
                 break
     finally:  # socket closed: abort everything it started

@@ -21,8 +21,9 @@ def get_backend(device: str = "auto"):
             return CudaBackend()
         except (ImportError, RuntimeError) as e:
             if device == "cuda":
-                raise RuntimeError(f"device 'cuda' unavailable: {e} (a CUDA host needs "
-                                   f"pip install -e '.[cuda12]' or '.[cuda13]')") from None
+                raise RuntimeError(
+                    f"device 'cuda' unavailable: {e} (a CUDA host needs pip install -e '.[cuda12]' or '.[cuda13]')"
+                ) from None
     from rawpaged.kernels.cpu import CPUBackend
 
     return CPUBackend()

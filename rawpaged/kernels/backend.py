@@ -67,12 +67,14 @@ class Backend(Protocol):
         """Scatter ``key``/``value [T, Hkv, D]`` into their slots of the ``[num_blocks, block_size, Hkv,
         D]`` caches (``slot_mapping`` int64 ``[T]``)."""
 
-    def paged_attention(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                        max_context_len=None) -> None:
+    def paged_attention(
+        self, out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None
+    ) -> None:
         """Decode attention: one query token per sequence over its cached K/V, read through its block table."""
 
-    def prefill_attention(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                          scale, max_query_len=None) -> None:
+    def prefill_attention(
+        self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None
+    ) -> None:
         """Causal attention of each sequence's new tokens over all its cached K/V (plain, chunked and
         prefix-cached prefill)."""
 

@@ -43,8 +43,7 @@ def _f32_to_bf16_bits(u):
 
 def copy_function(fn, name):
     """A copy of a plain function under another name (so two jitted variants cache separately)."""
-    new = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
-                             fn.__closure__)
+    new = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
     new.__qualname__ = name
     return new
 
@@ -148,7 +147,7 @@ def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_
     rows = nkv * group
     acc = np.zeros((rows, head_dim), dtype=np.float32)
     m = np.full(rows, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
-    l = np.zeros(rows, dtype=np.float32)
+    denom = np.zeros(rows, dtype=np.float32)
     kbits = np.empty((block_size, nkv, head_dim), dtype=np.uint32)
     kbuf = kbits.view(np.float32)
     vbits = np.empty((block_size, nkv, head_dim), dtype=np.uint32)
@@ -176,12 +175,12 @@ def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_
             new_m = max(m[r], bm)
             corr = np.float32(math.exp(m[r] - new_m))
             m[r] = new_m
-            total = l[r] * corr
+            total = denom[r] * corr
             for t in range(n):
                 p = np.float32(math.exp(s[r, t] - new_m))
                 s[r, t] = p
                 total += p
-            l[r] = total
+            denom[r] = total
             for d in range(head_dim):
                 acc[r, d] *= corr
             for t in range(n):
@@ -189,7 +188,7 @@ def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_
                 for d in range(head_dim):
                     acc[r, d] += p * vbuf[t, h, d]
     for r in range(rows):
-        inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
+        inv = np.float32(1.0) / denom[r] if denom[r] > 0 else np.float32(0.0)
         for d in range(head_dim):
             out[r, d] = acc[r, d] * inv
 
@@ -211,8 +210,19 @@ def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scal
         kv0 = (task % chunks) * nkv
         h0 = kv0 * group
         ctx = np.int64(context_lens[s])
-        _attend(query[s, h0:h0 + nkv * group], out[s, h0:h0 + nkv * group], kc, vc, block_tables[s], kv0, nkv,
-                group, ctx, scale, is_bf16)
+        _attend(
+            query[s, h0 : h0 + nkv * group],
+            out[s, h0 : h0 + nkv * group],
+            kc,
+            vc,
+            block_tables[s],
+            kv0,
+            nkv,
+            group,
+            ctx,
+            scale,
+            is_bf16,
+        )
 
 
 def _check_attention_args(out, query, key_cache, value_cache, block_tables):
@@ -246,14 +256,18 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, context_le
     kc, is_bf16 = _cache_view(key_cache)
     vc, _ = _cache_view(value_cache)
     nkv = _kv_heads_per_task(query.shape[0], key_cache.shape[2])
-    work = query.shape[0] * query.shape[1] * (int(max_context_len) if max_context_len else block_tables.shape[1]
-                                              * key_cache.shape[1])
+    work = (
+        query.shape[0]
+        * query.shape[1]
+        * (int(max_context_len) if max_context_len else block_tables.shape[1] * key_cache.shape[1])
+    )
     kernel = _paged_attention_parallel if work >= PARALLEL_MIN_WORK else _paged_attention_serial
     kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv)
 
 
-def _prefill_attention_kernel(out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16,
-                              token_rows, token_seq, nkv):
+def _prefill_attention_kernel(
+    out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16, token_rows, token_seq, nkv
+):
     """Causal attention for the query rows ``token_rows`` (sequence ``token_seq`` of each)."""
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
@@ -268,8 +282,19 @@ def _prefill_attention_kernel(out, query, kc, vc, block_tables, query_start_loc,
         seq_len = np.int64(seq_lens[s])
         pos = seq_len - n_new + (t - q_start)  # absolute position of this query token
         h0 = kv0 * group
-        _attend(query[t, h0:h0 + nkv * group], out[t, h0:h0 + nkv * group], kc, vc, block_tables[s], kv0, nkv,
-                group, pos + 1, scale, is_bf16)
+        _attend(
+            query[t, h0 : h0 + nkv * group],
+            out[t, h0 : h0 + nkv * group],
+            kc,
+            vc,
+            block_tables[s],
+            kv0,
+            nkv,
+            group,
+            pos + 1,
+            scale,
+            is_bf16,
+        )
 
 
 def _jit_serial_and_parallel(fn):
@@ -288,8 +313,9 @@ _prefill_attention_serial, _prefill_attention_parallel = _jit_serial_and_paralle
 PARALLEL_MIN_WORK = 1 << 17
 
 
-def prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                      max_query_len=None):
+def prefill_attention(
+    out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None
+):
     """Causal attention of each sequence's new tokens over all of its cached K/V.
 
     Args:
@@ -316,8 +342,17 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, query_st
         raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
     tiled = counts >= TILED_PREFILL_MIN_TOKENS
     for s in np.flatnonzero(tiled):
-        _prefill_tiled(out, query, key_cache, value_cache, block_tables[s], int(qsl[s]), int(qsl[s + 1]),
-                       int(seq_lens[s]), np.float32(scale))
+        _prefill_tiled(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables[s],
+            int(qsl[s]),
+            int(qsl[s + 1]),
+            int(seq_lens[s]),
+            np.float32(scale),
+        )
     if tiled.all():
         return
     # The rest: the Numba kernel, one task per (token, KV heads).
@@ -356,12 +391,12 @@ def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end
             bias = np.where(np.arange(k0, k1)[None, :] > qpos[r0:, None], np.float32(-np.inf), np.float32(0.0))
         tiles.append((k0, k1, r0, bias))
     for kvh in range(num_kv_heads):
-        q = query[q_start:q_end, kvh * group:(kvh + 1) * group].reshape(n * group, head_dim) * scale
+        q = query[q_start:q_end, kvh * group : (kvh + 1) * group].reshape(n * group, head_dim) * scale
         m = np.full(n * group, -np.inf, np.float32)
-        l = np.zeros(n * group, np.float32)
+        denom = np.zeros(n * group, np.float32)
         acc = np.zeros((n * group, head_dim), np.float32)
         for k0, k1, r0, bias in tiles:
-            blocks = block_row[k0 // block_size:-(-k1 // block_size)]
+            blocks = block_row[k0 // block_size : -(-k1 // block_size)]
             k = key_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             v = value_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             scores = q[r0:] @ k.T
@@ -371,11 +406,11 @@ def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end
             scores -= m_new[:, None]
             p = np.exp(scores, out=scores)
             corr = np.exp(m[r0:] - m_new)
-            l[r0:] = l[r0:] * corr + p.sum(axis=1)
+            denom[r0:] = denom[r0:] * corr + p.sum(axis=1)
             acc[r0:] *= corr[:, None]
             acc[r0:] += p @ v
             m[r0:] = m_new
-        out[q_start:q_end, kvh * group:(kvh + 1) * group] = (acc / l[:, None]).reshape(n, group, head_dim)
+        out[q_start:q_end, kvh * group : (kvh + 1) * group] = (acc / denom[:, None]).reshape(n, group, head_dim)
 
 
 # ---------------------------------------------------------------- copy_blocks

@@ -43,7 +43,7 @@ _CUBLAS_GEMM_DEFAULT = -1
 _MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _instantiated(act: str, cache: str) -> frozenset:
     return frozenset(src.name_expressions(act, cache))
 
@@ -139,8 +139,10 @@ class PinnedStager:
         """Copy the bytes of NumPy array ``host`` into C-contiguous device array ``dst`` (same nbytes)."""
         src = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
         if src.nbytes != dst.nbytes or not dst.flags.c_contiguous:
-            raise ValueError(f"staged copy of {src.nbytes} bytes into a {dst.nbytes}-byte device array "
-                             f"(contiguous: {dst.flags.c_contiguous})")
+            raise ValueError(
+                f"staged copy of {src.nbytes} bytes into a {dst.nbytes}-byte device array "
+                f"(contiguous: {dst.flags.c_contiguous})"
+            )
         cuda = self._cupy.cuda
         stream = cuda.get_current_stream()
         for off in range(0, src.nbytes, self.chunk_bytes):
@@ -149,7 +151,7 @@ class PinnedStager:
             if self._events[i] is not None:
                 self._events[i].synchronize()
             staging = np.frombuffer(self._buffers[i], dtype=np.uint8, count=n)
-            staging[...] = src[off:off + n]
+            staging[...] = src[off : off + n]
             cuda.runtime.memcpyAsync(dst.data.ptr + off, staging.ctypes.data, n, _MEMCPY_HOST_TO_DEVICE, stream.ptr)
             self._events[i] = stream.record()
         self.bytes_copied += src.nbytes
@@ -205,8 +207,7 @@ class CudaBackend:
         self._copy_to_device = self._staged_copy
 
     @classmethod
-    def _with_launcher(cls, xp, launch, address, num_sms: int, max_smem_optin: int = 227 * 1024,
-                       copy_to_device=None):
+    def _with_launcher(cls, xp, launch, address, num_sms: int, max_smem_optin: int = 227 * 1024, copy_to_device=None):
         """A backend over another array module and kernel launcher (the CPU emulation tests use NumPy and
         the g++-built kernels). ``launch(act, cache, name, grid, block, args, smem_bytes)``;
         ``copy_to_device(dst, host)`` moves a host array's bytes into a device array (default: a byte copy
@@ -225,11 +226,14 @@ class CudaBackend:
     # ------------------------------------------------------------------ helpers
     def _kernel(self, act, cache, name, grid, block, args, smem_bytes=0):
         if name not in _instantiated(act, cache):
-            raise ValueError(f"kernel {name} is not instantiated for activations {act} / cache {cache}; "
-                             f"add it to rawpaged/kernels/cuda_sources.py")
+            raise ValueError(
+                f"kernel {name} is not instantiated for activations {act} / cache {cache}; "
+                f"add it to rawpaged/kernels/cuda_sources.py"
+            )
         if smem_bytes > self.max_smem_optin:
-            raise ValueError(f"{name} needs {smem_bytes} bytes of shared memory per block; this GPU allows "
-                             f"{self.max_smem_optin}")
+            raise ValueError(
+                f"{name} needs {smem_bytes} bytes of shared memory per block; this GPU allows {self.max_smem_optin}"
+            )
         self._launch(act, cache, name, grid, block, args, smem_bytes)
 
     def _dev(self, a, dtype):
@@ -249,8 +253,10 @@ class CudaBackend:
         if head_dim != key_cache.shape[3] or num_heads % num_kv_heads:
             raise ValueError(f"query heads/head_dim {query.shape[-2:]} incompatible with cache {key_cache.shape}")
         if head_dim not in src.HEAD_DIMS:
-            raise ValueError(f"head_dim {head_dim} not compiled; supported: {src.HEAD_DIMS} "
-                             f"(rawpaged/kernels/cuda_sources.py: HEAD_DIMS)")
+            raise ValueError(
+                f"head_dim {head_dim} not compiled; supported: {src.HEAD_DIMS} "
+                f"(rawpaged/kernels/cuda_sources.py: HEAD_DIMS)"
+            )
         if block_tables.ndim != 2:
             raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
 
@@ -277,13 +283,29 @@ class CudaBackend:
             return
         slots = self._dev(slot_mapping, np.int64)
         threads = src.round_threads(num_kv_heads * head_dim, 512)
-        self._kernel(act, cache, f"reshape_and_cache_kernel<{act}, {cache}>", (num_tokens, 1, 1), (threads, 1, 1),
-                     (key, value, key_cache, value_cache, slots, _i64(_row_stride(key, "key", 2)),
-                      _i64(_row_stride(value, "value", 2)), _i32(num_kv_heads), _i32(head_dim),
-                      _i32(key_cache.shape[1])))
+        self._kernel(
+            act,
+            cache,
+            f"reshape_and_cache_kernel<{act}, {cache}>",
+            (num_tokens, 1, 1),
+            (threads, 1, 1),
+            (
+                key,
+                value,
+                key_cache,
+                value_cache,
+                slots,
+                _i64(_row_stride(key, "key", 2)),
+                _i64(_row_stride(value, "value", 2)),
+                _i32(num_kv_heads),
+                _i32(head_dim),
+                _i32(key_cache.shape[1]),
+            ),
+        )
 
-    def paged_attention(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                        max_context_len: int | None = None):
+    def paged_attention(
+        self, out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len: int | None = None
+    ):
         """Decode attention, one query token per sequence (see ``cpu.paged_attention``).
 
         out/query ``[num_seqs, num_heads, head_dim]`` (same dtype; token stride free), caches
@@ -308,20 +330,65 @@ class CudaBackend:
             part_out = self.xp.empty((num_seqs, num_heads, splits, head_dim), dtype=np.float32)
             part_ml = self.xp.empty((num_seqs, num_heads, splits, 2), dtype=np.float32)
         out_stride = _i64(_row_stride(out, "out", 2))
-        self._kernel(act, cache, f"paged_attention_kernel<{act}, {cache}, {head_dim}, {cfg['gmax']}>",
-                     cfg["grid"], cfg["block"],
-                     (out, out_stride, part_out, part_ml, query, _i64(_row_stride(query, "query", 2)),
-                      key_cache, value_cache, bt, _i32(bt.shape[1]), ctx, _i32(num_heads), _i32(num_kv_heads),
-                      _i32(block_size), np.float32(scale), _i32(cfg["split_len"]), _i32(splits)),
-                     cfg["smem_bytes"])
+        self._kernel(
+            act,
+            cache,
+            f"paged_attention_kernel<{act}, {cache}, {head_dim}, {cfg['gmax']}>",
+            cfg["grid"],
+            cfg["block"],
+            (
+                out,
+                out_stride,
+                part_out,
+                part_ml,
+                query,
+                _i64(_row_stride(query, "query", 2)),
+                key_cache,
+                value_cache,
+                bt,
+                _i32(bt.shape[1]),
+                ctx,
+                _i32(num_heads),
+                _i32(num_kv_heads),
+                _i32(block_size),
+                np.float32(scale),
+                _i32(cfg["split_len"]),
+                _i32(splits),
+            ),
+            cfg["smem_bytes"],
+        )
         if splits > 1:
-            self._kernel(act, cache, f"paged_attention_reduce_kernel<{act}>", (num_heads, num_seqs, 1),
-                         cfg["reduce_block"],
-                         (out, out_stride, part_out, part_ml, ctx, _i32(num_heads), _i32(head_dim), _i32(splits),
-                          _i32(cfg["split_len"])))
+            self._kernel(
+                act,
+                cache,
+                f"paged_attention_reduce_kernel<{act}>",
+                (num_heads, num_seqs, 1),
+                cfg["reduce_block"],
+                (
+                    out,
+                    out_stride,
+                    part_out,
+                    part_ml,
+                    ctx,
+                    _i32(num_heads),
+                    _i32(head_dim),
+                    _i32(splits),
+                    _i32(cfg["split_len"]),
+                ),
+            )
 
-    def prefill_attention(self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                          scale, max_query_len: int | None = None):
+    def prefill_attention(
+        self,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len: int | None = None,
+    ):
         """Causal attention of each sequence's new tokens over all its cached K/V (see
         ``cpu.prefill_attention``): plain prefill, prefill after a cached prefix, chunked prefill.
 
@@ -351,11 +418,31 @@ class CudaBackend:
         qsl_d = self._dev(query_start_loc, np.int32)
         lens_d = self._dev(seq_lens, np.int32)
         cfg = src.prefill_config(num_seqs, num_heads, num_kv_heads, head_dim, max_query_len)
-        self._kernel(act, cache, f"prefill_attention_kernel<{act}, {cache}, {head_dim}>", cfg["grid"], cfg["block"],
-                     (out, _i64(_row_stride(out, "out", 2)), query, _i64(_row_stride(query, "query", 2)),
-                      key_cache, value_cache, bt, _i32(bt.shape[1]), qsl_d, lens_d, _i32(num_heads),
-                      _i32(num_kv_heads), _i32(block_size), np.float32(scale), _i32(cfg["heads_per_block"])),
-                     cfg["smem_bytes"])
+        self._kernel(
+            act,
+            cache,
+            f"prefill_attention_kernel<{act}, {cache}, {head_dim}>",
+            cfg["grid"],
+            cfg["block"],
+            (
+                out,
+                _i64(_row_stride(out, "out", 2)),
+                query,
+                _i64(_row_stride(query, "query", 2)),
+                key_cache,
+                value_cache,
+                bt,
+                _i32(bt.shape[1]),
+                qsl_d,
+                lens_d,
+                _i32(num_heads),
+                _i32(num_kv_heads),
+                _i32(block_size),
+                np.float32(scale),
+                _i32(cfg["heads_per_block"]),
+            ),
+            cfg["smem_bytes"],
+        )
 
     def copy_blocks(self, key_caches, value_caches, block_mapping):
         """Copy whole blocks ``src -> dst`` in every layer's K and V cache with one launch.
@@ -381,8 +468,14 @@ class CudaBackend:
         # copy_blocks is dtype-free and in every module: use one that is already compiled if possible.
         compiled = getattr(self._launch, "_modules", {})
         act, cache = next((p for p in src.DTYPE_PAIRS if p[1] == cache and p in compiled), (cache, cache))
-        self._kernel(act, cache, f"copy_blocks_kernel<{word}>", (m.shape[0], len(key_caches), 1), (256, 1, 1),
-                     (kptr, vptr, m, _i64(block_bytes // word)))
+        self._kernel(
+            act,
+            cache,
+            f"copy_blocks_kernel<{word}>",
+            (m.shape[0], len(key_caches), 1),
+            (256, 1, 1),
+            (kptr, vptr, m, _i64(block_bytes // word)),
+        )
 
     # ------------------------------------------------------------------ dense layers
     def rms_norm(self, x, weight, eps, residual=None):
@@ -403,10 +496,25 @@ class CudaBackend:
         weight = self.xp.ascontiguousarray(weight)
         res = residual if residual is not None else np.uint64(0)
         res_stride = _row_stride(residual, "residual", 1) if residual is not None else 0
-        self._kernel(act, act, f"rms_norm_kernel<{act}, {wt}>",
-                     (num_tokens, 1, 1), (src.round_threads(hidden, 1024), 1, 1),
-                     (out, _i64(hidden), x, _i64(_row_stride(x, "x", 1)), res, _i64(res_stride), weight,
-                      np.float32(eps), _i32(hidden), _i32(residual is not None)))
+        self._kernel(
+            act,
+            act,
+            f"rms_norm_kernel<{act}, {wt}>",
+            (num_tokens, 1, 1),
+            (src.round_threads(hidden, 1024), 1, 1),
+            (
+                out,
+                _i64(hidden),
+                x,
+                _i64(_row_stride(x, "x", 1)),
+                res,
+                _i64(res_stride),
+                weight,
+                np.float32(eps),
+                _i32(hidden),
+                _i32(residual is not None),
+            ),
+        )
         return out
 
     def rotary_embedding(self, positions, query, key, cos_sin_cache):
@@ -425,9 +533,24 @@ class CudaBackend:
         cs = self.xp.ascontiguousarray(cos_sin_cache)
         num_kv_heads = key.shape[1]
         threads = src.round_threads((num_heads + num_kv_heads) * head_dim // 2, 512)
-        self._kernel(act, act, f"rotary_embedding_kernel<{act}>", (num_tokens, 1, 1), (threads, 1, 1),
-                     (pos, query, _i64(_row_stride(query, "query", 2)), key, _i64(_row_stride(key, "key", 2)), cs,
-                      _i32(num_heads), _i32(num_kv_heads), _i32(head_dim)))
+        self._kernel(
+            act,
+            act,
+            f"rotary_embedding_kernel<{act}>",
+            (num_tokens, 1, 1),
+            (threads, 1, 1),
+            (
+                pos,
+                query,
+                _i64(_row_stride(query, "query", 2)),
+                key,
+                _i64(_row_stride(key, "key", 2)),
+                cs,
+                _i32(num_heads),
+                _i32(num_kv_heads),
+                _i32(head_dim),
+            ),
+        )
 
     def silu_and_mul(self, x):
         """SwiGLU: ``x [num_tokens, 2 * inter]`` -> ``silu(x[:, :inter]) * x[:, inter:]`` (a new array)."""
@@ -440,8 +563,14 @@ class CudaBackend:
         if n == 0:
             return out
         threads = 256
-        self._kernel(act, act, f"silu_and_mul_kernel<{act}>", (src.elementwise_blocks(n, threads, self.num_sms), 1, 1),
-                     (threads, 1, 1), (out, x, _i64(num_tokens), _i32(inter)))
+        self._kernel(
+            act,
+            act,
+            f"silu_and_mul_kernel<{act}>",
+            (src.elementwise_blocks(n, threads, self.num_sms), 1, 1),
+            (threads, 1, 1),
+            (out, x, _i64(num_tokens), _i32(inter)),
+        )
         return out
 
     def sample(self, logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
@@ -462,9 +591,22 @@ class CudaBackend:
         floats = np.stack([np.asarray(a, dtype=np.float32) for a in (temperature, top_p, min_p, uniforms)], axis=1)
         out = self.xp.empty(n, dtype=np.int32)
         probs = self.xp.empty((n, vocab), dtype=np.float32)
-        self._kernel(act, act, f"sample_kernel<{act}>", (n, 1, 1), (src.sample_threads(vocab), 1, 1),
-                     (out, logits, _i64(_row_stride(logits, "logits", 1)), self._dev(ints, np.int32),
-                      self._dev(floats, np.float32), probs, _i32(vocab)))
+        self._kernel(
+            act,
+            act,
+            f"sample_kernel<{act}>",
+            (n, 1, 1),
+            (src.sample_threads(vocab), 1, 1),
+            (
+                out,
+                logits,
+                _i64(_row_stride(logits, "logits", 1)),
+                self._dev(ints, np.int32),
+                self._dev(floats, np.float32),
+                probs,
+                _i32(vocab),
+            ),
+        )
         return self.to_numpy(out).astype(np.int64)
 
     def default_kv_cache_memory(self, gpu_memory_utilization: float) -> int:
@@ -522,7 +664,7 @@ class CudaBackend:
         out = self.xp.empty((sum(p.shape[0] for p in parts), cols), dtype=storage)
         row = 0
         for p in parts:
-            self._upload_into(out[row:row + p.shape[0]], p, dtype)
+            self._upload_into(out[row : row + p.shape[0]], p, dtype)
             row += p.shape[0]
         return out
 
@@ -531,7 +673,6 @@ class CudaBackend:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-
 
     def _upload_into(self, dst, host, dtype: str) -> None:
         host = np.asarray(host)
@@ -560,8 +701,14 @@ class CudaBackend:
             out[...] = x.reshape(out.shape)
             return
         threads = 256
-        self._kernel(d, d, f"convert_kernel<{d}, {s}>", (src.elementwise_blocks(out.size, threads, self.num_sms), 1, 1),
-                     (threads, 1, 1), (out, x, _i64(out.size)))
+        self._kernel(
+            d,
+            d,
+            f"convert_kernel<{d}, {s}>",
+            (src.elementwise_blocks(out.size, threads, self.num_sms), 1, 1),
+            (threads, 1, 1),
+            (out, x, _i64(out.size)),
+        )
 
     def _staged_copy(self, dst, host) -> None:
         if self._stager is None:
@@ -607,11 +754,27 @@ class CudaBackend:
         beta = np.array(beta_v, dtype=np.float32)
         handle = xp.cuda.device.get_cublas_handle()
         # Row-major y[n, m] = x[n, k] W[m, k]^T is column-major y^T[m, n] = W (col-major [k, m])^T x^T.
-        cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k,
-                      alpha.ctypes.data, weight.data.ptr, _CUDA_R_16BF, k,
-                      x.data.ptr, _CUDA_R_16BF, k,
-                      beta.ctypes.data, y.data.ptr, _CUDA_R_16BF, m,
-                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        cublas.gemmEx(
+            handle,
+            _CUBLAS_OP_T,
+            _CUBLAS_OP_N,
+            m,
+            n,
+            k,
+            alpha.ctypes.data,
+            weight.data.ptr,
+            _CUDA_R_16BF,
+            k,
+            x.data.ptr,
+            _CUDA_R_16BF,
+            k,
+            beta.ctypes.data,
+            y.data.ptr,
+            _CUDA_R_16BF,
+            m,
+            _CUBLAS_COMPUTE_32F,
+            _CUBLAS_GEMM_DEFAULT,
+        )
         return y
 
     def embedding(self, token_ids, table):

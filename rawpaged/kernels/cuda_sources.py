@@ -42,8 +42,13 @@ CUPY_IMPLICIT_OPTIONS = ("-ftz=true",)
 # --------------------------------------------------------------------------- instantiations
 F32, F16, BF16 = FLOAT32.cxx, FLOAT16.cxx, BFLOAT16.cxx
 #: (activation dtype, KV-cache dtype) name pairs the runtime supports ...
-DTYPE_NAME_PAIRS = (("float32", "float32"), ("float32", "bfloat16"), ("float32", "float16"),
-                    ("float16", "float16"), ("bfloat16", "bfloat16"))
+DTYPE_NAME_PAIRS = (
+    ("float32", "float32"),
+    ("float32", "bfloat16"),
+    ("float32", "float16"),
+    ("float16", "float16"),
+    ("bfloat16", "bfloat16"),
+)
 #: ... and the same pairs as C++ element types.
 DTYPE_PAIRS = tuple((FLOAT_TYPES[a].cxx, FLOAT_TYPES[c].cxx) for a, c in DTYPE_NAME_PAIRS)
 HEAD_DIMS = (64, 128)
@@ -66,12 +71,16 @@ def module_source() -> str:
     """The single translation unit handed to NVRTC: the header, then every ``.cu`` file with its
     ``#include "common.cuh"`` line removed (its text is already there, so no include path is needed for
     it and CuPy's cache key covers every byte that is compiled)."""
-    header = "\n".join("// (#pragma once: inlined once)" if line.strip() == "#pragma once" else line
-                       for line in read_source(HEADER).splitlines())
+    header = "\n".join(
+        "// (#pragma once: inlined once)" if line.strip() == "#pragma once" else line
+        for line in read_source(HEADER).splitlines()
+    )
     parts = [f"// ---- {HEADER}\n", header, "\n"]
     for name in SOURCE_FILES:
-        text = "\n".join("// (common.cuh inlined above)" if line.strip() == f'#include "{HEADER}"' else line
-                         for line in read_source(name).splitlines())
+        text = "\n".join(
+            "// (common.cuh inlined above)" if line.strip() == f'#include "{HEADER}"' else line
+            for line in read_source(name).splitlines()
+        )
         parts += [f"\n// ---- {name}\n", text, "\n"]
     return "".join(parts)
 
@@ -166,8 +175,9 @@ def decode_smem_floats(head_dim: int, gmax: int) -> int:
     return work + max(gmax * DEC_CHUNK, DEC_WARPS * gmax * head_dim)
 
 
-def decode_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
-                  num_sms: int) -> dict:
+def decode_config(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int, num_sms: int
+) -> dict:
     """Grid and partitioning of ``paged_attention_kernel`` (flash-decoding split-K).
 
     The base grid has one block per (sequence, KV head, chunk of <= GMAX query heads). When that is too
@@ -184,10 +194,16 @@ def decode_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: in
     split_len = -(-max_ctx // splits)
     split_len = -(-split_len // 16) * 16
     splits = -(-max_ctx // split_len)
-    return dict(gmax=gmax, gchunks=gchunks, num_splits=splits, split_len=split_len,
-                grid=(num_kv_heads * gchunks, num_seqs, splits), block=(DEC_THREADS, 1, 1),
-                smem_bytes=4 * decode_smem_floats(head_dim, gmax),
-                reduce_block=(min(256, -(-head_dim // 32) * 32), 1, 1))
+    return dict(
+        gmax=gmax,
+        gchunks=gchunks,
+        num_splits=splits,
+        split_len=split_len,
+        grid=(num_kv_heads * gchunks, num_seqs, splits),
+        block=(DEC_THREADS, 1, 1),
+        smem_bytes=4 * decode_smem_floats(head_dim, gmax),
+        reduce_block=(min(256, -(-head_dim // 32) * 32), 1, 1),
+    )
 
 
 def prefill_rows(head_dim: int) -> int:
@@ -202,8 +218,7 @@ def prefill_smem_floats(head_dim: int) -> int:
     return rows * qs + 2 * PF_KT * qs + rows * (PF_KT + 1)
 
 
-def prefill_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                   max_query_len: int) -> dict:
+def prefill_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int) -> dict:
     """Grid of ``prefill_attention_kernel``: query tiles of ROWS (token, head) rows per KV head."""
     group = num_heads // num_kv_heads
     rows = prefill_rows(head_dim)
@@ -211,9 +226,13 @@ def prefill_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: i
     hchunks = -(-group // heads_per_block)
     tokens_per_tile = rows // heads_per_block
     tiles = max(1, -(-int(max_query_len) // tokens_per_tile))
-    return dict(heads_per_block=heads_per_block, tokens_per_tile=tokens_per_tile,
-                grid=(tiles, num_kv_heads * hchunks, num_seqs), block=(PF_THREADS, 1, 1),
-                smem_bytes=4 * prefill_smem_floats(head_dim))
+    return dict(
+        heads_per_block=heads_per_block,
+        tokens_per_tile=tokens_per_tile,
+        grid=(tiles, num_kv_heads * hchunks, num_seqs),
+        block=(PF_THREADS, 1, 1),
+        smem_bytes=4 * prefill_smem_floats(head_dim),
+    )
 
 
 def round_threads(n: int, cap: int) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from rawpaged.dtypes import SAFETENSORS_DTYPES
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -42,7 +43,7 @@ class ModelConfig:
     torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if config.json gives one
 
     @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -77,27 +78,34 @@ class ModelConfig:
 
     def expected_shapes(self) -> dict:
         """HF tensor name -> shape, for every tensor the model needs."""
-        H, I, D = self.hidden_size, self.intermediate_size, self.head_dim
+        H, F, D = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * D, self.num_key_value_heads * D
         shapes = {"model.embed_tokens.weight": (self.vocab_size, H), "model.norm.weight": (H,)}
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, H)
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
-            shapes.update({
-                p + "input_layernorm.weight": (H,),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q, H),
-                p + "self_attn.k_proj.weight": (kv, H),
-                p + "self_attn.v_proj.weight": (kv, H),
-                p + "self_attn.o_proj.weight": (H, q),
-                p + "mlp.gate_proj.weight": (I, H),
-                p + "mlp.up_proj.weight": (I, H),
-                p + "mlp.down_proj.weight": (H, I),
-            })
+            shapes.update(
+                {
+                    p + "input_layernorm.weight": (H,),
+                    p + "post_attention_layernorm.weight": (H,),
+                    p + "self_attn.q_proj.weight": (q, H),
+                    p + "self_attn.k_proj.weight": (kv, H),
+                    p + "self_attn.v_proj.weight": (kv, H),
+                    p + "self_attn.o_proj.weight": (H, q),
+                    p + "mlp.gate_proj.weight": (F, H),
+                    p + "mlp.up_proj.weight": (F, H),
+                    p + "mlp.down_proj.weight": (H, F),
+                }
+            )
             if self.attention_bias:
-                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                               p + "self_attn.v_proj.bias": (kv,)})
+                shapes.update(
+                    {
+                        p + "self_attn.q_proj.bias": (q,),
+                        p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,),
+                    }
+                )
         return shapes
 
 
@@ -137,8 +145,10 @@ def read_safetensors(path: Path) -> dict:
         except (TypeError, ValueError):
             raise ValueError(f"{path}: tensor {name!r}: malformed header entry {info!r}") from None
         if not 0 <= begin <= end <= data_len:
-            raise ValueError(f"{path}: tensor {name!r}: data offsets [{begin}, {end}) outside the data "
-                             f"section ({data_len} bytes; truncated file?)")
+            raise ValueError(
+                f"{path}: tensor {name!r}: data offsets [{begin}, {end}) outside the data "
+                f"section ({data_len} bytes; truncated file?)"
+            )
         if end - begin != int(np.prod(shape)) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r}: {end - begin} bytes for shape {shape} {info['dtype']}")
         spans.append((begin, end, name, dtype, shape))
@@ -175,7 +185,9 @@ def resolve_model_dir(model: str | None) -> Path:
     from rawpaged import weights
 
     if model is None or model == weights.DEFAULT_MODEL:
-        return weights.prepare() if not weights.is_prepared(weights.default_model_dir()) else weights.default_model_dir()
+        return (
+            weights.prepare() if not weights.is_prepared(weights.default_model_dir()) else weights.default_model_dir()
+        )
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ValueError(f"model {model!r} is neither {weights.DEFAULT_MODEL!r} nor a directory")
@@ -218,6 +230,7 @@ def load_weights(model_dir: Path, config: ModelConfig) -> dict:
         raise ValueError(f"{origin[unexpected[0]]}: unexpected tensors {unexpected[:5]}")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{origin[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                             f"config.json implies {shape}")
+            raise ValueError(
+                f"{origin[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
+            )
     return {n: tensors[n] for n in expected}

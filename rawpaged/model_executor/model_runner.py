@@ -45,8 +45,9 @@ class ModelRunner:
         be = self.backend
         scheduled = scheduler_output.scheduled
         if scheduler_output.blocks_to_copy:
-            be.copy_blocks(self.key_caches, self.value_caches,
-                           np.asarray(scheduler_output.blocks_to_copy, dtype=np.int64))
+            be.copy_blocks(
+                self.key_caches, self.value_caches, np.asarray(scheduler_output.blocks_to_copy, dtype=np.int64)
+            )
         decodes, prefills = [], []
         for s, n in scheduled:  # a decode computes exactly the last token
             (decodes if n == 1 and s.num_computed_tokens == s.num_tokens - 1 else prefills).append((s, n))
@@ -78,9 +79,13 @@ class ModelRunner:
             max_query_len=max((n for _, n in prefills), default=0),
             max_context_len=max((s.num_tokens for s, _ in decodes), default=0),
         )
-        hidden = self.model.forward(be.asarray(np.array(ids, dtype=np.int64)),
-                                    be.asarray(np.array(positions, dtype=np.int64)), attn,
-                                    self.key_caches, self.value_caches)
+        hidden = self.model.forward(
+            be.asarray(np.array(ids, dtype=np.int64)),
+            be.asarray(np.array(positions, dtype=np.int64)),
+            attn,
+            self.key_caches,
+            self.value_caches,
+        )
         # Row of each sequence's last new token; only sequences that reach their end sample.
         last_row, row = {}, 0
         for seq, n in ordered:

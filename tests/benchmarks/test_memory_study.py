@@ -136,10 +136,15 @@ def test_shared_system_prompt_hits_prefix_cache():
 
 
 def test_preemption_under_paged_keeps_accounting_consistent():
-    trace = synthetic_trace("alpaca", 24, seed=3, max_model_len=256, n=2, shared_prefix_len=16,
-                            shared_fraction=0.5, arrival_rate=2.0)
-    for lay in (PAGED4, Layout("s", "paged", block_size=4, sharing=True), ORACLE,
-                Layout("m", "contiguous", reserve="max_model_len")):
+    trace = synthetic_trace(
+        "alpaca", 24, seed=3, max_model_len=256, n=2, shared_prefix_len=16, shared_fraction=0.5, arrival_rate=2.0
+    )
+    for lay in (
+        PAGED4,
+        Layout("s", "paged", block_size=4, sharing=True),
+        ORACLE,
+        Layout("m", "contiguous", reserve="max_model_len"),
+    ):
         r = simulate(trace, lay, 384, 256, check_invariants=True)
         assert r.output_tokens >= sum(sum(t.output_lens) for t in trace)
         assert r.sum_reserved - r.sum_used == r.sum_internal_future + r.sum_internal_never
@@ -167,8 +172,12 @@ def test_load_trace_csv_and_jsonl(tmp_path):
     csv_path = tmp_path / "t.csv"
     csv_path.write_text("input_len,output_len,arrival\n5,3,0\n2,2,1\n")
     jl = tmp_path / "t.jsonl"
-    jl.write_text(json.dumps({"input_len": 5, "output_len": 3}) + "\n" +
-                  json.dumps({"input_len": 2, "output_len": 2, "n": 2}) + "\n")
+    jl.write_text(
+        json.dumps({"input_len": 5, "output_len": 3})
+        + "\n"
+        + json.dumps({"input_len": 2, "output_len": 2, "n": 2})
+        + "\n"
+    )
     t = load_trace(csv_path)
     assert [(r.input_len, r.output_lens, r.arrival) for r in t] == [(5, [3], 0), (2, [2], 1)]
     t = load_trace(jl)
@@ -180,8 +189,21 @@ def test_load_trace_csv_and_jsonl(tmp_path):
 def test_memory_study_cli_end_to_end(tmp_path):
     from benchmarks import memory_study
 
-    rep = memory_study.main(["--sharegpt-requests", "16", "--alpaca-requests", "40", "--no-plot",
-                             "--num-slots", "2048", "--max-model-len", "1024", "--out", str(tmp_path)])
+    rep = memory_study.main(
+        [
+            "--sharegpt-requests",
+            "16",
+            "--alpaca-requests",
+            "40",
+            "--no-plot",
+            "--num-slots",
+            "2048",
+            "--max-model-len",
+            "1024",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     data = json.loads((tmp_path / "memory_study.json").read_text())
     assert set(data["workloads"]) == {"sharegpt", "alpaca", "alpaca+sys", "alpaca-n4", "sharegpt-n4"}
     rows = {r["layout"]: r for r in data["workloads"]["sharegpt"]["layouts"]}
@@ -191,8 +213,9 @@ def test_memory_study_cli_end_to_end(tmp_path):
 
 
 def _seq(i, prompt_len, max_tokens):
-    return Sequence(i, f"r{i}", 0, list(range(1000 * i, 1000 * i + prompt_len)),
-                    SamplingParams(max_tokens=max_tokens), None, 0.0)
+    return Sequence(
+        i, f"r{i}", 0, list(range(1000 * i, 1000 * i + prompt_len)), SamplingParams(max_tokens=max_tokens), None, 0.0
+    )
 
 
 def test_reservation_admission_policy_in_scheduler():

@@ -82,8 +82,8 @@ def test_longest_cache_hit_stops_at_the_first_miss_and_at_max_blocks():
     parent = None
     for i in range(2):  # cache the first two 4-token blocks... but only blocks 0 and 1 of a 3-block prompt
         blk = pool.take(owner=i)
-        parent = hash_block_tokens(parent, tuple(tokens[4 * i:4 * i + 4]))
-        pool.cache_block(blk.block_id, parent, tuple(tokens[4 * i:4 * i + 4]))
+        parent = hash_block_tokens(parent, tuple(tokens[4 * i : 4 * i + 4]))
+        pool.cache_block(blk.block_id, parent, tuple(tokens[4 * i : 4 * i + 4]))
     assert find_longest_cache_hit(pool, tokens + [9, 9, 9, 9], 4, max_blocks=3) == ([0, 1], 3)
     assert find_longest_cache_hit(pool, tokens, 4, max_blocks=1) == ([0], 1)
     assert find_longest_cache_hit(pool, [99] + tokens[1:], 4, max_blocks=2) == ([], 1)  # chained: no later hit

@@ -211,7 +211,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         """The runner's ``copy_blocks``, run before the step's kernels."""
         bs = self.kv.block_size
         for src, dst in self.kv.take_block_copies():
-            self.store[dst * bs:(dst + 1) * bs] = self.store[src * bs:(src + 1) * bs]
+            self.store[dst * bs : (dst + 1) * bs] = self.store[src * bs : (src + 1) * bs]
 
     def _write(self, s, values, n):
         if not self.kv.allocate_slots(s, n):

@@ -12,15 +12,23 @@ from rawpaged.sampling_params import SamplingParams
 EOS = 2
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-         prefix_caching=False, **kw):
+def make(
+    num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, prefix_caching=False, **kw
+):
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_ids=(EOS,), **kw)
 
 
 def seq(i, prompt_len, params=None, start=1000, index=0):
-    return Sequence(i, f"r{i}", index, list(range(start * (i + 1), start * (i + 1) + prompt_len)),
-                    params or SamplingParams(max_tokens=8), None, 0.0)
+    return Sequence(
+        i,
+        f"r{i}",
+        index,
+        list(range(start * (i + 1), start * (i + 1) + prompt_len)),
+        params or SamplingParams(max_tokens=8),
+        None,
+        0.0,
+    )
 
 
 def run_step(sched, token=7):
@@ -121,9 +129,11 @@ def test_beams_are_preempted_and_readmitted_together():
 def test_update_from_output_stop_checks():
     sched = make(max_model_len=12)
     cases = {
-        "eos": seq(0, 4), "ignore_eos": seq(1, 4, SamplingParams(max_tokens=8, ignore_eos=True)),
+        "eos": seq(0, 4),
+        "ignore_eos": seq(1, 4, SamplingParams(max_tokens=8, ignore_eos=True)),
         "stop_id": seq(2, 4, SamplingParams(max_tokens=8, stop_token_ids=[7])),
-        "max_tokens": seq(3, 4, SamplingParams(max_tokens=1)), "max_model_len": seq(4, 11),
+        "max_tokens": seq(3, 4, SamplingParams(max_tokens=1)),
+        "max_model_len": seq(4, 11),
         "running": seq(5, 4),
     }
     for s in cases.values():
@@ -133,8 +143,14 @@ def test_update_from_output_stop_checks():
     finished = sched.update_from_output(out, [(cases[k], t) for k, t in tokens.items()])
     assert finished == [cases[k] for k in ("eos", "stop_id", "max_tokens", "max_model_len")]
     reasons = {k: s.finish_reason for k, s in cases.items()}
-    assert reasons == {"eos": "stop", "ignore_eos": None, "stop_id": "stop", "max_tokens": "length",
-                       "max_model_len": "length", "running": None}
+    assert reasons == {
+        "eos": "stop",
+        "ignore_eos": None,
+        "stop_id": "stop",
+        "max_tokens": "length",
+        "max_model_len": "length",
+        "running": None,
+    }
     assert all(s.block_table is None for s in finished)
     assert sched.running == [cases["ignore_eos"], cases["running"]]
     assert all(s.num_computed_tokens == s.num_prompt_tokens for s in cases.values())

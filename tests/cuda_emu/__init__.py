@@ -104,8 +104,9 @@ def build(names: list[str] | None = None, tsan: bool = False, replay: bool = Fal
         objs = list(pool.map(compile_part, range(jobs)))
     tmp_lib = tmp / lib.name
     link = [str(HERE / "replay_main.cpp")] if replay else ["-shared"]
-    r = subprocess.run(["g++", *flags, *include, *link, *map(str, objs), "-o", str(tmp_lib)], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["g++", *flags, *include, *link, *map(str, objs), "-o", str(tmp_lib)], capture_output=True, text=True
+    )
     if r.returncode:
         raise RuntimeError(f"linking the emulation library failed:\n{r.stderr[-8000:]}")
     os.replace(tmp_lib, lib)
@@ -126,11 +127,19 @@ class Emulator:
         self.lib.emu_kernel_name.restype = ctypes.c_char_p
         self.lib.emu_kernel_name.argtypes = [ctypes.c_int]
         self.lib.emu_param_info.restype = ctypes.c_int
-        self.lib.emu_param_info.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_ulonglong),
-                                            ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_char_p]
+        self.lib.emu_param_info.argtypes = [
+            ctypes.c_char_p,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_ulonglong),
+            ctypes.POINTER(ctypes.c_ulonglong),
+            ctypes.c_char_p,
+        ]
         self.lib.emu_launch.restype = ctypes.c_int
-        self.lib.emu_launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 6 + [
-            ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self.lib.emu_launch.argtypes = (
+            [ctypes.c_char_p]
+            + [ctypes.c_uint] * 6
+            + [ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        )
         self._info: dict[str, tuple] = {}
         self.launches: list[tuple] = []  # (name, grid, block, smem) of every launch, for tests to inspect
 
@@ -205,10 +214,8 @@ class Recorder:
         root = a
         while isinstance(root.base, np.ndarray):
             root = root.base
-        for i, r in enumerate(self.roots):
-            if r is root:
-                break
-        else:
+        i = next((k for k, r in enumerate(self.roots) if r is root), None)
+        if i is None:
             if not root.flags.c_contiguous:
                 raise ValueError("recorded arrays must live in C-contiguous allocations")
             self.roots.append(root)
@@ -247,7 +254,7 @@ def read_replay_output(path: Path) -> list[bytes]:
     pos, bufs = 4, []
     for _ in range(n):
         (size,) = struct.unpack_from("<Q", data, pos)
-        bufs.append(data[pos + 8:pos + 8 + size])
+        bufs.append(data[pos + 8 : pos + 8 + size])
         pos += 8 + size
     return bufs
 

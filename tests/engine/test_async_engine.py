@@ -43,9 +43,15 @@ class FakeEngine:
         for rid, r in list(self.requests.items()):
             r.n += 1
             fin = r.n >= r.max
-            outs.append(RequestOutput(rid, None, r.prompt_token_ids,
-                                      [CompletionOutput(0, "x" * r.n, list(range(r.n)), "length" if fin else None)],
-                                      fin))
+            outs.append(
+                RequestOutput(
+                    rid,
+                    None,
+                    r.prompt_token_ids,
+                    [CompletionOutput(0, "x" * r.n, list(range(r.n)), "length" if fin else None)],
+                    fin,
+                )
+            )
             if fin:
                 del self.requests[rid]
         return outs

@@ -27,8 +27,14 @@ def test_warmup_runs_requests_then_resets_counters(tiny_dir):
     assert eng.warmup() > 0
     st = eng.stats()
     assert st["num_free_blocks"] == st["num_total_blocks"], "warm-up requests returned their blocks"
-    assert (st["num_steps"], st["prompt_tokens_total"], st["generation_tokens_total"], st["prefix_cache_queries"],
-            st["num_preemptions"], st["peak_used_blocks"]) == (0, 0, 0, 0, 0, 0)
+    assert (
+        st["num_steps"],
+        st["prompt_tokens_total"],
+        st["generation_tokens_total"],
+        st["prefix_cache_queries"],
+        st["num_preemptions"],
+        st["peak_used_blocks"],
+    ) == (0, 0, 0, 0, 0, 0)
     eng.kv_cache_manager.check_invariants()
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4 and eng.stats()["generation_tokens_total"] == 4
@@ -39,8 +45,9 @@ def test_warmup_runs_requests_then_resets_counters(tiny_dir):
 
 def test_forks_count_against_max_num_seqs_and_request_counts(tiny_dir):
     eng = _engine(tiny_dir, max_num_seqs=3).engine
-    eng.add_request({"prompt_token_ids": [5] * 20}, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8,
-                                                                   ignore_eos=True))
+    eng.add_request(
+        {"prompt_token_ids": [5] * 20}, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)
+    )
     eng.add_request({"prompt_token_ids": [6] * 20}, SamplingParams(max_tokens=8, ignore_eos=True))
     eng.step()  # prefill of the first request only: its n = 3 forks will fill max_num_seqs
     eng.step()
@@ -60,18 +67,31 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(12, 40), block_size=st.sampled_from([4, 16]))
     def setup(self, num_blocks, block_size):
-        self.llm = LLM(model=str(self.tiny_dir), device="cpu", num_kv_blocks=num_blocks, block_size=block_size,
-                       max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+        self.llm = LLM(
+            model=str(self.tiny_dir),
+            device="cpu",
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            max_model_len=128,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+        )
         self.eng = self.llm.engine
         self.ids = []
 
-    @rule(prefix=st.sampled_from([0, 1, 2]), tail=st.integers(1, 20), kind=st.sampled_from(["n1", "n3", "beam"]),
-          max_tokens=st.integers(1, 8))
+    @rule(
+        prefix=st.sampled_from([0, 1, 2]),
+        tail=st.integers(1, 20),
+        kind=st.sampled_from(["n1", "n3", "beam"]),
+        max_tokens=st.integers(1, 8),
+    )
     def add(self, prefix, tail, kind, max_tokens):
         tokens = [10 + i for i in range(prefix * 16)] + [100 + 7 * i + tail for i in range(tail)]
-        params = {"n1": SamplingParams(temperature=0.7, seed=1, max_tokens=max_tokens, ignore_eos=True),
-                  "n3": SamplingParams(n=3, temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
-                  "beam": SamplingParams(beam_width=3, max_tokens=max_tokens, ignore_eos=True)}[kind]
+        params = {
+            "n1": SamplingParams(temperature=0.7, seed=1, max_tokens=max_tokens, ignore_eos=True),
+            "n3": SamplingParams(n=3, temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
+            "beam": SamplingParams(beam_width=3, max_tokens=max_tokens, ignore_eos=True),
+        }[kind]
         try:
             self.ids.append(self.eng.add_request({"prompt_token_ids": tokens}, params))
         except ValueError as e:

@@ -35,16 +35,18 @@ def test_greedy_matches_hf_reference_batched_and_alone(llm, reference_greedy):
 
 def test_first_step_logprobs_match_reference(llm, reference_greedy):
     ref = reference_greedy["prompts"][0]
-    out = llm.generate([{"prompt_token_ids": ref["prompt_token_ids"]}],
-                       SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0]
+    out = llm.generate(
+        [{"prompt_token_ids": ref["prompt_token_ids"]}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    )[0]
     got = out.outputs[0].logprobs[0]
     for item in ref["first_step_top5"]:
         assert got[item["token_id"]] == pytest.approx(item["logprob"], abs=2e-3)
 
 
 def test_french_capital_chat(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0.0, max_tokens=20)
+    )[0].outputs[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
 
@@ -55,8 +57,9 @@ def test_tiny_pool_preempts_and_matches_large_pool(model_dir, llm, reference_gre
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     longest = max(len(llm.generate([p], SamplingParams(max_tokens=1))[0].prompt_token_ids) for p in prompts)
     need = -(-(longest + 24) // 16)
-    small = LLM(model=str(model_dir), device="cpu", num_kv_blocks=need + 3, max_model_len=1024,
-                enable_prefix_caching=False)
+    small = LLM(
+        model=str(model_dir), device="cpu", num_kv_blocks=need + 3, max_model_len=1024, enable_prefix_caching=False
+    )
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params)]
     assert got == expected
     assert small.stats()["num_preemptions"] > 0
@@ -66,13 +69,15 @@ def test_tiny_pool_preempts_and_matches_large_pool(model_dir, llm, reference_gre
 def test_seeded_sampling_independent_of_batch(llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate(["Tell me a story about a cat."], params)[0].outputs[0].token_ids
-    crowd = llm.generate(["Tell me a story about a cat.", "Hello", "1 2 3 4"],
-                         [params, SamplingParams(temperature=1.0, max_tokens=8),
-                          SamplingParams(temperature=1.0, max_tokens=5)])
+    crowd = llm.generate(
+        ["Tell me a story about a cat.", "Hello", "1 2 3 4"],
+        [params, SamplingParams(temperature=1.0, max_tokens=8), SamplingParams(temperature=1.0, max_tokens=5)],
+    )
     assert crowd[0].outputs[0].token_ids == alone
-    other_seed = llm.generate(["Tell me a story about a cat."],
-                              SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=12,
-                                             ignore_eos=True))[0]
+    other_seed = llm.generate(
+        ["Tell me a story about a cat."],
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=12, ignore_eos=True),
+    )[0]
     assert other_seed.outputs[0].token_ids != alone
 
 
@@ -105,11 +110,20 @@ def test_n_samples_share_prompt_blocks_and_differ(llm):
     _assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
-    (dict(stop=[1, 2]), "stop"), (dict(logprobs=21), "logprobs"), (dict(seed="x"), "seed"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n"),
+        (dict(stop=[1, 2]), "stop"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(seed="x"), "seed"),
+    ],
+)
 def test_bad_sampling_params(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
@@ -147,8 +161,7 @@ def test_abort_returns_blocks(llm):
 
 def test_chunked_prefill_matches_whole_prefill(model_dir, llm, reference_greedy):
     ref = max(reference_greedy["prompts"], key=lambda r: len(r["prompt_token_ids"]))  # ~100 tokens
-    chunked = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64, max_model_len=512,
-                  max_num_batched_tokens=24)
+    chunked = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=24)
     out = chunked.generate([{"prompt_token_ids": ref["prompt_token_ids"]}], GREEDY)[0]
     assert out.outputs[0].token_ids == ref["output_token_ids"]
     assert chunked.stats()["num_steps"] > len(ref["output_token_ids"]) + 1  # the prompt took several steps

@@ -15,10 +15,13 @@ def test_delta_tracker_per_choice():
     t = DeltaTracker()
     d = t.deltas(out((0, "He", [1], None, [{1: -0.1}]), (1, "", [], None, [])))
     assert [(x.index, x.text, x.token_ids, x.logprobs, x.first, x.text_offset) for x in d] == [
-        (0, "He", [1], [{1: -0.1}], True, 0)]  # choice 1 gained nothing yet
+        (0, "He", [1], [{1: -0.1}], True, 0)
+    ]  # choice 1 gained nothing yet
     d = t.deltas(out((0, "Hello", [1, 2], None, [{1: -0.1}, {2: -0.2}]), (1, "", [7], None, [{7: -1.0}])))
     assert [(x.index, x.text, x.token_ids, x.logprobs, x.first, x.text_offset) for x in d] == [
-        (0, "llo", [2], [{2: -0.2}], False, 2), (1, "", [7], [{7: -1.0}], True, 0)]
+        (0, "llo", [2], [{2: -0.2}], False, 2),
+        (1, "", [7], [{7: -1.0}], True, 0),
+    ]
     d = t.deltas(out((0, "Hello", [1, 2], "stop", None), (1, "", [7], None, None)))
     assert [(x.index, x.text, x.token_ids, x.finish_reason) for x in d] == [(0, "", [], "stop")]
     assert t.finished(0) and not t.finished(1) and t.num_tokens(1) == 1 and t.num_tokens(5) == 0

@@ -41,8 +41,9 @@ def test_n4_holds_prompt_blocks_once(llm):
 
 
 def test_best_of_returns_n_best_by_logprob(llm):
-    out = llm.generate(["The weather today is"],
-                       SamplingParams(n=2, best_of=4, temperature=1.0, seed=5, max_tokens=6, logprobs=0))[0]
+    out = llm.generate(
+        ["The weather today is"], SamplingParams(n=2, best_of=4, temperature=1.0, seed=5, max_tokens=6, logprobs=0)
+    )[0]
     assert len(out.outputs) == 2 and [o.index for o in out.outputs] == [0, 1]
     assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
     _assert_pool_empty(llm)
@@ -52,8 +53,12 @@ def test_beam_search_matches_hf(llm):
     ref = json.loads((FIXTURES / "reference_beam.json").read_text())
     args = ref["generate_args"]
     for p in ref["prompts"]:
-        out = llm.beam_search([{"prompt_token_ids": p["prompt_token_ids"]}], beam_width=args["num_beams"],
-                              max_tokens=args["max_new_tokens"], length_penalty=args["length_penalty"])[0]
+        out = llm.beam_search(
+            [{"prompt_token_ids": p["prompt_token_ids"]}],
+            beam_width=args["num_beams"],
+            max_tokens=args["max_new_tokens"],
+            length_penalty=args["length_penalty"],
+        )[0]
         assert [o.token_ids for o in out.outputs] == [b["output_token_ids"] for b in p["beams"]], p["name"]
         for o, b in zip(out.outputs, p["beams"]):
             assert o.cumulative_logprob / len(o.token_ids) == pytest.approx(b["sequence_score"], abs=1e-3)

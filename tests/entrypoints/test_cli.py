@@ -1,6 +1,7 @@
 """The command line: ``python server.py`` / ``rawpaged serve`` options built from ``EngineConfig``, a clean
 one-line failure without a GPU, sizes, and ``rawpaged generate``."""
 
+import argparse
 import dataclasses
 import os
 import subprocess
@@ -18,16 +19,29 @@ parse_size = cli_mod.parse_size
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, str(ROOT / "server.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "server.py"), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_cli_help():
     r = _cli("--help")
     assert r.returncode == 0
-    for opt in ("--model", "--host", "--port", "--device", "--block-size", "--num-kv-blocks", "--kv-cache-memory",
-                "--max-num-seqs", "--max-model-len", "--max-num-batched-tokens", "--no-prefix-caching",
-                "--api-key", "--max-tokens-limit"):
+    for opt in (
+        "--model",
+        "--host",
+        "--port",
+        "--device",
+        "--block-size",
+        "--num-kv-blocks",
+        "--kv-cache-memory",
+        "--max-num-seqs",
+        "--max-model-len",
+        "--max-num-batched-tokens",
+        "--no-prefix-caching",
+        "--api-key",
+        "--max-tokens-limit",
+    ):
         assert opt in r.stdout, opt
 
 
@@ -47,8 +61,10 @@ def test_parse_size():
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size("4M") == 4 << 20
     assert parse_size("1000") == 1000
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size("lots")
+    with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
+        parse_size("0GiB")
 
 
 def test_every_engine_config_field_is_an_option_with_its_docstring():
@@ -64,11 +80,33 @@ def test_every_engine_config_field_is_an_option_with_its_docstring():
 
 def test_options_build_the_engine_config():
     parser = cli_mod.build_serve_parser()
-    args = parser.parse_args(["--model", "/m", "--device", "cpu", "--kv-cache-memory", "512MiB", "--max-num-seqs", "3",
-                              "--no-prefix-caching", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
+    args = parser.parse_args(
+        [
+            "--model",
+            "/m",
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "512MiB",
+            "--max-num-seqs",
+            "3",
+            "--no-prefix-caching",
+            "--dtype",
+            "float32",
+            "--gpu-memory-utilization",
+            "0.5",
+        ]
+    )
     cfg = cli_mod.engine_config_from_args(args)
-    assert cfg == EngineConfig(model="/m", device="cpu", kv_cache_memory=512 << 20, max_num_seqs=3,
-                               enable_prefix_caching=False, dtype="float32", gpu_memory_utilization=0.5)
+    assert cfg == EngineConfig(
+        model="/m",
+        device="cpu",
+        kv_cache_memory=512 << 20,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
+        dtype="float32",
+        gpu_memory_utilization=0.5,
+    )
     assert cli_mod.engine_config_from_args(parser.parse_args([])) == EngineConfig()
     assert not cli_mod.engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
     with pytest.raises(SystemExit):
@@ -81,14 +119,16 @@ def test_invalid_engine_option_is_one_error_line():
     r = _cli("--block-size", "3", "--device", "cpu")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
-        "error: block_size must be a power of two in [1, 128], got 3"]
+        "error: block_size must be a power of two in [1, 128], got 3"
+    ]
     r = _cli("--model", "/no/such/dir")
     assert r.returncode == 1 and "is not a directory" in r.stderr
 
 
 def test_rawpaged_command_dispatches():
-    r = subprocess.run([sys.executable, "-m", "rawpaged", "serve", "--help"], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "rawpaged", "serve", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert r.returncode == 0 and r.stdout.startswith("usage: rawpaged serve") and "--max-num-seqs" in r.stdout
     r = subprocess.run([sys.executable, "-m", "rawpaged", "bogus"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "serve" in r.stderr
@@ -97,10 +137,35 @@ def test_rawpaged_command_dispatches():
 def test_generate_streams_the_same_text_as_the_engine(tiny_dir):
     from rawpaged import LLM, SamplingParams
 
-    want = LLM(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64).generate(
-        ["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text
-    r = subprocess.run([sys.executable, "-m", "rawpaged", "generate", "--prompt", "hello", "--max-tokens", "6",
-                        "--model", str(tiny_dir), "--device", "cpu", "--num-kv-blocks", "16", "--max-model-len", "64"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    want = (
+        LLM(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
+        .generate(["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0]
+        .outputs[0]
+        .text
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rawpaged",
+            "generate",
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "6",
+            "--model",
+            str(tiny_dir),
+            "--device",
+            "cpu",
+            "--num-kv-blocks",
+            "16",
+            "--max-model-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == want + "\n"

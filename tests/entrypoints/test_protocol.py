@@ -6,8 +6,14 @@ import json
 
 import pytest
 
-from rawpaged.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Limits, ProtocolError,
-                                                  WebSocketGenerateRequest, parse_request)
+from rawpaged.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
+    ProtocolError,
+    WebSocketGenerateRequest,
+    parse_request,
+)
 from rawpaged.sampling_params import SamplingParams
 
 LIMITS = Limits(max_tokens=512, max_n=16, max_prompts=4)
@@ -21,67 +27,73 @@ def refused(model, body) -> ProtocolError:
     return e.value
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),  # JSON types, strictly
-    ({"prompt": "hi", "max_tokens": 2.0}, "max_tokens"),
-    ({"prompt": "hi", "temperature": True}, "temperature"),
-    ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
-    ({"prompt": "hi", "n": True}, "n"),
-    ({"prompt": "hi", "stop": 5}, "stop"),
-    ({"prompt": "hi", "stop": ["a", 1]}, "stop"),
-    ({"prompt": "hi", "stop_token_ids": [1.5]}, "stop_token_ids"),
-    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
-    ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": None}, "prompt"),
-    ({}, "prompt"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # the engine's ranges
-    ({"prompt": "hi", "temperature": -0.5}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "top_k": -2}, "top_k"),
-    ({"prompt": "hi", "min_p": 1.5}, "min_p"),
-    ({"prompt": "hi", "n": 0}, "n"),
-    ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
-    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
-    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"prompt": "hi", "max_tokens": 513}, "max_tokens"),  # the server's limits and OpenAI's rules
-    ({"prompt": "hi", "n": 17}, "n"),
-    ({"prompt": "hi", "best_of": 17}, "best_of"),
-    ({"prompt": "hi", "seed": 1 << 64}, "seed"),
-    ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, "best_of"),
-    ({"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search"),
-    ({"prompt": "hi", "length_penalty": 2.0}, "length_penalty"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty"),
-    ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
-    ({"prompt": "hi", "suffix": "end"}, "suffix"),
-    ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", ""]}, "prompt"),
-    ({"prompt": ["a"] * 5}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),  # JSON types, strictly
+        ({"prompt": "hi", "max_tokens": 2.0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": True}, "temperature"),
+        ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ({"prompt": "hi", "n": True}, "n"),
+        ({"prompt": "hi", "stop": 5}, "stop"),
+        ({"prompt": "hi", "stop": ["a", 1]}, "stop"),
+        ({"prompt": "hi", "stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # the engine's ranges
+        ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "top_k": -2}, "top_k"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+        ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "hi", "max_tokens": 513}, "max_tokens"),  # the server's limits and OpenAI's rules
+        ({"prompt": "hi", "n": 17}, "n"),
+        ({"prompt": "hi", "best_of": 17}, "best_of"),
+        ({"prompt": "hi", "seed": 1 << 64}, "seed"),
+        ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, "best_of"),
+        ({"prompt": "hi", "use_beam_search": True, "stream": True}, "use_beam_search"),
+        ({"prompt": "hi", "length_penalty": 2.0}, "length_penalty"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"prompt": "hi", "suffix": "end"}, "suffix"),
+        ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
+        ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a"] * 5}, "prompt"),
+    ],
+)
 def test_completion_refusals_name_the_field(body, param):
     assert refused(CompletionRequest, body).param == param
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": "hi"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"messages": HI, "logprobs": "yes"}, "logprobs"),
-    ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": HI, "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": HI, "max_completion_tokens": 513}, "max_completion_tokens"),
-    ({"messages": HI, "max_tokens": 0}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+        ({"messages": HI, "logprobs": "yes"}, "logprobs"),
+        ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": HI, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": HI, "max_completion_tokens": 513}, "max_completion_tokens"),
+        ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+    ],
+)
 def test_chat_refusals_name_the_field(body, param):
     e = refused(ChatCompletionRequest, body)
     assert e.param == param
@@ -97,22 +109,50 @@ def test_body_level_errors_have_no_param():
 
 
 def test_completion_request_becomes_prompts_and_sampling_params():
-    req = parse_request(CompletionRequest, json.dumps(
-        {"prompt": [[1, 2], [3]], "max_tokens": 7, "temperature": 0, "top_k": 5, "n": 2, "seed": -1,
-         "stop": "x", "stop_token_ids": [9], "ignore_eos": True, "logprobs": 3, "echo": True,
-         "unknown_field": "ignored"}).encode(), LIMITS)
+    req = parse_request(
+        CompletionRequest,
+        json.dumps(
+            {
+                "prompt": [[1, 2], [3]],
+                "max_tokens": 7,
+                "temperature": 0,
+                "top_k": 5,
+                "n": 2,
+                "seed": -1,
+                "stop": "x",
+                "stop_token_ids": [9],
+                "ignore_eos": True,
+                "logprobs": 3,
+                "echo": True,
+                "unknown_field": "ignored",
+            }
+        ).encode(),
+        LIMITS,
+    )
     assert req.prompts(LIMITS) == [[1, 2], [3]] and req.echo and req.kind == "completion"
     assert req.requested_max_tokens == 7 and req.num_choices == 2 and req.num_logprobs == 3
     p = req.sampling_params(7)
-    assert p == SamplingParams(n=2, temperature=0.0, top_k=5, seed=(1 << 64) - 1, stop="x", stop_token_ids=[9],
-                               ignore_eos=True, logprobs=3, max_tokens=7)
+    assert p == SamplingParams(
+        n=2,
+        temperature=0.0,
+        top_k=5,
+        seed=(1 << 64) - 1,
+        stop="x",
+        stop_token_ids=[9],
+        ignore_eos=True,
+        logprobs=3,
+        max_tokens=7,
+    )
     assert parse_request(CompletionRequest, {"prompt": "a"}, LIMITS).sampling_params(16).temperature == 1.0
     assert parse_request(CompletionRequest, {"prompt": [5, 6]}, LIMITS).prompts(LIMITS) == [[5, 6]]
 
 
 def test_beam_search_parameters():
-    req = parse_request(CompletionRequest, {"prompt": "a", "n": 2, "best_of": 3, "use_beam_search": True,
-                                            "length_penalty": 0.5, "temperature": 0.9}, LIMITS)
+    req = parse_request(
+        CompletionRequest,
+        {"prompt": "a", "n": 2, "best_of": 3, "use_beam_search": True, "length_penalty": 0.5, "temperature": 0.9},
+        LIMITS,
+    )
     p = req.sampling_params(4)
     assert (p.use_beam_search, p.beam_width, p.n, p.temperature, p.length_penalty) == (True, 3, 2, 0.0, 0.5)
     p = parse_request(CompletionRequest, {"prompt": "a", "use_beam_search": True}, LIMITS).sampling_params(4)
@@ -120,16 +160,31 @@ def test_beam_search_parameters():
 
 
 def test_chat_request_messages_and_logprobs():
-    req = parse_request(ChatCompletionRequest, {
-        "messages": [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
-                     {"role": "assistant", "content": None}, {"role": "user", "content": "hi", "name": "me"}],
-        "max_tokens": 9, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}, LIMITS)
-    assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": ""},
-                                       {"role": "user", "content": "hi"}]
+    req = parse_request(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "hi", "name": "me"},
+            ],
+            "max_tokens": 9,
+            "max_completion_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        LIMITS,
+    )
+    assert req.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "hi"},
+    ]
     assert (req.requested_max_tokens, req.max_tokens_param, req.num_logprobs) == (5, "max_completion_tokens", 2)
     assert req.kind == "chat" and req.prompt_param == "messages"
-    plain = parse_request(ChatCompletionRequest, {"messages": HI, "stream": True,
-                                                  "stream_options": {"include_usage": True}}, LIMITS)
+    plain = parse_request(
+        ChatCompletionRequest, {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, LIMITS
+    )
     assert plain.num_logprobs is None and plain.requested_max_tokens is None and plain.include_usage
 
 

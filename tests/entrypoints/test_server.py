@@ -51,8 +51,7 @@ class ServerThread:
                 self.port = port
                 self._started.set()
 
-            return await serve(self.app, "127.0.0.1", 0, handle_signals=False, stop=self._stop,
-                                          on_started=started)
+            return await serve(self.app, "127.0.0.1", 0, handle_signals=False, stop=self._stop, on_started=started)
 
         self.exit_code = asyncio.run(main())
         self._started.set()
@@ -88,8 +87,9 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=32)
+    config = EngineConfig(
+        model=str(model_dir), device="cpu", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, max_num_seqs=32
+    )
     srv = ServerThread(create_app(config, max_tokens_limit=MAX_TOKENS_LIMIT)).start()
     srv.wait_healthy()
     yield srv
@@ -119,8 +119,12 @@ def wait_pool_empty(server, timeout=10.0):
     deadline = time.monotonic() + timeout
     while True:
         s = stats(server)
-        if (s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0 and s["num_waiting"] == 0
-                and s["num_active_streams"] == 0):
+        if (
+            s["num_free_blocks"] == s["num_total_blocks"]
+            and s["num_running"] == 0
+            and s["num_waiting"] == 0
+            and s["num_active_streams"] == 0
+        ):
             return s
         assert time.monotonic() < deadline, f"blocks not returned: {s}"
         time.sleep(0.05)
@@ -168,8 +172,15 @@ def test_completions_stream_equals_nonstream_n2(server, client, caplog):
     streamed = {0: "", 1: ""}
     finish = {}
     usage = None
-    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2,
-                                           stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
@@ -184,7 +195,7 @@ def test_completions_stream_equals_nonstream_n2(server, client, caplog):
     multi = client.completions.create(model=MODEL, prompt=[ids, ids[:5]], max_tokens=2, temperature=0, echo=True)
     assert [c.index for c in multi.choices] == [0, 1]
     assert multi.choices[0].text.startswith(prompt)
-    continuation = multi.choices[0].text[len(prompt):]
+    continuation = multi.choices[0].text[len(prompt) :]
     assert continuation and texts[0].startswith(continuation)
     assert multi.usage.prompt_tokens == 16
     # one INFO line per request: id, tokens, finish reason, latency
@@ -204,8 +215,9 @@ def test_chat_capital_of_france_stream_and_not_n2(server, client):
     assert full.usage.completion_tokens == 16  # 8 tokens (with <|im_end|>) per choice
 
     roles, content, finish = {}, {0: "", 1: ""}, {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
-                                                max_completion_tokens=16, n=2, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_completion_tokens=16, n=2, stream=True
+    ):
         assert chunk.object == "chat.completion.chunk"
         for c in chunk.choices:
             if c.delta.role:
@@ -218,8 +230,9 @@ def test_chat_capital_of_france_stream_and_not_n2(server, client):
     assert content == {0: "The capital of France is Paris.", 1: "The capital of France is Paris."}
     assert finish == {0: "stop", 1: "stop"}
 
-    lp = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=2,
-                                        logprobs=True, top_logprobs=3)
+    lp = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=2, logprobs=True, top_logprobs=3
+    )
     content_lp = lp.choices[0].logprobs.content
     assert [t.token for t in content_lp] == ["The", " capital"]
     assert len(content_lp[0].top_logprobs) == 3 and content_lp[0].top_logprobs[0].token == "The"
@@ -230,8 +243,9 @@ def test_chat_capital_of_france_stream_and_not_n2(server, client):
 def test_sixteen_concurrent_streams(server):
     async def one(aclient, i):
         text, finish = "", None
-        stream = await aclient.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=6,
-                                                  temperature=0.8, seed=i, stream=True)
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=f"Count to {i}:", max_tokens=6, temperature=0.8, seed=i, stream=True
+        )
         async for chunk in stream:
             for c in chunk.choices:
                 text += c.text
@@ -257,9 +271,15 @@ def test_client_disconnect_frees_blocks(server):
 
     async def stream_then_leave():
         async with aiohttp.ClientSession() as s:
-            async with s.post(server.url + "/v1/completions",
-                              json={"prompt": "Write a long story about a dragon.", "max_tokens": 400,
-                                    "stream": True, "ignore_eos": True}) as r:
+            async with s.post(
+                server.url + "/v1/completions",
+                json={
+                    "prompt": "Write a long story about a dragon.",
+                    "max_tokens": 400,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+            ) as r:
                 got = 0
                 async for line in r.content:
                     if line.startswith(b"data: "):
@@ -270,9 +290,11 @@ def test_client_disconnect_frees_blocks(server):
     async def nonstream_then_leave():
         async with aiohttp.ClientSession() as s:
             with pytest.raises(asyncio.TimeoutError):
-                async with s.post(server.url + "/v1/completions",
-                                  json={"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True},
-                                  timeout=aiohttp.ClientTimeout(total=1.5)) as r:
+                async with s.post(
+                    server.url + "/v1/completions",
+                    json={"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True},
+                    timeout=aiohttp.ClientTimeout(total=1.5),
+                ) as r:
                     await r.read()
 
     run(stream_then_leave())
@@ -285,18 +307,30 @@ def test_client_disconnect_frees_blocks(server):
 # ------------------------------------------------------------------------------------------ websocket
 @model
 def test_websocket_concurrent_requests_cancel_and_close(server, client):
-    greedy = client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=8,
-                                       temperature=0).choices[0].text
+    greedy = (
+        client.completions.create(model=MODEL, prompt="The three primary colors are", max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+    )
 
     async def main():
         async with aiohttp.ClientSession() as s:
             async with s.ws_connect(server.url + "/v1/ws") as ws:
-                await ws.send_json({"type": "generate", "id": "a", "prompt": "The three primary colors are",
-                                    "max_tokens": 8, "temperature": 0})
-                await ws.send_json({"type": "generate", "id": "b", "messages": FRANCE, "max_tokens": 16,
-                                    "temperature": 0, "n": 2})
-                await ws.send_json({"type": "generate", "id": "c", "prompt": "Once upon a time", "max_tokens": 200,
-                                    "ignore_eos": True})
+                await ws.send_json(
+                    {
+                        "type": "generate",
+                        "id": "a",
+                        "prompt": "The three primary colors are",
+                        "max_tokens": 8,
+                        "temperature": 0,
+                    }
+                )
+                await ws.send_json(
+                    {"type": "generate", "id": "b", "messages": FRANCE, "max_tokens": 16, "temperature": 0, "n": 2}
+                )
+                await ws.send_json(
+                    {"type": "generate", "id": "c", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+                )
                 await ws.send_json({"type": "generate", "id": "d", "prompt": "x", "temperature": -1})
                 await ws.send_json({"type": "cancel", "id": "nope"})
                 await ws.send_str("{not json")
@@ -339,8 +373,9 @@ def test_websocket_concurrent_requests_cancel_and_close(server, client):
         async with aiohttp.ClientSession() as s:
             async with s.ws_connect(server.url + "/v1/ws") as ws:
                 for i in range(3):
-                    await ws.send_json({"type": "generate", "id": i, "prompt": "Hello", "max_tokens": 300,
-                                        "ignore_eos": True})
+                    await ws.send_json(
+                        {"type": "generate", "id": i, "prompt": "Hello", "max_tokens": 300, "ignore_eos": True}
+                    )
                 while json.loads((await ws.receive(timeout=60)).data)["type"] != "delta":
                     pass
             # leaving the block closes the socket with three requests running
@@ -393,17 +428,34 @@ BAD_REQUESTS = [
 def test_bad_inputs_get_400_while_a_stream_continues(server):
     async def main():
         async with aiohttp.ClientSession() as s:
-            body = {"prompt": "The history of the Roman empire", "max_tokens": 16, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": "The history of the Roman empire",
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             background = asyncio.create_task(sse(s, server.url + "/v1/completions", body))
             await asyncio.sleep(0.2)
             results = []
             for path, payload, status, param in BAD_REQUESTS:
-                kw = {"data": payload, "headers": {"Content-Type": "application/json"}} \
-                    if isinstance(payload, bytes) else {"json": payload}
+                kw = (
+                    {"data": payload, "headers": {"Content-Type": "application/json"}}
+                    if isinstance(payload, bytes)
+                    else {"json": payload}
+                )
                 async with s.post(server.url + path, **kw) as r:
-                    results.append((path, payload if isinstance(payload, dict) else payload[:20], status, param,
-                                    r.status, await r.json()))
+                    results.append(
+                        (
+                            path,
+                            payload if isinstance(payload, dict) else payload[:20],
+                            status,
+                            param,
+                            r.status,
+                            await r.json(),
+                        )
+                    )
             assert not background.done() or background.exception() is None
             chunks, done = await background
             return results, chunks, done
@@ -437,8 +489,9 @@ def test_metrics(server):
     async def main():
         async with aiohttp.ClientSession() as s:
             # At least one finished request, so the counters and histograms have something to show.
-            async with s.post(server.url + "/v1/completions",
-                              json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}) as r:
+            async with s.post(
+                server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+            ) as r:
                 assert r.status == 200, await r.text()
             async with s.get(server.url + "/metrics") as r:
                 return r.status, r.headers["Content-Type"], await r.text()
@@ -450,11 +503,20 @@ def test_metrics(server):
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    for name in ("rawpaged:num_requests_running", "rawpaged:num_requests_waiting", "rawpaged:kv_cache_usage_perc",
-                 "rawpaged:num_preemptions_total", "rawpaged:num_free_blocks", "rawpaged:num_total_blocks",
-                 "rawpaged:num_used_blocks", "rawpaged:num_shared_blocks", "rawpaged:num_cached_blocks",
-                 "rawpaged:prefix_cache_queries_total", "rawpaged:prefix_cache_hits_total",
-                 "rawpaged:cow_copies_total"):
+    for name in (
+        "rawpaged:num_requests_running",
+        "rawpaged:num_requests_waiting",
+        "rawpaged:kv_cache_usage_perc",
+        "rawpaged:num_preemptions_total",
+        "rawpaged:num_free_blocks",
+        "rawpaged:num_total_blocks",
+        "rawpaged:num_used_blocks",
+        "rawpaged:num_shared_blocks",
+        "rawpaged:num_cached_blocks",
+        "rawpaged:prefix_cache_queries_total",
+        "rawpaged:prefix_cache_hits_total",
+        "rawpaged:cow_copies_total",
+    ):
         assert name in values, name
     assert values["rawpaged:num_total_blocks"] == 256
     assert values["rawpaged:prompt_tokens_total"] > 0 and values["rawpaged:generation_tokens_total"] > 0
@@ -473,18 +535,23 @@ def test_health_503_while_loading_api_key_and_load_failure():
     app = create_app(EngineConfig(model="/nonexistent/TinyModel"), loader=loader, api_key="sekret")
     srv = ServerThread(app).start()
     try:
+
         async def main():
             async with aiohttp.ClientSession() as s:
                 out = {}
                 for name, path, headers in (
-                        ("health", "/health", {}), ("metrics", "/metrics", {}),
-                        ("no_key", "/v1/models", {}), ("bad_key", "/v1/models", {"Authorization": "Bearer nope"}),
-                        ("models", "/v1/models", {"Authorization": "Bearer sekret"}),
-                        ("ws_no_key", "/v1/ws", {})):
+                    ("health", "/health", {}),
+                    ("metrics", "/metrics", {}),
+                    ("no_key", "/v1/models", {}),
+                    ("bad_key", "/v1/models", {"Authorization": "Bearer nope"}),
+                    ("models", "/v1/models", {"Authorization": "Bearer sekret"}),
+                    ("ws_no_key", "/v1/ws", {}),
+                ):
                     async with s.get(srv.url + path, headers=headers) as r:
                         out[name] = (r.status, await r.text())
-                async with s.post(srv.url + "/v1/completions", json={"prompt": "hi"},
-                                  headers={"Authorization": "Bearer sekret"}) as r:
+                async with s.post(
+                    srv.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"}
+                ) as r:
                     out["generate"] = (r.status, await r.json())
                 return out
 
@@ -510,8 +577,13 @@ def test_beam_search_over_http_matches_hf(server):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            body = {"prompt": p["prompt_token_ids"], "max_tokens": 16, "n": 4, "use_beam_search": True,
-                    "length_penalty": 1.0}
+            body = {
+                "prompt": p["prompt_token_ids"],
+                "max_tokens": 16,
+                "n": 4,
+                "use_beam_search": True,
+                "length_penalty": 1.0,
+            }
             async with s.post(server.url + "/v1/completions", json=body) as r:
                 ok = (r.status, await r.json())
             async with s.post(server.url + "/v1/completions", json={**body, "stream": True}) as r:

@@ -35,8 +35,9 @@ def _find_nvrtc() -> str | None:
 _NVRTC_PATH = _find_nvrtc()
 pytestmark = [
     pytest.mark.skipif(_NVRTC_PATH is None, reason="NVRTC wheel not installed (pip install nvidia-cuda-nvrtc-cu12)"),
-    pytest.mark.skipif(not src.cuda_include_dirs(),
-                       reason="cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)"),
+    pytest.mark.skipif(
+        not src.cuda_include_dirs(), reason="cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)"
+    ),
 ]
 
 
@@ -75,8 +76,13 @@ class Nvrtc:
 
 
 def runtime_options(arch: int) -> list[str]:
-    return [*src.RUNTIME_OPTIONS, *src.include_options(), *src.CUPY_IMPLICIT_OPTIONS, f"-arch=sm_{arch}",
-            "--ptxas-options=-v"]
+    return [
+        *src.RUNTIME_OPTIONS,
+        *src.include_options(),
+        *src.CUPY_IMPLICIT_OPTIONS,
+        f"-arch=sm_{arch}",
+        "--ptxas-options=-v",
+    ]
 
 
 def parse_ptxas(log: str) -> dict[str, dict]:
@@ -86,8 +92,12 @@ def parse_ptxas(log: str) -> dict[str, dict]:
         name = re.match(r"'([^']+)'", chunk).group(1)
         regs = re.search(r"Used (\d+) registers", chunk)
         spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", chunk)
-        stats[name] = dict(registers=int(regs.group(1)), stack=int(spill.group(1)), spill_stores=int(spill.group(2)),
-                           spill_loads=int(spill.group(3)))
+        stats[name] = dict(
+            registers=int(regs.group(1)),
+            stack=int(spill.group(1)),
+            spill_stores=int(spill.group(2)),
+            spill_loads=int(spill.group(3)),
+        )
     return stats
 
 
@@ -137,8 +147,9 @@ def test_each_source_file_compiles_on_its_own(filename):
     names = src.names_in_file(src.all_name_expressions(), filename)
     assert names, f"no name expression belongs to {filename}"
     first_per_template = list({n.split("<")[0]: n for n in names}.values())
-    rc, log, lowered, _ = Nvrtc(_NVRTC_PATH).compile(src.read_source(filename), first_per_template,
-                                                    [*runtime_options(90), f"-I{src.CUDA_DIR}"])
+    rc, log, lowered, _ = Nvrtc(_NVRTC_PATH).compile(
+        src.read_source(filename), first_per_template, [*runtime_options(90), f"-I{src.CUDA_DIR}"]
+    )
     assert rc == 0, log[-8000:]
     assert "warning" not in log.lower(), log[-4000:]
 

@@ -15,10 +15,26 @@ import pytest
 
 from rawpaged.kernels import cpu
 from rawpaged.kernels import cuda_sources as src
-from tests.cuda_emu import (SELFTEST_NAMES, Emulator, Recorder, build, emulated_backend, missing_requirements,
-                            read_replay_output)
-from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
-                                copy_blocks_expected, make_paged_kv, rms_norm_ref, rope_cache, rope_ref)
+from tests.cuda_emu import (
+    SELFTEST_NAMES,
+    Emulator,
+    Recorder,
+    build,
+    emulated_backend,
+    missing_requirements,
+    read_replay_output,
+)
+from tests.kv_reference import (
+    BF16,
+    assert_cache_rows_written,
+    assert_prefill_matches,
+    attention_ref,
+    copy_blocks_expected,
+    make_paged_kv,
+    rms_norm_ref,
+    rope_cache,
+    rope_ref,
+)
 from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
 
 _why = missing_requirements()
@@ -71,7 +87,7 @@ def test_paged_attention_split_k_matches_cpu_and_float64(emu, cache_dtype, head_
     num_kv_heads = 2
     kc, vc, bt, keys, values, q = _decode_case(rng, CONTEXTS, num_kv_heads, group, head_dim, 16, cache_dtype)
     ctx = np.array(CONTEXTS, np.int32)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     be = backend(emu)
     emu.launches.clear()
     out = np.full_like(q, np.nan)
@@ -82,7 +98,7 @@ def test_paged_attention_split_k_matches_cpu_and_float64(emu, cache_dtype, head_
     cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
     for s, c in enumerate(CONTEXTS):
-        ref = attention_ref(q[s:s + 1], keys[s], values[s], scale)[0]
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], scale)[0]
         np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}")
 
 
@@ -98,7 +114,7 @@ def test_paged_attention_single_partition_path(emu, group):
     be.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125)
     assert [n.split("<")[0] for n, *_ in emu.launches] == ["paged_attention_kernel"]
     for s in range(len(contexts)):
-        ref = attention_ref(q[s:s + 1], keys[s], values[s], 0.125)[0]
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.125)[0]
         np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
 
 
@@ -111,15 +127,17 @@ def test_paged_attention_group_beyond_gmax_and_empty_context(emu):
     kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 1, group, head_dim, 16, np.float32)
     for num_sms in (1, 64):
         wide = np.full((len(contexts), group + 5, head_dim), np.nan, np.float32)
-        out = wide[:, 2:2 + group]
+        out = wide[:, 2 : 2 + group]
         qwide = np.zeros((len(contexts), group + 3, head_dim), np.float32)
-        qwide[:, 1:1 + group] = q
-        backend(emu, num_sms).paged_attention(out, qwide[:, 1:1 + group], kc, vc, bt, np.array(contexts, np.int32), 0.1)
+        qwide[:, 1 : 1 + group] = q
+        backend(emu, num_sms).paged_attention(
+            out, qwide[:, 1 : 1 + group], kc, vc, bt, np.array(contexts, np.int32), 0.1
+        )
         np.testing.assert_array_equal(out[0], 0.0)
         for s in (1, 2):
-            ref = attention_ref(q[s:s + 1], keys[s], values[s], 0.1)[0]
+            ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.1)[0]
             np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
-        assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, 2 + group:]).all(), "wrote outside the out view"
+        assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, 2 + group :]).all(), "wrote outside the out view"
 
 
 @pytest.mark.parametrize("act,cache", [(np.float32, F16), (F16, F16), (BF16, BF16)], ids=["f32-f16", "f16", "bf16"])
@@ -129,9 +147,9 @@ def test_paged_attention_half_precision_activations(emu, act, cache):
     kc, vc, bt, keys, values, q32 = _decode_case(rng, contexts, 2, 4, 128, 16, cache)
     q = q32.astype(act)
     out = np.full(q.shape, np.nan, np.float32).astype(act)
-    backend(emu).paged_attention(dev(out), dev(q), dev(kc), dev(vc), bt, np.array(contexts, np.int32), 128 ** -0.5)
+    backend(emu).paged_attention(dev(out), dev(q), dev(kc), dev(vc), bt, np.array(contexts, np.int32), 128**-0.5)
     for s in range(len(contexts)):
-        ref = attention_ref(q[s:s + 1].astype(np.float64), keys[s], values[s], 128 ** -0.5)[0]
+        ref = attention_ref(q[s : s + 1].astype(np.float64), keys[s], values[s], 128**-0.5)[0]
         np.testing.assert_allclose(out[s].astype(np.float64), ref, **tol(act))
 
 
@@ -149,11 +167,11 @@ def test_prefill_attention_causal_chunked(emu, cache_dtype, block_size):
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
     lens = np.array(seq_lens, np.int32)
-    backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, lens, head_dim ** -0.5)
+    backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, lens, head_dim**-0.5)
     ref_cpu = np.full_like(q, np.nan)
-    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
+    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim**-0.5)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
-    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 128), (1, 16, 64), (2, 6, 128), (1, 8, 64)])
@@ -192,14 +210,18 @@ def test_prefill_attention_half_precision(emu, act):
     q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
     out = np.full(q.shape, np.nan, np.float32).astype(act)
     # Device-side query_start_loc/seq_lens: no host validation, max_query_len given explicitly.
-    backend(emu).prefill_attention(dev(out), dev(q), dev(kc), dev(vc), bt, qsl,
-                                   np.array(seq_lens, np.int32), 128 ** -0.5, max_query_len=20)
-    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128 ** -0.5, **tol(act))
+    backend(emu).prefill_attention(
+        dev(out), dev(q), dev(kc), dev(vc), bt, qsl, np.array(seq_lens, np.int32), 128**-0.5, max_query_len=20
+    )
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128**-0.5, **tol(act))
 
 
 # ------------------------------------------------------------------------------------------ caches
-@pytest.mark.parametrize("act,cache", [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16),
-                                       (F16, F16)], ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"])
+@pytest.mark.parametrize(
+    "act,cache",
+    [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16), (F16, F16)],
+    ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"],
+)
 def test_reshape_and_cache_writes_slots_and_skips_padding(emu, act, cache):
     rng = np.random.default_rng(0)
     num_blocks, block_size, H, D = 9, 16, 3, 64
@@ -209,8 +231,8 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(emu, act, cache):
     slots[[3, 17]] = -1
     # key/value as views into a fused [tokens, (Hq + 2 Hkv) * D] projection output (token stride != H * D).
     qkv = rng.standard_normal((40, (5 + 2 * H) * D)).astype(np.float32).astype(act)
-    key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
-    value = qkv[:, (5 + H) * D:].reshape(40, H, D)
+    key = qkv[:, 5 * D : (5 + H) * D].reshape(40, H, D)
+    value = qkv[:, (5 + H) * D :].reshape(40, H, D)
     backend(emu).reshape_and_cache(dev(key), dev(value), dev(kc), dev(vc), slots)
     assert_cache_rows_written(kc, vc, key, value, slots)
 
@@ -224,9 +246,11 @@ def test_bf16_rounding_is_nearest_even(emu):
     np.testing.assert_array_equal(kc[0, :, 0, 0], vals.astype(BF16).view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype,shape", [(np.float32, (10, 16, 3, 64)), (BF16, (10, 16, 2, 128)),
-                                         (F16, (10, 3, 1, 6)), (F16, (10, 1, 1, 3))],
-                         ids=["f32-w16", "bf16-w16", "f16-w4", "f16-w2"])
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(np.float32, (10, 16, 3, 64)), (BF16, (10, 16, 2, 128)), (F16, (10, 3, 1, 6)), (F16, (10, 1, 1, 3))],
+    ids=["f32-w16", "bf16-w16", "f16-w4", "f16-w2"],
+)
 def test_copy_blocks_all_layers_one_launch(emu, dtype, shape):
     rng = np.random.default_rng(1)
     kcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
@@ -260,20 +284,21 @@ def test_rms_norm_rotary_silu_against_float64_and_cpu(emu):
     cache = rope_cache(D, 50, theta)
     pos = np.array([0, 3, 49, 7], np.int64)
     qkv = rng.standard_normal((4, (9 + 3 + 3) * D)).astype(np.float32)
-    q = qkv[:, :9 * D].reshape(4, 9, D)  # views into a fused projection: token stride (9+3+3)*D
-    k = qkv[:, 9 * D:12 * D].reshape(4, 3, D)
-    v_before = qkv[:, 12 * D:].copy()
+    q = qkv[:, : 9 * D].reshape(4, 9, D)  # views into a fused projection: token stride (9+3+3)*D
+    k = qkv[:, 9 * D : 12 * D].reshape(4, 3, D)
+    v_before = qkv[:, 12 * D :].copy()
 
     rq, rk = rope_ref(q, pos, theta), rope_ref(k, pos, theta)
     be.rotary_embedding(pos, q, k, cache)
     np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(qkv[:, 12 * D:], v_before)
+    np.testing.assert_array_equal(qkv[:, 12 * D :], v_before)
 
     g = rng.standard_normal((3, 2 * 300)).astype(np.float32)
     gd = g.astype(np.float64)
-    np.testing.assert_allclose(be.silu_and_mul(g), gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        be.silu_and_mul(g), gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
@@ -292,8 +317,11 @@ def test_dense_layers_half_precision(emu, act):
         np.testing.assert_allclose(out.astype(np.float64), ref, **tol(act))
     g = rng.standard_normal((3, 64)).astype(np.float32).astype(act)
     gd = g.astype(np.float64)
-    np.testing.assert_allclose(host(be.silu_and_mul(dev(g)), act).astype(np.float64),
-                               gd[:, :32] / (1 + np.exp(-gd[:, :32])) * gd[:, 32:], **tol(act))
+    np.testing.assert_allclose(
+        host(be.silu_and_mul(dev(g)), act).astype(np.float64),
+        gd[:, :32] / (1 + np.exp(-gd[:, :32])) * gd[:, 32:],
+        **tol(act),
+    )
     ang = np.arange(10)[:, None] * 0.3 ** np.arange(16)[None]
     cache = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
     q = rng.standard_normal((2, 2, 32)).astype(np.float32).astype(act)
@@ -323,7 +351,9 @@ def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab):
     be = backend(emu)
     emu.launches.clear()
     got = be.sample(dev(logits), **args)
-    assert [n for n, *_ in emu.launches] == [f"sample_kernel<{src.F32 if act == np.float32 else src.F16 if act == F16 else src.BF16}>"]
+    assert [n for n, *_ in emu.launches] == [
+        f"sample_kernel<{src.F32 if act == np.float32 else src.F16 if act == F16 else src.BF16}>"
+    ]
     assert got.dtype == np.int64 and ((got >= 0) & (got < vocab)).all()
     assert_draws_match(got, logits.astype(np.float32), args, min_stable=0.9)
     greedy = args["temperature"] == 0
@@ -337,8 +367,14 @@ def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
     logits = (rng.standard_normal((1, 40)) * 2).astype(np.float32)
     n = 150
     case = (0.8, 12, 0.9, 0.02)
-    args = dict(sample_rows=np.zeros(n, np.int64), temperature=np.full(n, case[0]), top_k=np.full(n, case[1]),
-                top_p=np.full(n, case[2]), min_p=np.full(n, case[3]), uniforms=(np.arange(n) + 0.5) / n)
+    args = dict(
+        sample_rows=np.zeros(n, np.int64),
+        temperature=np.full(n, case[0]),
+        top_k=np.full(n, case[1]),
+        top_p=np.full(n, case[2]),
+        min_p=np.full(n, case[3]),
+        uniforms=(np.arange(n) + 0.5) / n,
+    )
     got = backend(emu).sample(logits, **args)
     counts = np.bincount(got, minlength=40)
     expect = cpu.filtered_probs(logits[0], *case) * n
@@ -348,8 +384,15 @@ def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
 
 def test_sample_rejects_rows_outside_the_logits(emu):
     with pytest.raises(ValueError, match="sample_rows"):
-        backend(emu).sample(np.zeros((2, 10), np.float32), np.array([2]), np.ones(1), np.full(1, -1), np.ones(1),
-                            np.zeros(1), np.zeros(1))
+        backend(emu).sample(
+            np.zeros((2, 10), np.float32),
+            np.array([2]),
+            np.ones(1),
+            np.full(1, -1),
+            np.ones(1),
+            np.zeros(1),
+            np.zeros(1),
+        )
 
 
 # ------------------------------------------------------------------------------------------ weight loading
@@ -357,21 +400,24 @@ def test_convert_kernel_rounds_like_numpy_and_ml_dtypes(emu):
     """Every ordered dtype pair, including values that round to even, overflow fp16 and denormals."""
     be = backend(emu)
     rng = np.random.default_rng(4)
-    x32 = np.concatenate([rng.standard_normal(1000) * 10, [1 + 2 ** -8, 1 + 3 * 2 ** -8, 70000.0, 1e-40, -0.0,
-                                                           np.inf, 2 ** -20]]).astype(np.float32)
+    x32 = np.concatenate(
+        [rng.standard_normal(1000) * 10, [1 + 2**-8, 1 + 3 * 2**-8, 70000.0, 1e-40, -0.0, np.inf, 2**-20]]
+    ).astype(np.float32)
     with np.errstate(over="ignore"):  # 70000 overflows fp16 to inf, on purpose
         sources = {"float32": x32, "float16": x32.astype(F16), "bfloat16": x32.astype(BF16)}
     for s_name, s_host in sources.items():
         for d_name, d_np in (("float32", np.float32), ("float16", F16), ("bfloat16", BF16)):
             if s_name == d_name:
                 continue
-            out = (np.full(x32.shape, 0xFFFF, np.uint16) if d_name == "bfloat16"
-                   else np.full(x32.shape, np.nan, d_np))  # poisoned: NaN bits
+            out = (
+                np.full(x32.shape, 0xFFFF, np.uint16) if d_name == "bfloat16" else np.full(x32.shape, np.nan, d_np)
+            )  # poisoned: NaN bits
             be.convert(out, dev(s_host))
             with np.errstate(over="ignore"):
                 expect = s_host.astype(np.float32).astype(d_np)
-            np.testing.assert_array_equal(host(out, d_np).view(np.uint8), expect.view(np.uint8),
-                                          err_msg=f"{s_name} -> {d_name}")
+            np.testing.assert_array_equal(
+                host(out, d_np).view(np.uint8), expect.view(np.uint8), err_msg=f"{s_name} -> {d_name}"
+            )
 
 
 @pytest.mark.parametrize("target", ["float32", "bfloat16", "float16"])
@@ -385,8 +431,9 @@ def test_load_weight_and_fused_linear_from_any_checkpoint_dtype(emu, target):
     for ckpt in (np.float32, F16, BF16, np.float64):
         parts = [rng.standard_normal((r, 24)).astype(np.float32).astype(ckpt) for r in (8, 4, 4)]
         fused = host(be.load_linear(parts, target), t_np)
-        np.testing.assert_array_equal(fused.view(np.uint8),
-                                      np.concatenate(parts).astype(np.float32).astype(t_np).view(np.uint8))
+        np.testing.assert_array_equal(
+            fused.view(np.uint8), np.concatenate(parts).astype(np.float32).astype(t_np).view(np.uint8)
+        )
         norm = host(be.load_weight(parts[0][0], target), t_np)
         np.testing.assert_array_equal(norm.view(np.uint8), parts[0][0].astype(np.float32).astype(t_np).view(np.uint8))
     with pytest.raises(ValueError, match="dtype"):
@@ -412,8 +459,16 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     from rawpaged.kernels.cuda import CudaBackend
     from rawpaged.random_model import write_random_model
 
-    model = write_random_model(tmp_path / "m", num_layers=2, hidden_size=128, intermediate_size=96, num_heads=4,
-                               num_kv_heads=2, head_dim=64, seed=3)
+    model = write_random_model(
+        tmp_path / "m",
+        num_layers=2,
+        hidden_size=128,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        seed=3,
+    )
     kw = dict(model=str(model), num_kv_blocks=64, block_size=16, max_model_len=256)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 16, 33)]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -436,8 +491,16 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     emu.launches.clear()
     assert run(f32) == ref
     launched = {n.split("<")[0] for n, *_ in emu.launches}
-    assert {"paged_attention_kernel", "prefill_attention_kernel", "reshape_and_cache_kernel", "copy_blocks_kernel",
-            "rms_norm_kernel", "rotary_embedding_kernel", "silu_and_mul_kernel", "sample_kernel"} <= launched
+    assert {
+        "paged_attention_kernel",
+        "prefill_attention_kernel",
+        "reshape_and_cache_kernel",
+        "copy_blocks_kernel",
+        "rms_norm_kernel",
+        "rotary_embedding_kernel",
+        "silu_and_mul_kernel",
+        "sample_kernel",
+    } <= launched
     assert f32.stats()["prefix_cache_hits"] > 0
 
     bf16 = LLM(device="cuda", **kw)
@@ -462,12 +525,22 @@ def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, mon
 
     real = engine_mod.get_backend
     monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
-    monkeypatch.setattr(engine_mod, "get_backend",
-                        lambda device: backend(emu, num_sms=4) if device == "cuda" else real(device))
-    shape = dict(num_layers=1, hidden_size=128, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=64,
-                 vocab_size=259)
-    r = check_cuda_engine.check_shape("tiny", shape, tmp_path, np.random.default_rng(0), prompt_lens=(3, 17),
-                                      max_tokens=3, timing_batches=(2,), timing_tokens=2)
+    monkeypatch.setattr(
+        engine_mod, "get_backend", lambda device: backend(emu, num_sms=4) if device == "cuda" else real(device)
+    )
+    shape = dict(
+        num_layers=1, hidden_size=128, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=259
+    )
+    r = check_cuda_engine.check_shape(
+        "tiny",
+        shape,
+        tmp_path,
+        np.random.default_rng(0),
+        prompt_lens=(3, 17),
+        max_tokens=3,
+        timing_batches=(2,),
+        timing_tokens=2,
+    )
     assert r["ok"], r
     assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
     assert r["bfloat16"]["sampled_ids_valid"] and r["bfloat16"]["batch2_tok_per_s"] > 0
@@ -500,23 +573,41 @@ def test_argument_checking_catches_a_wrong_scalar_type(emu):
     with pytest.raises(TypeError):
         emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1), (out, out, np.int32(1), np.int32(32)))
     with pytest.raises(TypeError):
-        emu.launch("silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1),
-                   (out, out.view(np.uint16), np.int64(1), np.int32(32)))
+        emu.launch(
+            "silu_and_mul_kernel<float>", (1, 1, 1), (32, 1, 1), (out, out.view(np.uint16), np.int64(1), np.int32(32))
+        )
 
 
 def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
     """Dynamic shared memory is NaN-filled before each block and fenced: a decode launch with too little
     shared memory must be refused (guard bytes overwritten), not pass by luck."""
     rng = np.random.default_rng(0)
-    kc, vc, bt, *_ , q = _decode_case(rng, [40], 1, 4, 64, 16, np.float32)
+    kc, vc, bt, *_, q = _decode_case(rng, [40], 1, 4, 64, 16, np.float32)
     out = np.full_like(q, np.nan)
     cfg = src.decode_config(1, 4, 1, 64, 48, num_sms=1)
-    args = (out, np.int64(4 * 64), np.uint64(0), np.uint64(0), q, np.int64(4 * 64), kc, vc, bt, np.int32(bt.shape[1]),
-            np.array([40], np.int32), np.int32(4), np.int32(1), np.int32(16), np.float32(0.125),
-            np.int32(cfg["split_len"]), np.int32(1))
+    args = (
+        out,
+        np.int64(4 * 64),
+        np.uint64(0),
+        np.uint64(0),
+        q,
+        np.int64(4 * 64),
+        kc,
+        vc,
+        bt,
+        np.int32(bt.shape[1]),
+        np.array([40], np.int32),
+        np.int32(4),
+        np.int32(1),
+        np.int32(16),
+        np.float32(0.125),
+        np.int32(cfg["split_len"]),
+        np.int32(1),
+    )
     with pytest.raises(RuntimeError, match="outside"):
-        emu.launch("paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args,
-                   cfg["smem_bytes"] - 64)
+        emu.launch(
+            "paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args, cfg["smem_bytes"] - 64
+        )
     emu.launch("paged_attention_kernel<float, float, 64, 4>", cfg["grid"], cfg["block"], args, cfg["smem_bytes"])
     assert np.isfinite(out).all()
 
@@ -534,17 +625,27 @@ def _replay_under_tsan(names, record, tmp_path):
     record(rec)
     rec.write(tmp_path / "in.bin")
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
-    r = subprocess.run([str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True, text=True,
-                       env=env, timeout=600)
+    r = subprocess.run(
+        [str(exe), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if "unexpected memory mapping" in r.stderr:  # TSan vs. a kernel with high mmap entropy
         pytest.skip("ThreadSanitizer cannot run on this kernel (unexpected memory mapping)")
     return rec, r
 
 
 def test_kernels_have_no_data_races_under_tsan(tmp_path):
-    names = ["paged_attention_kernel<float, __nv_bfloat16, 64, 4>", "paged_attention_reduce_kernel<float>",
-             "prefill_attention_kernel<float, __nv_bfloat16, 64>", "rms_norm_kernel<float, float>",
-             "reshape_and_cache_kernel<float, __nv_bfloat16>", "sample_kernel<__nv_bfloat16>"]
+    names = [
+        "paged_attention_kernel<float, __nv_bfloat16, 64, 4>",
+        "paged_attention_reduce_kernel<float>",
+        "prefill_attention_kernel<float, __nv_bfloat16, 64>",
+        "rms_norm_kernel<float, float>",
+        "reshape_and_cache_kernel<float, __nv_bfloat16>",
+        "sample_kernel<__nv_bfloat16>",
+    ]
 
     def record(rec):
         be = emulated_backend(rec, num_sms=64)
@@ -555,8 +656,9 @@ def test_kernels_have_no_data_races_under_tsan(tmp_path):
         be.paged_attention(out, q, dev(kc), dev(vc), bt, np.array(contexts, np.int32), 0.125)
         qsl = np.array([0, 2, 42], np.int32)  # rows 1 and 2 of the block table: 2 new of 17, 40 new of 40
         qp = rng.standard_normal((42, 3, 64)).astype(np.float32)
-        be.prefill_attention(np.full_like(qp, np.nan), qp, dev(kc), dev(vc), bt[1:], qsl, np.array([17, 40], np.int32),
-                             0.1)
+        be.prefill_attention(
+            np.full_like(qp, np.nan), qp, dev(kc), dev(vc), bt[1:], qsl, np.array([17, 40], np.int32), 0.1
+        )
         x = rng.standard_normal((2, 300)).astype(np.float32)
         be.rms_norm(x, rng.standard_normal(300).astype(np.float32), 1e-5, residual=x.copy())
         be.reshape_and_cache(qp[:5, :1], qp[:5, 1:2], dev(kc), dev(vc), np.arange(5, dtype=np.int64))
@@ -572,7 +674,8 @@ def test_kernels_have_no_data_races_under_tsan(tmp_path):
 def test_tsan_replay_detects_a_missing_syncthreads(tmp_path):
     """The race check can fail: the same exchange kernel without its __syncthreads() is reported."""
     for sync, expect_race in (("true", False), ("false", True)):
-        def record(rec):
+
+        def record(rec, sync=sync):
             rec.launch(f"neighbour_exchange_kernel<{sync}>", (1, 1, 1), (64, 1, 1), (np.zeros(64, np.float32),))
 
         _, r = _replay_under_tsan(list(SELFTEST_NAMES), record, tmp_path)

@@ -10,8 +10,15 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
-                                copy_blocks_expected, make_paged_kv, rms_norm_ref)
+from tests.kv_reference import (
+    BF16,
+    assert_cache_rows_written,
+    assert_prefill_matches,
+    attention_ref,
+    copy_blocks_expected,
+    make_paged_kv,
+    rms_norm_ref,
+)
 from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
 
 
@@ -29,9 +36,12 @@ _REQUIRED = os.environ.get("RAWPAGED_REQUIRE_CUDA") == "1"
 # RAWPAGED_CUDA_TESTS_ON_EMULATION=1 runs this module on the CPU emulation of the kernels (slow; checks the
 # tests themselves before a GPU session is spent on them); the CuPy-only tests are skipped then.
 _EMULATED = os.environ.get("RAWPAGED_CUDA_TESTS_ON_EMULATION") == "1"
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not _REQUIRED and not _EMULATED and not _gpu_available(),
-                                 reason="no CUDA device (CuPy sees none)")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not _REQUIRED and not _EMULATED and not _gpu_available(), reason="no CUDA device (CuPy sees none)"
+    ),
+]
 cupy_only = pytest.mark.skipif(_EMULATED, reason="needs CuPy on a GPU (cuBLAS, device memory, the engine)")
 
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
@@ -71,7 +81,7 @@ def test_paged_attention(be, num_sms, cache_dtype, head_dim, group):
     kc, vc, bt, keys, values = make_paged_kv(rng, CONTEXTS, 2, head_dim, 16, cache_dtype)
     q = rng.standard_normal((len(CONTEXTS), 2 * group, head_dim)).astype(np.float32)
     ctx = np.array(CONTEXTS, np.int32)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     saved = be.num_sms
     if num_sms:
         be.num_sms = num_sms
@@ -85,8 +95,9 @@ def test_paged_attention(be, num_sms, cache_dtype, head_dim, group):
     cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
     for s, c in enumerate(CONTEXTS):
-        np.testing.assert_allclose(out[s], attention_ref(q[s:s + 1], keys[s], values[s], scale)[0], rtol=2e-4,
-                                   atol=2e-5, err_msg=f"ctx={c}")
+        np.testing.assert_allclose(
+            out[s], attention_ref(q[s : s + 1], keys[s], values[s], scale)[0], rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}"
+        )
 
 
 @pytest.mark.parametrize("act,cache", [(np.float32, F16), (F16, F16), (BF16, BF16)], ids=["f32-f16", "f16", "bf16"])
@@ -98,19 +109,21 @@ def test_paged_attention_half_precision(be, act, cache):
     keys, values = [None] + keys, [None] + values
     q = rng.standard_normal((len(contexts), 8, 128)).astype(np.float32).astype(act)
     out_d = be.asarray(np.full(q.shape, np.nan, np.float32).astype(act))
-    be.paged_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, np.array(contexts, np.int32),
-                       128 ** -0.5)
+    be.paged_attention(
+        out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, np.array(contexts, np.int32), 128**-0.5
+    )
     out = f64(be.to_numpy(out_d))
     np.testing.assert_array_equal(out[0], 0.0)
     for s in range(1, len(contexts)):
-        ref = attention_ref(f64(q[s:s + 1]), keys[s], values[s], 128 ** -0.5)[0]
+        ref = attention_ref(f64(q[s : s + 1]), keys[s], values[s], 128**-0.5)[0]
         np.testing.assert_allclose(out[s], ref, **tol(act))
 
 
 @pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size",
-                         [(3, 3, 64, 8), (3, 3, 64, 16), (3, 3, 64, 32), (2, 1, 128, 16), (1, 16, 64, 16),
-                          (2, 6, 128, 16)])
+@pytest.mark.parametrize(
+    "num_kv_heads,group,head_dim,block_size",
+    [(3, 3, 64, 8), (3, 3, 64, 16), (3, 3, 64, 32), (2, 1, 128, 16), (1, 16, 64, 16), (2, 6, 128, 16)],
+)
 def test_prefill_attention(be, cache_dtype, num_kv_heads, group, head_dim, block_size):
     rng = np.random.default_rng(block_size + group)
     seq_lens = [17, 33, 40, 1, 100, 16, 300]
@@ -120,12 +133,12 @@ def test_prefill_attention(be, cache_dtype, num_kv_heads, group, head_dim, block
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
     out_d = be.asarray(np.full_like(q, np.nan))
     lens = np.array(seq_lens, np.int32)
-    be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, qsl, lens, head_dim ** -0.5)
+    be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, qsl, lens, head_dim**-0.5)
     out = be.to_numpy(out_d)
     ref_cpu = np.full_like(q, np.nan)
-    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim ** -0.5)
+    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim**-0.5)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
-    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("act", [F16, BF16], ids=["f16", "bf16"])
@@ -136,14 +149,26 @@ def test_prefill_attention_half_precision(be, act):
     qsl = np.array([0, 20, 33], np.int32)
     q = rng.standard_normal((33, 4, 128)).astype(np.float32).astype(act)
     out_d = be.asarray(np.full(q.shape, np.nan, np.float32).astype(act))
-    be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), be.asarray(bt), be.asarray(qsl),
-                         be.asarray(np.array(seq_lens, np.int32)), 128 ** -0.5, max_query_len=20)
+    be.prefill_attention(
+        out_d,
+        be.asarray(q),
+        be.asarray(kc),
+        be.asarray(vc),
+        be.asarray(bt),
+        be.asarray(qsl),
+        be.asarray(np.array(seq_lens, np.int32)),
+        128**-0.5,
+        max_query_len=20,
+    )
     out = f64(be.to_numpy(out_d))
-    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128 ** -0.5, **tol(act))
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 128**-0.5, **tol(act))
 
 
-@pytest.mark.parametrize("act,cache", [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16),
-                                       (F16, F16)], ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"])
+@pytest.mark.parametrize(
+    "act,cache",
+    [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16), (F16, F16)],
+    ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"],
+)
 def test_reshape_and_cache(be, act, cache):
     rng = np.random.default_rng(0)
     num_blocks, block_size, H, D = 9, 16, 3, 64
@@ -152,12 +177,12 @@ def test_reshape_and_cache(be, act, cache):
     slots[[3, 17]] = -1
     qkv = rng.standard_normal((40, (5 + 2 * H) * D)).astype(np.float32).astype(act)
     qkv_d = be.asarray(qkv)
-    key_d = qkv_d[:, 5 * D:(5 + H) * D].reshape(40, H, D)
-    value_d = qkv_d[:, (5 + H) * D:].reshape(40, H, D)
+    key_d = qkv_d[:, 5 * D : (5 + H) * D].reshape(40, H, D)
+    value_d = qkv_d[:, (5 + H) * D :].reshape(40, H, D)
     kc_d, vc_d = be.asarray(kc), be.asarray(kc.copy())
     be.reshape_and_cache(key_d, value_d, kc_d, vc_d, slots)
-    key = qkv[:, 5 * D:(5 + H) * D].reshape(40, H, D)
-    value = qkv[:, (5 + H) * D:].reshape(40, H, D)
+    key = qkv[:, 5 * D : (5 + H) * D].reshape(40, H, D)
+    value = qkv[:, (5 + H) * D :].reshape(40, H, D)
     assert_cache_rows_written(be.to_numpy(kc_d), be.to_numpy(vc_d), key, value, slots)
 
 
@@ -203,21 +228,25 @@ def test_dense_layers(be, act):
     pos = np.array([0, 3, 49, 7], np.int64)
     qkv = rng.standard_normal((4, 15 * D)).astype(np.float32).astype(act)
     qkv_d = be.asarray(qkv.copy())
-    be.rotary_embedding(pos, qkv_d[:, :9 * D].reshape(4, 9, D), qkv_d[:, 9 * D:12 * D].reshape(4, 3, D),
-                        be.asarray(cache))
+    be.rotary_embedding(
+        pos, qkv_d[:, : 9 * D].reshape(4, 9, D), qkv_d[:, 9 * D : 12 * D].reshape(4, 3, D), be.asarray(cache)
+    )
     got = f64(be.to_numpy(qkv_d))
     for lo, hi, h in ((0, 9 * D, 9), (9 * D, 12 * D, 3)):
         a = f64(qkv[:, lo:hi]).reshape(4, h, D)
         cos = np.concatenate([np.cos(ang[pos])] * 2, -1)[:, None]
         sin = np.concatenate([np.sin(ang[pos])] * 2, -1)[:, None]
-        rot = np.concatenate([-a[..., D // 2:], a[..., :D // 2]], -1)
+        rot = np.concatenate([-a[..., D // 2 :], a[..., : D // 2]], -1)
         np.testing.assert_allclose(got[:, lo:hi].reshape(4, h, D), a * cos + rot * sin, **tol(act))
-    np.testing.assert_array_equal(got[:, 12 * D:], f64(qkv[:, 12 * D:]))
+    np.testing.assert_array_equal(got[:, 12 * D :], f64(qkv[:, 12 * D :]))
 
     g = rng.standard_normal((3, 600)).astype(np.float32).astype(act)
     gd = f64(g)
-    np.testing.assert_allclose(f64(be.to_numpy(be.silu_and_mul(be.asarray(g)))),
-                               gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:], **tol(act))
+    np.testing.assert_allclose(
+        f64(be.to_numpy(be.silu_and_mul(be.asarray(g)))),
+        gd[:, :300] / (1 + np.exp(-gd[:, :300])) * gd[:, 300:],
+        **tol(act),
+    )
 
 
 @cupy_only
@@ -264,8 +293,16 @@ def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
     from rawpaged import LLM, SamplingParams
     from rawpaged.random_model import write_random_model
 
-    model = write_random_model(tmp_path / "m", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
-                               num_kv_heads=2, head_dim=64, vocab_size=512)
+    model = write_random_model(
+        tmp_path / "m",
+        num_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=512,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 16, 17, 40)]
     kw = dict(model=str(model), num_kv_blocks=64, max_model_len=256)

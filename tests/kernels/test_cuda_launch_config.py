@@ -13,8 +13,9 @@ from rawpaged.kernels import cuda_sources as src
 @pytest.mark.parametrize("head_dim", src.HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64])
 def test_decode_config_covers_group_and_fits_shared_memory(head_dim, group):
-    cfg = src.decode_config(num_seqs=3, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, max_context_len=5000,
-                            num_sms=132)
+    cfg = src.decode_config(
+        num_seqs=3, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, max_context_len=5000, num_sms=132
+    )
     assert cfg["gmax"] in src.DECODE_GMAX and cfg["gmax"] <= src.gmax_cap(head_dim)
     assert cfg["gchunks"] * cfg["gmax"] >= group > (cfg["gchunks"] - 1) * cfg["gmax"]
     assert f"paged_attention_kernel<float, float, {head_dim}, {cfg['gmax']}>" in src.all_name_expressions()
@@ -61,12 +62,19 @@ def test_module_source_inlines_the_header_once():
 def test_cuda_sources_does_not_import_cupy():
     import subprocess
     import sys
-
     from pathlib import Path
 
-    r = subprocess.run([sys.executable, "-c", "import sys, rawpaged.kernels.cuda_sources, rawpaged.kernels.cuda; "
-                        "assert 'cupy' not in sys.modules, 'cupy imported'"], capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parents[2])
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, rawpaged.kernels.cuda_sources, rawpaged.kernels.cuda; "
+            "assert 'cupy' not in sys.modules, 'cupy imported'",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -118,7 +126,8 @@ class _FakeCuda:
 
         self.stream = Stream()
         self.cuda = types.SimpleNamespace(
-            alloc_pinned_memory=lambda n: bytearray(n), get_current_stream=lambda: self.stream, runtime=Runtime)
+            alloc_pinned_memory=lambda n: bytearray(n), get_current_stream=lambda: self.stream, runtime=Runtime
+        )
 
 
 class _HostArray:

@@ -4,8 +4,17 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from tests.kv_reference import (BF16, assert_cache_rows_written, assert_prefill_matches, attention_ref,
-                                copy_blocks_expected, make_paged_kv, rms_norm_ref, rope_cache, rope_ref)
+from tests.kv_reference import (
+    BF16,
+    assert_cache_rows_written,
+    assert_prefill_matches,
+    attention_ref,
+    copy_blocks_expected,
+    make_paged_kv,
+    rms_norm_ref,
+    rope_cache,
+    rope_ref,
+)
 
 CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 1000]
 GROUPS = [1, 2, 4, 8, 16, 3, 6]
@@ -33,10 +42,10 @@ def test_paged_attention_matches_float64(dtype, head_dim, group, numba_mode):
     kc, vc, bt, keys, values = make_paged_kv(rng, CONTEXTS, num_kv_heads, head_dim, block_size, dtype)
     q = rng.standard_normal((len(CONTEXTS), num_heads, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     cpu.paged_attention(out, q, kc, vc, bt, np.array(CONTEXTS, np.int32), scale)
     for s, ctx in enumerate(CONTEXTS):
-        ref = attention_ref(q[s:s + 1], keys[s], values[s], scale)[0]
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], scale)[0]
         np.testing.assert_allclose(out[s], ref, **_tol(dtype), err_msg=f"ctx={ctx}")
 
 
@@ -53,8 +62,8 @@ def test_prefill_attention_causal_chunked(dtype, block_size, numba_mode):
     qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
     q = rng.standard_normal((qsl[-1], num_heads, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim ** -0.5)
-    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5, **_tol(dtype))
+    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
@@ -119,8 +128,9 @@ def test_rms_norm_rotary_silu_against_float64():
 
     g = rng.standard_normal((3, 20)).astype(np.float32)
     gd = g.astype(np.float64)
-    np.testing.assert_allclose(cpu.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        cpu.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
@@ -134,5 +144,5 @@ def test_prefill_attention_long_sequences_cross_kv_tiles(dtype):
     qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim ** -0.5)
-    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim ** -0.5, **_tol(dtype))
+    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5, **_tol(dtype))

@@ -17,10 +17,17 @@ def _write_raw(path, header: dict, data: bytes, header_len=None):
     path.write_bytes(struct.pack("<Q", header_len if header_len is not None else len(h)) + h + data)
 
 
-@pytest.mark.parametrize("case, match", [
-    ("truncated", "truncated"), ("header_beyond", "beyond the file"), ("overlap", "overlap"),
-    ("out_of_range", "outside the data"), ("bad_json", "not valid JSON"), ("size_mismatch", "bytes for shape"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("truncated", "truncated"),
+        ("header_beyond", "beyond the file"),
+        ("overlap", "overlap"),
+        ("out_of_range", "outside the data"),
+        ("bad_json", "not valid JSON"),
+        ("size_mismatch", "bytes for shape"),
+    ],
+)
 def test_bad_safetensors_files(tmp_path, case, match):
     f = tmp_path / "model.safetensors"
     a = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
@@ -80,10 +87,13 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_dir):
     shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
     for fname, ns in shards.items():
         save_file({n: tensors[n] for n in ns}, str(tmp_path / fname))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {n: f for f, ns in shards.items() for n in ns}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: f for f, ns in shards.items() for n in ns}})
+    )
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).write_bytes((tiny_dir / f).read_bytes())
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    assert (_engine(tmp_path).generate(["abc"], params)[0].outputs[0].token_ids
-            == _engine(tiny_dir).generate(["abc"], params)[0].outputs[0].token_ids)
+    assert (
+        _engine(tmp_path).generate(["abc"], params)[0].outputs[0].token_ids
+        == _engine(tiny_dir).generate(["abc"], params)[0].outputs[0].token_ids
+    )

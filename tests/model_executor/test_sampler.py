@@ -79,8 +79,15 @@ def test_inverse_cdf_draws_follow_the_filtered_distribution(case):
     x = (rng.standard_normal(50) * 2).astype(np.float32)[None, :]
     n = 4000
     u = (np.arange(n) + 0.5) / n  # stratified: token t is drawn for a run of about n * p_t uniforms
-    ids = cpu.sample(x, np.zeros(n, np.int64), np.full(n, case["temperature"]), np.full(n, case["top_k"]),
-                     np.full(n, case["top_p"]), np.full(n, case["min_p"]), u)
+    ids = cpu.sample(
+        x,
+        np.zeros(n, np.int64),
+        np.full(n, case["temperature"]),
+        np.full(n, case["top_k"]),
+        np.full(n, case["top_p"]),
+        np.full(n, case["min_p"]),
+        u,
+    )
     counts = np.bincount(ids, minlength=x.shape[1])
     expect = cpu.filtered_probs(x[0], **case) * n
     assert np.all(np.abs(counts - expect) <= 1.0), np.abs(counts - expect).max()

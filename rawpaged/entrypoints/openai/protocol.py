@@ -28,8 +28,14 @@ MAX_PROMPTS = 64
 class ProtocolError(Exception):
     """A request the server refuses; ``status`` and ``body()`` are what the client gets."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -41,8 +47,9 @@ class ProtocolError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -122,7 +129,7 @@ class GenerationRequest(OpenAIBaseModel):
     # ---------------------------------------------------------------- derived
     @property
     def kind(self) -> str:
-        """"completion" or "chat": the response shapes and the ``max_tokens`` default."""
+        """ "completion" or "chat": the response shapes and the ``max_tokens`` default."""
         return "completion"
 
     @property
@@ -179,7 +186,7 @@ class GenerationRequest(OpenAIBaseModel):
         except InvalidRequestError as e:
             param, message = self._client_param(e.param), str(e)
             if param != e.param and message.startswith(e.param):
-                message = param + message[len(e.param):]
+                message = param + message[len(e.param) :]
             raise ProtocolError(message, param=param) from None
 
     def _client_param(self, param: str | None) -> str | None:
@@ -190,8 +197,10 @@ class GenerationRequest(OpenAIBaseModel):
         """OpenAI's and this server's rules, then the engine's own checks on the whole parameter set."""
         max_tokens = self.requested_max_tokens
         if max_tokens is not None and max_tokens > limits.max_tokens:
-            raise ProtocolError(f"{self.max_tokens_param} is {max_tokens}; this server allows at most "
-                                f"{limits.max_tokens}", param=self.max_tokens_param)
+            raise ProtocolError(
+                f"{self.max_tokens_param} is {max_tokens}; this server allows at most {limits.max_tokens}",
+                param=self.max_tokens_param,
+            )
         for name in ("n", "best_of"):
             value = getattr(self, name, None)
             if value is not None and value > limits.max_n:
@@ -205,11 +214,11 @@ class GenerationRequest(OpenAIBaseModel):
         if self.stream and (getattr(self, "best_of", None) or self.num_choices) > self.num_choices:
             raise ProtocolError("best_of > n cannot be streamed", param="best_of")
         if self.use_beam_search and self.stream:
-            raise ProtocolError("beam search cannot be streamed (beams are chosen at the end)",
-                                param="use_beam_search")
+            raise ProtocolError("beam search cannot be streamed (beams are chosen at the end)", param="use_beam_search")
         if self.length_penalty is not None and not self.use_beam_search:
-            raise ProtocolError("length_penalty applies to beam search only (use_beam_search: true)",
-                                param="length_penalty")
+            raise ProtocolError(
+                "length_penalty applies to beam search only (use_beam_search: true)", param="length_penalty"
+            )
         for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
             value = getattr(self, name)
             if value is not None and value != neutral:
@@ -385,53 +394,82 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def models_response(name: str, created: int, max_model_len: int | None) -> dict:
-    card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name,
-            "parent": None}
+    card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name, "parent": None}
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
     return {"object": "list", "data": [card]}
 
 
 def completion_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": None}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _chunk(obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None,
-           include_usage: bool) -> dict:
-    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-             "system_fingerprint": None}
+def _chunk(
+    obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None, include_usage: bool
+) -> dict:
+    chunk = {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
     if include_usage:
         chunk["usage"] = usage_
     return chunk
 
 
-def completion_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
-                     include_usage: bool = False) -> dict:
+def completion_chunk(
+    rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
+) -> dict:
     return _chunk("text_completion", rid, created, model, choices, usage_, include_usage)
 
 
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_, "system_fingerprint": None}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
-def chat_chunk(rid: str, created: int, model: str, choices: list, usage_: dict | None = None,
-               include_usage: bool = False) -> dict:
+def chat_chunk(
+    rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
+) -> dict:
     return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage)
 
 
@@ -463,9 +501,15 @@ def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict
     for tid, entry in zip(token_ids, entries):
         s = token_text(tokenizer, tid)
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-        content.append({
-            "token": s, "logprob": entry.get(tid), "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": (ts := token_text(tokenizer, t)), "logprob": lp,
-                              "bytes": list(ts.encode("utf-8"))} for t, lp in top],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": entry.get(tid),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (ts := token_text(tokenizer, t)), "logprob": lp, "bytes": list(ts.encode("utf-8"))}
+                    for t, lp in top
+                ],
+            }
+        )
     return {"content": content}

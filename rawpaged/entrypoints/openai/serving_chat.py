@@ -24,8 +24,9 @@ class ChatFormat:
         return protocol.chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
 
     def choice(self, req, index, prompt, output):
-        return protocol.chat_choice(index, output.text, output.finish_reason,
-                                    self._logprobs(req, prompt, output.token_ids, output.logprobs))
+        return protocol.chat_choice(
+            index, output.text, output.finish_reason, self._logprobs(req, prompt, output.token_ids, output.logprobs)
+        )
 
     @staticmethod
     def opening_choices(req, num_choices):
@@ -35,8 +36,7 @@ class ChatFormat:
         lp = self._logprobs(req, prompt, delta.token_ids, delta.logprobs) if delta.token_ids else None
         if not delta.text and delta.finish_reason is None and lp is None:
             return None
-        return protocol.chat_chunk_choice(index, {"content": delta.text} if delta.text else {}, delta.finish_reason,
-                                          lp)
+        return protocol.chat_chunk_choice(index, {"content": delta.text} if delta.text else {}, delta.finish_reason, lp)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

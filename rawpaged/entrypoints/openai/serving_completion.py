@@ -24,8 +24,12 @@ class CompletionFormat:
 
     def choice(self, req, index, prompt, output):
         prefix = prompt.echo_text if req.echo else ""
-        return protocol.completion_choice(index, prefix + output.text, output.finish_reason,
-                                          self._logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)))
+        return protocol.completion_choice(
+            index,
+            prefix + output.text,
+            output.finish_reason,
+            self._logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)),
+        )
 
     @staticmethod
     def opening_choices(req, num_choices):
@@ -33,8 +37,11 @@ class CompletionFormat:
 
     def chunk_choice(self, req, index, prompt, delta):
         echo = len(prompt.echo_text) if req.echo else 0
-        lp = self._logprobs(req, prompt, delta.token_ids, delta.logprobs, echo + delta.text_offset) \
-            if delta.token_ids else None
+        lp = (
+            self._logprobs(req, prompt, delta.token_ids, delta.logprobs, echo + delta.text_offset)
+            if delta.token_ids
+            else None
+        )
         if not delta.text and delta.finish_reason is None and lp is None:
             return None
         text = prompt.echo_text + delta.text if req.echo and delta.first else delta.text

@@ -30,8 +30,9 @@ async def read_body(request: web.Request) -> bytes:
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ProtocolError(f"request body is larger than {request.app[STATE].max_body_size} bytes",
-                            status=413) from None
+        raise ProtocolError(
+            f"request body is larger than {request.app[STATE].max_body_size} bytes", status=413
+        ) from None
 
 
 @dataclass
@@ -76,9 +77,11 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
             default = protocol.DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else limits.max_tokens
             max_tokens = min(default, room)
         elif requested > room:
-            raise ProtocolError(f"this model's maximum context length is {max_len} tokens; the prompt has "
-                                f"{len(ids)} tokens and {req.max_tokens_param} asks for {requested} more",
-                                param=req.max_tokens_param)
+            raise ProtocolError(
+                f"this model's maximum context length is {max_len} tokens; the prompt has "
+                f"{len(ids)} tokens and {req.max_tokens_param} asks for {requested} more",
+                param=req.max_tokens_param,
+            )
         else:
             max_tokens = requested
         out.append(PreparedPrompt(text, list(ids), req.sampling_params(max_tokens), tok))
@@ -151,14 +154,16 @@ class ResponseFormat(Protocol):
     def choice(self, req: GenerationRequest, index: int, prompt: PreparedPrompt, output: CompletionOutput) -> dict:
         """One choice of the full (non-streamed) response."""
 
-    def chunk(self, rid: str, created: int, model: str, choices: list, usage: dict | None,
-              include_usage: bool) -> dict: ...
+    def chunk(
+        self, rid: str, created: int, model: str, choices: list, usage: dict | None, include_usage: bool
+    ) -> dict: ...
 
     def opening_choices(self, req: GenerationRequest, num_choices: int) -> list:
         """Chunk choices sent before any token (chat: the role of every choice)."""
 
-    def chunk_choice(self, req: GenerationRequest, index: int, prompt: PreparedPrompt,
-                     delta: CompletionDelta) -> dict | None:
+    def chunk_choice(
+        self, req: GenerationRequest, index: int, prompt: PreparedPrompt, delta: CompletionDelta
+    ) -> dict | None:
         """The chunk choice for one delta, or None when it carries nothing to send."""
 
 
@@ -197,8 +202,10 @@ async def _full_response(state: ServerState, req, fmt: ResponseFormat, rid, prom
 
 
 async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams):
-    resp = web.StreamResponse(status=200, headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        status=200,
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
     await resp.prepare(request)
     created = protocol.now()
     model = state.model_name
@@ -214,8 +221,11 @@ async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat
         if opening:
             await send(fmt.chunk(rid, created, model, opening, None, req.include_usage))
         async for i, out in merge_streams(streams):
-            choices = [c for d in trackers[i].deltas(out)
-                       if (c := fmt.chunk_choice(req, i * n + d.index, prompts[i], d)) is not None]
+            choices = [
+                c
+                for d in trackers[i].deltas(out)
+                if (c := fmt.chunk_choice(req, i * n + d.index, prompts[i], d)) is not None
+            ]
             if out.finished:
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             if choices:

@@ -59,8 +59,7 @@ class LlamaModel:
         max_position: positions the RoPE cache covers (the engine's ``max_model_len``).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32",
-                 max_position: int = 2048):
+    def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32", max_position: int = 2048):
         self.config = config
         self.backend = backend
         self.dtype = dtype
@@ -82,8 +81,11 @@ class LlamaModel:
                 "input_layernorm": put(p + "input_layernorm.weight"),
                 "post_attention_layernorm": put(p + "post_attention_layernorm.weight"),
                 "qkv_proj": lin(*[n + ".weight" for n in qkv]),
-                "qkv_bias": (backend.load_weight(np.concatenate([weights[n + ".bias"] for n in qkv]), dtype)
-                             if config.attention_bias else None),
+                "qkv_bias": (
+                    backend.load_weight(np.concatenate([weights[n + ".bias"] for n in qkv]), dtype)
+                    if config.attention_bias
+                    else None
+                ),
                 "o_proj": lin(p + "self_attn.o_proj.weight"),
                 "gate_up_proj": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 "down_proj": lin(p + "mlp.down_proj.weight"),
@@ -91,7 +93,7 @@ class LlamaModel:
             self.layers.append(layer)
         backend.finish_loading()
         self.cos_sin_cache = backend.asarray(rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta))
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
         """Hidden states after the final norm.
@@ -113,18 +115,33 @@ class LlamaModel:
                 x = be.rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps, residual=residual)
             qkv = be.linear(x, layer["qkv_proj"], layer["qkv_bias"])
             q = be.xp.ascontiguousarray(qkv[:, : Hq * D]).reshape(T, Hq, D)
-            k = be.xp.ascontiguousarray(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(T, Hkv, D)
-            v = be.xp.ascontiguousarray(qkv[:, (Hq + Hkv) * D:]).reshape(T, Hkv, D)
+            k = be.xp.ascontiguousarray(qkv[:, Hq * D : (Hq + Hkv) * D]).reshape(T, Hkv, D)
+            v = be.xp.ascontiguousarray(qkv[:, (Hq + Hkv) * D :]).reshape(T, Hkv, D)
             be.rotary_embedding(positions, q, k, self.cos_sin_cache)
             be.reshape_and_cache(k, v, key_caches[i], value_caches[i], attn.slot_mapping)
             if nd:
-                be.paged_attention(attn_out[:nd], q[:nd], key_caches[i], value_caches[i],
-                                   attn.decode_block_tables, attn.decode_context_lens, self.scale,
-                                   max_context_len=attn.max_context_len)
+                be.paged_attention(
+                    attn_out[:nd],
+                    q[:nd],
+                    key_caches[i],
+                    value_caches[i],
+                    attn.decode_block_tables,
+                    attn.decode_context_lens,
+                    self.scale,
+                    max_context_len=attn.max_context_len,
+                )
             if nd < T:
-                be.prefill_attention(attn_out[nd:], q[nd:], key_caches[i], value_caches[i],
-                                     attn.prefill_block_tables, attn.query_start_loc, attn.prefill_seq_lens,
-                                     self.scale, max_query_len=attn.max_query_len)
+                be.prefill_attention(
+                    attn_out[nd:],
+                    q[nd:],
+                    key_caches[i],
+                    value_caches[i],
+                    attn.prefill_block_tables,
+                    attn.query_start_loc,
+                    attn.prefill_seq_lens,
+                    self.scale,
+                    max_query_len=attn.max_query_len,
+                )
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
             h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])
