@@ -108,7 +108,6 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
-        self.errored: BaseException | None = None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -228,7 +227,6 @@ class AsyncEngine:
                 raise
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
                 logger.exception("engine step failed; failing the running requests")
-                self.errored = e
                 self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                 busy = False
                 continue

@@ -163,8 +163,8 @@ class LLMEngine:
             logits, [row for row, seq in enumerate(sampling) if _needs_distribution(seq.sampling_params)]
         )
         touched: dict[str, Request] = {}
-        draws, samples, pruned, beams_done = [], [], [], []  # one draw per sample, all in one backend call
-        beam_sampled = []
+        draws, samples = [], []  # per sample: its draw (all drawn in one backend call), (sequence, logprob row)
+        beam_sampled, pruned, beams_done = [], [], []
         for row, seq in enumerate(sampling):
             req = self.requests[seq.request_id]
             params = req.params
