@@ -59,8 +59,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 # ------------------------------------------------------------------------------------------ engine options
 def field_docs(cls) -> dict:
-    """``{field: docstring}`` from the string literal that follows each annotated field of ``cls``."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    """``{field: docstring}`` from the string literal that follows each annotated field of ``cls`` (empty
+    where the source is not installed)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
