@@ -100,6 +100,14 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
         kw = dict(default=f.default, help=docs.get(f.name, ""))
         if hint is bool:
             target.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            if f.name == "enable_prefix_caching":
+                target.add_argument(
+                    "--no-prefix-caching",
+                    dest=f.name,
+                    action="store_false",
+                    default=argparse.SUPPRESS,
+                    help="same as --no-enable-prefix-caching",
+                )
             continue
         if typing.get_origin(hint) is typing.Literal:
             kw["choices"] = typing.get_args(hint)
@@ -109,13 +117,6 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
             if metavar:
                 kw["metavar"] = metavar
         target.add_argument(flag, **kw)
-    group.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="same as --no-enable-prefix-caching",
-    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -165,7 +166,8 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         "--max-body-size",
         type=parse_size,
         default=DEFAULT_MAX_BODY_SIZE,
-        help="largest request body or websocket message in bytes (larger: HTTP 413)",
+        metavar="SIZE",
+        help="largest request body or websocket message, e.g. 4MiB (larger: HTTP 413)",
     )
     p.add_argument(
         "--log-level",
@@ -216,8 +218,8 @@ def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentP
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the probability mass kept")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
     add_engine_args(p, exclude=("seed",))
     return p
