@@ -46,6 +46,11 @@ def float_type(name: str) -> FloatType:
         raise ValueError(f"dtype must be one of {sorted(FLOAT_TYPES)}, got {name!r}") from None
 
 
+def float_type_of(dtype) -> FloatType | None:
+    """The float type whose NumPy host dtype is ``dtype``, or None (float64, integers)."""
+    return next((t for t in FLOAT_TYPES.values() if t.numpy == np.dtype(dtype)), None)
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy host dtype of the float type ``name`` (``ml_dtypes.bfloat16`` for bfloat16)."""
     return float_type(name).numpy

@@ -27,7 +27,7 @@ import functools
 
 import numpy as np
 
-from rawpaged.dtypes import BFLOAT16, FLOAT_TYPES, float_type
+from rawpaged.dtypes import BFLOAT16, FLOAT32, FLOAT_TYPES, float_type, float_type_of
 from rawpaged.kernels import cuda_sources as src
 
 _BF16 = BFLOAT16.numpy
@@ -676,16 +676,13 @@ class CudaBackend:
 
     def _upload_into(self, dst, host, dtype: str) -> None:
         host = np.asarray(host)
-        if host.dtype == _BF16:
-            host_name = "bfloat16"
-        elif host.dtype in (np.float32, np.float16):
-            host_name = str(host.dtype)
-        else:  # float64 or integer checkpoints: narrow on the host
-            host, host_name = np.asarray(host, dtype=np.float32), "float32"
-        if host_name == dtype:
+        host_type = float_type_of(host.dtype)
+        if host_type is None:  # float64 or integer checkpoints: narrow on the host
+            host, host_type = np.asarray(host, dtype=np.float32), FLOAT32
+        if host_type.name == dtype:
             self._copy_to_device(dst, host)
             return
-        raw = self.xp.empty(host.shape, dtype=FLOAT_TYPES[host_name].device)
+        raw = self.xp.empty(host.shape, dtype=host_type.device)
         self._copy_to_device(raw, host)
         self.convert(dst, raw)
 

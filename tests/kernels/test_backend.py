@@ -40,6 +40,8 @@ def test_dtype_table():
     assert {t.safetensors for t in dtypes.FLOAT_TYPES.values()} <= set(dtypes.SAFETENSORS_DTYPES)
     with pytest.raises(ValueError, match="int8"):
         dtypes.float_type("int8")
+    assert [dtypes.float_type_of(t.numpy) for t in dtypes.FLOAT_TYPES.values()] == list(dtypes.FLOAT_TYPES.values())
+    assert dtypes.float_type_of(np.float64) is None and dtypes.float_type_of(np.uint16) is None
     assert CPUBackend.auto_dtype("bfloat16") == "float32" and CudaBackend.auto_dtype(None) == "bfloat16"
 
 
