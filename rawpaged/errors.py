@@ -1,4 +1,4 @@
-"""The one error type for requests the engine refuses."""
+"""The engine's error types: requests it refuses, and requests it could not finish."""
 
 from __future__ import annotations
 
@@ -13,3 +13,15 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineError(RuntimeError):
+    """A request ended by a failure of the engine (the server answers 500)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop failed or was shut down while the request was running."""
+
+
+class RequestFailedError(EngineError):
+    """Computing this one request failed inside a step; the engine ended it alone and went on."""

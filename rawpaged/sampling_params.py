@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rawpaged.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+#: vLLM's thresholds: a temperature below ``SAMPLING_EPS`` is greedy; one in ``[SAMPLING_EPS, MIN_TEMPERATURE)``
+#: is raised to ``MIN_TEMPERATURE`` (``logits / T`` would overflow float32).
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+MAX_SEED = (1 << 64) - 1
 
 
 @dataclass
@@ -16,18 +22,20 @@ class SamplingParams:
     Attributes:
         n: completions returned per prompt; they share the prompt's KV blocks.
         best_of: completions generated (>= n); the n with the highest cumulative logprob are returned.
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: below 1e-5 greedy (argmax); otherwise logits are divided by it (at least 1e-2, as
+            vLLM raises smaller ones).
         top_p: nucleus sampling mass in (0, 1].
-        top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+        top_k: keep the k most likely tokens; -1 (or 0) keeps all, as does any k >= the vocabulary.
         min_p: drop tokens whose probability is below ``min_p * p_max`` (Nguyen et al. 2024).
-        seed: per-request seed; the same seed gives the same tokens whatever the request is batched with.
+        seed: per-request seed in [0, 2^64); the same seed gives the same tokens whatever the request is
+            batched with.
         max_tokens: generated tokens at most (>= 1).
         stop: strings that end generation; not included in the text; found across token boundaries.
         stop_token_ids: token ids that end generation (besides EOS unless ``ignore_eos``).
         ignore_eos: keep going after EOS.
         logprobs: number of top logprobs to return per generated token (0..20), or None.
         use_beam_search / beam_width / length_penalty: beam search (score = cumulative logprob /
-            generated_length ** length_penalty, as in HF transformers).
+            generated_length ** length_penalty, as in HF transformers; any finite length_penalty).
     Raises:
         InvalidRequestError (a ValueError) on any invalid value; its message starts with the field's name
         and its ``param`` is that name.
@@ -57,8 +65,8 @@ class SamplingParams:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v):  # a finite int or float
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
@@ -68,14 +76,18 @@ class SamplingParams:
             bad("best_of", f"must be an integer >= n ({self.n})")
         if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be a number in [0, 100]")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        elif self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            bad("seed", "must be an integer in [0, 2^64) or None")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if self.stop is None:
@@ -108,7 +120,7 @@ class SamplingParams:
             if self.n > self.beam_width:
                 bad("n", f"must be <= beam_width ({self.beam_width}) with beam search")
         if not is_num(self.length_penalty):
-            bad("length_penalty", "must be a number")
+            bad("length_penalty", "must be a finite number")
 
     @property
     def greedy(self) -> bool:

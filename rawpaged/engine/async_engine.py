@@ -27,20 +27,18 @@ from dataclasses import dataclass
 
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import RequestOutput
+from rawpaged.errors import EngineDeadError, RequestFailedError
 from rawpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("rawpaged.server")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down while the request was running."""
 
 
 class RequestStream:
     """Async iterator of one request's ``RequestOutput``s (newest state only, see module doc).
 
     Iteration ends after the finished output, or early when the request was aborted (``aborted`` is
-    then True). Raises ``EngineDeadError`` if the engine failed.
+    then True). Raises ``EngineDeadError`` if the engine failed, ``RequestFailedError`` if the engine
+    ended this request alone.
     """
 
     def __init__(self, request_id: str):
@@ -242,6 +240,13 @@ class AsyncEngine:
             if stream is None:  # aborted while the step ran
                 continue
             info = self._info.get(rid)
+            if out.error is not None:  # the engine ended this request alone
+                self._streams.pop(rid, None)
+                self._info.pop(rid, None)
+                stream.close(error=RequestFailedError(f"the request failed: {out.error}"))
+                if info is not None:
+                    self._finished(rid, info, "error", now)
+                continue
             if info is not None:
                 n = sum(len(c.token_ids) for c in out.outputs)
                 if n > info.num_generated:

@@ -22,6 +22,13 @@ import numpy as np
 from rawpaged.engine.outputs import CompletionOutput
 
 
+def length_normalized(cumulative_logprob: float, length: int, length_penalty: float) -> float:
+    """``cumulative_logprob / length ** length_penalty`` in float64, for any finite ``length_penalty``: a
+    power that overflows gives -0.0 and one that underflows -inf (never an exception)."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return float(np.float64(cumulative_logprob) / np.power(np.float64(length), length_penalty))
+
+
 @dataclass
 class Hypothesis:
     score: float
@@ -78,7 +85,10 @@ def step(
             if rank < k and state.improvement_possible:
                 new_finished.append(
                     Hypothesis(
-                        total / (g + 1) ** state.length_penalty, total, generated[parent] + [token], token in stop_ids
+                        length_normalized(total, g + 1, state.length_penalty),
+                        total,
+                        generated[parent] + [token],
+                        token in stop_ids,
                     )
                 )
         elif len(running) < k:
@@ -87,7 +97,7 @@ def step(
     merged.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as in torch.topk on the concat
     state.finished = merged[:k]
     if running and len(state.finished) == k:
-        best_possible = running[0].cumulative_logprob / (g + 1) ** state.length_penalty
+        best_possible = length_normalized(running[0].cumulative_logprob, g + 1, state.length_penalty)
         if best_possible <= state.finished[-1].score:
             state.improvement_possible = False
     state.done = not running or not state.improvement_possible

@@ -10,6 +10,7 @@ offline.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from rawpaged.dtypes import numpy_dtype
 from rawpaged.engine import beam_search, parallel_sampling
 from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.output_processor import OutputProcessor
+from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
@@ -31,6 +33,8 @@ from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import Tokenizer
+
+logger = logging.getLogger("rawpaged.engine")
 
 
 class LLMEngine:
@@ -153,7 +157,13 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list:
-        """Run one iteration; returns a ``RequestOutput`` for each request that produced tokens or finished."""
+        """Run one iteration; returns a ``RequestOutput`` for each request that produced tokens or finished.
+
+        A failure while computing one request's part of the step (its samples, forks, beams, text or
+        output) ends that request alone: its blocks are freed and its output carries ``error``; the other
+        requests' outputs are those of a step without it. A failure of the batch itself (the forward pass)
+        propagates.
+        """
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
@@ -162,44 +172,99 @@ class LLMEngine:
         rows = self.runner.fetch_rows(
             logits, [row for row, seq in enumerate(sampling) if _needs_distribution(seq.sampling_params)]
         )
+        failed: dict[str, Exception] = {}
         touched: dict[str, Request] = {}
         draws, samples = [], []  # per sample: its draw (all drawn in one backend call), (sequence, logprob row)
         beam_sampled, pruned, beams_done = [], [], []
         for row, seq in enumerate(sampling):
             req = self.requests[seq.request_id]
-            params = req.params
-            if req.beam is not None:
-                seq.pending_logprobs = log_softmax(rows[row])
-                if all(b.pending_logprobs is not None for b in req.beams):
-                    sampled, dead = beam_search.step_beams(req, self._fork, self.eos_token_ids, self.max_model_len, now)
-                    beam_sampled += sampled
-                    pruned += dead
-                    if req.beam.done:
-                        beams_done.append(req)
-                        touched[req.request_id] = req
+            if req.request_id in failed:
                 continue
-            lp_row = log_softmax(rows[row]) if parallel_sampling.needs_logprobs(params) else None
-            for target in [seq, *parallel_sampling.fork_samples(req, seq, self._fork)]:
-                draws.append((row, params, draw_uniform(params, target.rng)))
-                samples.append((target, lp_row))
+            params = req.params
+            try:
+                if req.beam is not None:
+                    seq.pending_logprobs = log_softmax(rows[row])
+                    if all(b.pending_logprobs is not None for b in req.beams):
+                        sampled, dead = beam_search.step_beams(
+                            req, self._fork, self.eos_token_ids, self.max_model_len, now
+                        )
+                        beam_sampled += sampled
+                        pruned += dead
+                        if req.beam.done:
+                            beams_done.append(req)
+                            touched[req.request_id] = req
+                    continue
+                lp_row = log_softmax(rows[row]) if parallel_sampling.needs_logprobs(params) else None
+                targets = [seq, *parallel_sampling.fork_samples(req, seq, self._fork)]
+                req_draws = [(row, params, draw_uniform(params, t.rng)) for t in targets]
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                failed[req.request_id] = e
+                continue
+            draws += req_draws
+            samples += [(t, lp_row) for t in targets]
             touched[req.request_id] = req
-        tokens = [int(t) for t in self.runner.sample(logits, draws)]
-        self.scheduler.update_from_output(
-            sched_out, [(seq, tok) for (seq, _), tok in zip(samples, tokens)] + beam_sampled
-        )
+        tokens = self._sample(logits, draws, samples, failed)
+        samples = [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens) if seq.request_id not in failed]
+        self.scheduler.update_from_output(sched_out, [(seq, tok) for seq, tok, _ in samples] + beam_sampled)
         self.scheduler.finish_seqs(pruned, "beam_pruned")
         for req in beams_done:
             self.scheduler.finish_seqs(req.beams, "beam_done")
             req.beams = []
-        stopped = self.output_processor.process_tokens(
-            [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens)], now
-        )
-        self.scheduler.finish_seqs(stopped, "stop")
-        outputs = [self.output_processor.make_output(req) for req in touched.values()]
-        for out in outputs:
+        by_request: dict[str, list] = {}
+        for sample in samples:
+            by_request.setdefault(sample[0].request_id, []).append(sample)
+        for rid, group in by_request.items():
+            try:
+                self.scheduler.finish_seqs(self.output_processor.process_tokens(group, now), "stop")
+            except Exception as e:  # noqa: BLE001
+                failed[rid] = e
+        outputs = []
+        for req in touched.values():
+            if req.request_id in failed:
+                continue
+            try:
+                out = self.output_processor.make_output(req)
+            except Exception as e:  # noqa: BLE001
+                failed[req.request_id] = e
+                continue
+            outputs.append(out)
             if out.finished:
                 del self.requests[out.request_id]
-        return outputs
+        return outputs + [self._fail_request(rid, e) for rid, e in failed.items()]
+
+    def _sample(self, logits, draws: list, samples: list, failed: dict) -> list:
+        """Token ids for ``draws``, in one backend call; if that call fails, one call per draw, so a draw
+        that fails fails only its request (recorded in ``failed``; its token is None)."""
+        try:
+            return [int(t) for t in self.runner.sample(logits, draws)]
+        except Exception:  # noqa: BLE001
+            logger.warning("batched sampling failed; sampling one request at a time", exc_info=True)
+        tokens = []
+        for draw, (seq, _) in zip(draws, samples):
+            token = None
+            if seq.request_id not in failed:
+                try:
+                    token = int(self.runner.sample(logits, [draw])[0])
+                except Exception as e:  # noqa: BLE001
+                    failed[seq.request_id] = e
+            tokens.append(token)
+        return tokens
+
+    def _fail_request(self, request_id: str, error: Exception) -> RequestOutput:
+        """End a request whose computation failed: its blocks back, a finished output with ``error``."""
+        req = self.requests.pop(request_id)
+        self.scheduler.finish_seqs(req.seqs, "abort")
+        logger.error("request %s failed in a step and was ended; the others go on", request_id, exc_info=error)
+        return RequestOutput(
+            request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [],
+            True,
+            req.seqs[0].num_cached_tokens,
+            {"arrival_time": req.arrival_time, "finished_time": time.monotonic()},
+            error=f"{type(error).__name__}: {error}",
+        )
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> dict:

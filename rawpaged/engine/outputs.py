@@ -26,7 +26,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's state after a step. ``metrics``: ``arrival_time``, ``first_token_time`` and, once
-    finished, ``finished_time`` (``time.monotonic()`` seconds)."""
+    finished, ``finished_time`` (``time.monotonic()`` seconds). ``error``: why the engine ended the request
+    (``finished`` then, no outputs), when computing it failed inside a step."""
 
     request_id: str
     prompt: str | None
@@ -35,6 +36,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    error: str | None = None
 
 
 @dataclass(slots=True)

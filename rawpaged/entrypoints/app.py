@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from rawpaged.config import EngineConfig
-from rawpaged.engine.async_engine import AsyncEngine, EngineDeadError
+from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.entrypoints import health
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
@@ -35,6 +35,7 @@ from rawpaged.entrypoints.server_state import (
     error_response,
 )
 from rawpaged.entrypoints.websocket import websocket_handler
+from rawpaged.errors import EngineError
 
 logger = logging.getLogger("rawpaged.server")
 
@@ -59,7 +60,7 @@ async def _middleware(request: web.Request, handler):
         return await handler(request)
     except ProtocolError as e:
         return error_response(state, e.status, e.message, e.type, e.param, e.code)
-    except EngineDeadError as e:
+    except EngineError as e:
         return error_response(state, 500, str(e), "internal_server_error")
     except web.HTTPException as e:
         if e.status < 400:

@@ -7,9 +7,9 @@ import time
 
 from aiohttp import web
 
-from rawpaged.engine.async_engine import EngineDeadError
 from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from rawpaged.entrypoints.server_state import STATE, json_response, require_engine
+from rawpaged.errors import EngineDeadError
 
 
 async def health(request: web.Request) -> web.Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rawpaged.config import EngineConfig
 from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.errors import RequestFailedError
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -23,7 +24,8 @@ class LLM:
         """Generate for one prompt or a list; returns ``RequestOutput``s in input order.
 
         ``sampling_params`` is one ``SamplingParams`` for all or a list (one per prompt). If any prompt
-        is invalid, a ValueError is raised and nothing is left queued.
+        is invalid, a ValueError is raised and nothing is left queued. If computing a request failed in the
+        engine, RequestFailedError is raised once the others are done.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -44,6 +46,9 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
+        errors = [f"{rid}: {final[rid].error}" for rid in ids if final[rid].error is not None]
+        if errors:
+            raise RequestFailedError(f"{len(errors)} of {len(ids)} requests failed ({'; '.join(errors)})")
         return [final[rid] for rid in ids]
 
     def chat(self, messages, sampling_params=None) -> list:

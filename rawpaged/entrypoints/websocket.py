@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from rawpaged.engine.async_engine import EngineDeadError
 from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerateRequest
 from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
 from rawpaged.entrypoints.server_state import STATE, check_model, require_engine
+from rawpaged.errors import EngineError
 
 #: Keys of a ``generate`` message that are not request parameters (a socket always streams).
 _NOT_PARAMETERS = ("type", "id", "stream", "stream_options")
@@ -104,7 +104,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                 raise asyncio.CancelledError
         except ProtocolError as e:
             await send(_error_message(job.id, e))
-        except EngineDeadError as e:
+        except EngineError as e:
             await send({"type": "error", "id": job.id, "message": str(e), "param": None, "status": 500})
         except asyncio.CancelledError:
             if not job.cancelled:

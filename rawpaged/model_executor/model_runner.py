@@ -100,7 +100,7 @@ class ModelRunner:
     def sample(self, logits, draws: list):
         """Token ids for ``draws`` = [(logits row, SamplingParams, uniform)], drawn on the backend (only
         the ids reach the host). Returns int64 ``[len(draws)]``."""
-        return self.backend.sample(logits, **sampling_arrays(draws))
+        return self.backend.sample(logits, **sampling_arrays(draws, self.model.config.vocab_size))
 
     def fetch_rows(self, logits, rows: list) -> dict:
         """float32 host copies of the logits ``rows`` that need the whole distribution (logprobs, beam

@@ -20,14 +20,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def sampling_arrays(draws: list) -> dict:
+def sampling_arrays(draws: list, vocab_size: int) -> dict:
     """The per-sample arrays of the backends' ``sample`` for ``draws`` = [(logits row, SamplingParams,
-    uniform)]: sample_rows, temperature (0 for greedy), top_k, top_p, min_p, uniforms."""
+    uniform)]: sample_rows, temperature (0 for greedy), top_k (at most ``vocab_size``, so any value fits
+    the kernels' integers), top_p, min_p, uniforms."""
     params = [p for _, p, _ in draws]
     return dict(
         sample_rows=np.array([r for r, _, _ in draws], dtype=np.int64),
         temperature=np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float64),
-        top_k=np.array([p.top_k for p in params], dtype=np.int64),
+        top_k=np.array([min(p.top_k, vocab_size) for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float64),
         min_p=np.array([p.min_p for p in params], dtype=np.float64),
         uniforms=np.array([u for _, _, u in draws], dtype=np.float64),

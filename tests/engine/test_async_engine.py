@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rawpaged.engine.async_engine import AsyncEngine, EngineDeadError
+from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.outputs import CompletionOutput, RequestOutput
+from rawpaged.errors import EngineDeadError, RequestFailedError
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class FakeEngine:
         self.step_time = step_time
         self.log = []
         self.fail_next = False
+        self.fail_request = None
 
     def add_request(self, prompt, params, request_id):
         if not prompt:
@@ -43,6 +45,10 @@ class FakeEngine:
         for rid, r in list(self.requests.items()):
             r.n += 1
             fin = r.n >= r.max
+            if rid == self.fail_request:  # the engine ends this request alone
+                outs.append(RequestOutput(rid, None, r.prompt_token_ids, [], True, error="ValueError: poisoned"))
+                del self.requests[rid]
+                continue
             outs.append(
                 RequestOutput(
                     rid,
@@ -121,5 +127,22 @@ def test_async_engine_errors_reach_the_caller_and_the_loop_survives():
         await ae.close()
         with pytest.raises(EngineDeadError):
             await ae.add_request("c", SamplingParams(max_tokens=3))
+
+    run(main())
+
+
+def test_async_engine_a_request_failed_alone_raises_only_in_its_stream():
+    async def main():
+        fake = FakeEngine()
+        fake.fail_request = "bad"
+        ae = AsyncEngine(fake, log_requests=False)
+        bad = await ae.add_request("a", SamplingParams(max_tokens=5), "bad")
+        good = await ae.add_request("b", SamplingParams(max_tokens=5), "good")
+        with pytest.raises(RequestFailedError, match="poisoned"):
+            async for _ in bad:
+                pass
+        assert [o async for o in good][-1].outputs[0].text == "x" * 5
+        assert ae.num_active_requests == 0
+        await ae.close()
 
     run(main())

@@ -106,8 +106,18 @@ def test_sampling_arrays_and_uniform_draws():
     assert draw_uniform(greedy, rng) == 0.0
     u = draw_uniform(hot, rng)
     assert u == same.random(), "greedy tokens must not consume the request's generator"
-    arrays = sampling_arrays([(0, greedy, 0.0), (3, hot, u)])
+    arrays = sampling_arrays([(0, greedy, 0.0), (3, hot, u)], vocab_size=100)
     assert arrays["sample_rows"].tolist() == [0, 3]
     assert arrays["temperature"].tolist() == [0.0, 0.8]
     assert arrays["top_k"].tolist() == [-1, 7] and arrays["top_p"].tolist() == [1.0, 0.9]
     assert arrays["min_p"].tolist() == [0.0, 0.1] and arrays["uniforms"].tolist() == [0.0, u]
+    huge = SamplingParams(temperature=0.5, top_k=1 << 70)  # any k: the kernels get at most the vocabulary
+    assert sampling_arrays([(0, huge, 0.5)], vocab_size=100)["top_k"].tolist() == [100]
+
+
+def test_temperature_thresholds_follow_vllm():
+    assert SamplingParams(temperature=5e-324).greedy and SamplingParams(temperature=9.9e-6).greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-2  # raised: logits / T would overflow
+    assert SamplingParams(temperature=0.5).temperature == 0.5 and not SamplingParams(temperature=0.5).greedy
+    rng = np.random.default_rng(0)
+    assert draw_uniform(SamplingParams(temperature=1e-308), rng) == 0.0  # greedy: no uniform drawn

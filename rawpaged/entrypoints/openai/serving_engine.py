@@ -16,12 +16,12 @@ from typing import Protocol
 
 from aiohttp import web
 
-from rawpaged.engine.async_engine import AsyncEngine, EngineDeadError
+from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
 from rawpaged.entrypoints.server_state import STATE, ServerState, check_model, json_response, require_engine
-from rawpaged.errors import InvalidRequestError
+from rawpaged.errors import EngineDeadError, EngineError, InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -234,7 +234,7 @@ async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat
         if req.include_usage:
             usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)
             await send(fmt.chunk(rid, created, model, [], usage, True))
-    except EngineDeadError as e:
+    except EngineError as e:
         error = protocol.error_body(str(e), "internal_server_error")
     except ConnectionError:
         return resp  # the client left; the caller aborts its requests
