@@ -1,9 +1,15 @@
 """Tokenizer (HF ``tokenizers``) and chat templates (``jinja2``); incremental detokenization is
-``rawpaged.engine.detokenizer``."""
+``rawpaged.engine.detokenizer``.
+
+A conversation's special tokens come from its template only: ``encode_chat`` encodes every message's
+content as literal text, so a user who types ``<|im_end|>`` gets those characters, not the end of their
+turn. A raw prompt (``encode``) is parsed as vLLM and HF do: special-token text in it becomes the token.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -48,13 +54,54 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.special_tokens = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        self._literal = HFTokenizer.from_str(self._tok.to_str())  # special-token text stays text
+        self._literal.encode_special_tokens = True
         self._template = None
 
     def encode(self, text: str) -> list:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``, special-token text parsed as the special token (BOS first if the model
+        adds one)."""
+        return self._with_bos(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_literal(self, text: str) -> list:
+        """Token ids of ``text`` with any special-token text encoded as plain characters (no BOS)."""
+        return self._literal.encode(text, add_special_tokens=False).ids
+
+    def _with_bos(self, ids: list) -> list:
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_chat(self, messages: list, add_generation_prompt: bool = True) -> tuple:
+        """``(prompt text, token ids)`` of a conversation rendered with the chat template, every message's
+        content encoded as literal text: only the template's own markers are special tokens.
+
+        Contents without special-token text take the plain path (``encode`` of the rendered text). Others
+        are rendered as placeholders, and the template's pieces and the literal contents are encoded
+        apart. Raises ValueError (see ``apply_chat_template``), also when a template rewrites a content
+        that spells a special token, since then it cannot be kept literal.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        contents = [m["content"] for m in messages]
+        if not any(s in c for c in contents for s in self.special_tokens):
+            return text, self.encode(text)
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = self.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+        pieces = re.split("(\ue000\\d+\ue001)", marked)
+        is_content = [p in marks for p in pieces]
+        if "".join(contents[marks.index(p)] if c else p for p, c in zip(pieces, is_content)) != text:
+            raise ValueError(
+                "the chat template rewrites message contents, so special-token text in them cannot be kept literal"
+            )
+        ids = []
+        for p, c in zip(pieces, is_content):
+            ids += (
+                self.encode_literal(contents[marks.index(p)])
+                if c
+                else self._tok.encode(p, add_special_tokens=False).ids
+            )
+        return text, self._with_bos(ids)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

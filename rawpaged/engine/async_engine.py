@@ -82,6 +82,7 @@ class RequestStream:
 class _RequestInfo:
     arrival: float
     num_prompt_tokens: int
+    log_label: str | None = None
     first_token_time: float | None = None
     last_output_time: float | None = None
     num_generated: int = 0
@@ -112,11 +113,14 @@ class AsyncEngine:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
-    async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    async def add_request(
+        self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
+    ) -> RequestStream:
         """Queue a request (it joins the batch at the next step) and return its stream.
 
-        ``prompt`` is what ``LLMEngine.add_request`` takes. Raises ValueError (nothing queued) for an
-        invalid request or a duplicate id; EngineDeadError after ``close``.
+        ``prompt`` is what ``LLMEngine.add_request`` takes; ``log_label`` goes into the request's log line
+        (e.g. a client's own id). Raises ValueError (nothing queued) for an invalid request or a duplicate
+        id; EngineDeadError after ``close``.
         """
         if self._closed:
             raise EngineDeadError("the engine is shut down")
@@ -138,7 +142,7 @@ class AsyncEngine:
             raise
         if request_id not in self._streams:  # aborted while being added
             return stream
-        self._info[request_id] = _RequestInfo(arrival, n_prompt)
+        self._info[request_id] = _RequestInfo(arrival, n_prompt, log_label)
         self._wake.set()
         return stream
 
@@ -275,7 +279,7 @@ class AsyncEngine:
             ttft = f"{info.first_token_time - info.arrival:.3f}s" if info.first_token_time else "-"
             logger.info(
                 "request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s latency=%.3fs ttft=%s",
-                rid,
+                f"{rid} ({info.log_label})" if info.log_label else rid,
                 info.num_prompt_tokens,
                 info.num_generated,
                 reason,

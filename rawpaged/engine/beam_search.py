@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rawpaged.engine.logprobs import top_logprobs
 from rawpaged.engine.outputs import CompletionOutput
 
 
@@ -35,6 +36,7 @@ class Hypothesis:
     cumulative_logprob: float
     token_ids: list  # generated tokens, the final (hitting) one included
     hit_eos: bool
+    logprobs: list | None = None  # per token: {token_id: logprob}, when asked for
 
 
 @dataclass
@@ -56,7 +58,14 @@ class Candidate:
 
 
 def step(
-    state: BeamState, cum_logprobs: list, generated: list, logprob_rows: np.ndarray, stop_ids: set, max_new_tokens: int
+    state: BeamState,
+    cum_logprobs: list,
+    generated: list,
+    logprob_rows: np.ndarray,
+    stop_ids: set,
+    max_new_tokens: int,
+    logprobs: list | None = None,
+    num_logprobs: int = 0,
 ) -> list:
     """Advance one token. Returns the next running beams as ``Candidate``s (best first).
 
@@ -66,6 +75,8 @@ def step(
         logprob_rows: float32 ``[num_beams, vocab]`` log_softmax of each beam's logits.
         stop_ids: token ids that end a hypothesis (EOS unless ignored, plus stop_token_ids).
         max_new_tokens: length limit of generated tokens.
+        logprobs: each running beam's per-token logprob entries, when they are reported; a finished
+            hypothesis then carries its own (``num_logprobs`` top entries for its last token).
     """
     k = state.width
     g = len(generated[0])
@@ -83,12 +94,16 @@ def step(
         hits = at_limit or token in stop_ids
         if hits:
             if rank < k and state.improvement_possible:
+                entries = None
+                if logprobs is not None:
+                    entries = logprobs[parent] + [top_logprobs(logprob_rows[parent], token, num_logprobs)]
                 new_finished.append(
                     Hypothesis(
                         length_normalized(total, g + 1, state.length_penalty),
                         total,
                         generated[parent] + [token],
                         token in stop_ids,
+                        entries,
                     )
                 )
         elif len(running) < k:
@@ -122,6 +137,7 @@ def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tupl
     rows = np.stack([b.pending_logprobs for b in beams])
     for b in beams:
         b.pending_logprobs = None
+    with_logprobs = params.logprobs is not None
     chosen = step(
         req.beam,
         [b.cumulative_logprob for b in beams],
@@ -129,18 +145,23 @@ def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tupl
         rows,
         stop_token_ids(params, eos_token_ids),
         limit,
+        [b.logprobs for b in beams] if with_logprobs else None,
+        params.logprobs or 0,
     )
     claimed, sampled = set(), []
-    for cand in chosen:
+    for cand in chosen:  # forks first: each copies its parent's state before this step's token
         parent = beams[cand.parent]
         seq = parent if cand.parent not in claimed else fork(req, parent)
         claimed.add(cand.parent)
+        sampled.append((seq, cand))
+    for seq, cand in sampled:
         seq.cumulative_logprob = cand.cumulative_logprob
+        if with_logprobs:
+            seq.logprobs.append(top_logprobs(rows[cand.parent], cand.token_id, params.logprobs))
         if seq.first_token_time is None:
             seq.first_token_time = now
-        sampled.append((seq, cand.token_id))
     req.beams = [seq for seq, _ in sampled]
-    return sampled, [b for i, b in enumerate(beams) if i not in claimed]
+    return [(seq, cand.token_id) for seq, cand in sampled], [b for i, b in enumerate(beams) if i not in claimed]
 
 
 def beam_outputs(req, tokenizer) -> list:
@@ -151,6 +172,7 @@ def beam_outputs(req, tokenizer) -> list:
             text=tokenizer.decode(hyp.token_ids),
             token_ids=list(hyp.token_ids),
             finish_reason="stop" if hyp.hit_eos else "length",
+            logprobs=hyp.logprobs,
             cumulative_logprob=hyp.cumulative_logprob,
         )
         for i, hyp in enumerate(req.beam.finished[: req.params.n])

@@ -10,25 +10,13 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from rawpaged.engine import parallel_sampling
 from rawpaged.engine.beam_search import beam_outputs
 from rawpaged.engine.detokenizer import IncrementalDetokenizer
+from rawpaged.engine.logprobs import top_logprobs
 from rawpaged.engine.outputs import CompletionOutput, RequestOutput
 from rawpaged.engine.stop_strings import truncate_at_stop_string, visible_text
 from rawpaged.tokenizer import Tokenizer
-
-
-def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:
-    """``{token_id: logprob}`` for the chosen token plus the ``k`` most likely ones (of the float32
-    ``log_softmax`` row of the model's raw logits, as vLLM reports them)."""
-    out = {int(token_id): float(logprobs_row[token_id])}
-    if k > 0:
-        top = np.argpartition(-logprobs_row, k)[:k]
-        for t in top[np.argsort(-logprobs_row[top], kind="stable")]:
-            out.setdefault(int(t), float(logprobs_row[t]))
-    return out
 
 
 class OutputProcessor:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from rawpaged.config import EngineConfig
 from rawpaged.engine.async_engine import AsyncEngine
-from rawpaged.entrypoints import health
+from rawpaged.entrypoints import cors, health
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
@@ -45,6 +45,9 @@ OPEN_PATHS = ("/health", "/metrics")
 @web.middleware
 async def _middleware(request: web.Request, handler):
     state = request.app[STATE]
+    preflight = cors.preflight_response(state.allowed_origins, request)
+    if preflight is not None:
+        return preflight
     if state.api_key and request.path not in OPEN_PATHS:
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
@@ -66,9 +69,12 @@ async def _middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         kind = {404: "not_found_error"}.get(e.status, "invalid_request_error")
-        return error_response(
+        resp = error_response(
             state, e.status, e.reason if e.text is None else e.text.removeprefix(f"{e.status}: "), kind
         )
+        if "Allow" in e.headers:  # a 405 names the methods the route takes (RFC 9110, 15.5.6)
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:  # noqa: BLE001
@@ -95,12 +101,14 @@ def create_app(
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     max_body_size: int = DEFAULT_MAX_BODY_SIZE,
     max_n: int = 16,
+    allowed_origins=(),
 ) -> web.Application:
     """The aiohttp application.
 
     The model comes from ``engine`` (an ``LLMEngine`` or ``AsyncEngine``, ready now), ``loader`` (a
     callable returning an ``LLMEngine``, run in a thread at startup) or ``config`` (``LLMEngine(config)``
     plus a warm-up, in a thread). While loading, ``/health`` answers 503 and generation routes 503.
+    ``allowed_origins``: origins (or ``"*"``) browsers may call from (``rawpaged.entrypoints.cors``).
     """
     from rawpaged.engine.llm_engine import LLMEngine
 
@@ -121,9 +129,13 @@ def create_app(
         api_key=api_key or None,
         limits=Limits(max_tokens=max_tokens_limit, max_n=max_n),
         max_body_size=max_body_size,
+        allowed_origins=tuple(allowed_origins or ()),
     )
     app = web.Application(client_max_size=max_body_size, middlewares=[_middleware])
     app[STATE] = state
+
+    async def on_response_prepare(request, response):
+        cors.add_cors_headers(state.allowed_origins, request, response)
 
     async def on_startup(app):
         loop = asyncio.get_running_loop()
@@ -174,6 +186,7 @@ def create_app(
             await state.engine.close()
 
     app.on_startup.append(on_startup)
+    app.on_response_prepare.append(on_response_prepare)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)

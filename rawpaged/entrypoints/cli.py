@@ -170,6 +170,13 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         help="largest request body or websocket message, e.g. 4MiB (larger: HTTP 413)",
     )
     p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="origins browsers may call the API from (e.g. https://example.com, or * for any); default: none",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -202,6 +209,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         api_key=args.api_key,
         max_tokens_limit=args.max_tokens_limit,
         max_body_size=args.max_body_size,
+        allowed_origins=args.allowed_origins,
     )
     try:
         return asyncio.run(serve(app, args.host, args.port))
@@ -217,7 +225,12 @@ def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentP
     p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (the default here; the HTTP API's default is 1.0, as OpenAI's)",
+    )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the probability mass kept")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
@@ -240,7 +253,8 @@ def generate_main(argv: list | None = None, prog: str = "rawpaged generate") -> 
         engine = LLMEngine(config)
         prompt = args.prompt
         if args.chat:
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            text, ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            prompt = {"prompt_token_ids": ids, "prompt": text}
         engine.add_request(prompt, params)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

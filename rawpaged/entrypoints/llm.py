@@ -53,9 +53,13 @@ class LLM:
 
     def chat(self, messages, sampling_params=None) -> list:
         """Like ``generate`` for one conversation (list of {"role", "content"}) or a list of them,
-        rendered with the model's chat template and ``add_generation_prompt=True``."""
+        rendered with the model's chat template and ``add_generation_prompt=True``; message contents are
+        literal text (``Tokenizer.encode_chat``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        prompts = []
+        for conv in convs:
+            text, ids = self.tokenizer.encode_chat(conv, add_generation_prompt=True)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params)
 
     def beam_search(

@@ -26,6 +26,7 @@ class ServerState:
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    allowed_origins: tuple = ()
     engine: AsyncEngine | None = None
     owns_engine: bool = True
     load_error: str | None = None

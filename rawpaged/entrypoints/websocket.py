@@ -17,6 +17,8 @@ from aiohttp import web
 from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerateRequest
+from rawpaged.entrypoints.openai.serving_chat import ChatFormat
+from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
 from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
 from rawpaged.entrypoints.server_state import STATE, check_model, require_engine
 from rawpaged.errors import EngineError
@@ -63,6 +65,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     async def run(job: _Job, req: WebSocketGenerateRequest) -> None:
         engine = None
         tracker = DeltaTracker()
+        fmt = ChatFormat() if req.kind == "chat" else CompletionFormat()  # logprobs in the matching API's shape
         prompt_tokens = 0
 
         def done(index: int, finish_reason: str) -> dict:
@@ -82,7 +85,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             if job.cancelled:
                 raise asyncio.CancelledError
             job.rid = protocol.new_id("ws")
-            stream = (await add_requests(engine, req, prompts, job.rid))[0]
+            stream = (await add_requests(engine, req, prompts, job.rid, log_label=f"websocket id {job.id!r}"))[0]
             if job.cancelled:  # cancelled while being added
                 engine.abort(job.rid)
             async for out in stream:
@@ -95,8 +98,9 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                             "text": d.text,
                             "token_ids": d.token_ids,
                         }
-                        if d.logprobs is not None:
-                            msg["logprobs"] = [{str(t): lp for t, lp in e.items()} for e in d.logprobs]
+                        lp = fmt.logprobs(req, prompts[0], d.token_ids, d.logprobs, d.text_offset)
+                        if lp is not None:
+                            msg["logprobs"] = lp
                         await send(msg)
                     if d.finish_reason:
                         await send(done(d.index, d.finish_reason))

@@ -22,13 +22,17 @@ from tests.kv_reference import (
 from tests.sampling_reference import SAMPLE_CASES, assert_draws_match, sample_args
 
 
-def _gpu_available() -> bool:
+def _no_gpu_reason() -> str | None:
+    """Why these tests cannot run on a GPU here (None: they can)."""
     try:
         import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    except Exception as e:  # ImportError, or a CUDA library that fails to load
+        return f"CuPy is not importable ({type(e).__name__}); a CUDA host installs '.[cuda12]' or '.[cuda13]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, insufficient driver, ...
+        return f"CuPy is installed but finds no CUDA device ({str(e).splitlines()[0][:120]})"
+    return None if count > 0 else "CuPy is installed but the CUDA runtime reports 0 devices"
 
 
 # scripts/gpu_check.sh sets RAWPAGED_REQUIRE_CUDA=1: there a missing GPU fails these tests instead of skipping.
@@ -38,9 +42,7 @@ _REQUIRED = os.environ.get("RAWPAGED_REQUIRE_CUDA") == "1"
 _EMULATED = os.environ.get("RAWPAGED_CUDA_TESTS_ON_EMULATION") == "1"
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(
-        not _REQUIRED and not _EMULATED and not _gpu_available(), reason="no CUDA device (CuPy sees none)"
-    ),
+    pytest.mark.skipif(not _REQUIRED and not _EMULATED and _no_gpu_reason() is not None, reason=str(_no_gpu_reason())),
 ]
 cupy_only = pytest.mark.skipif(_EMULATED, reason="needs CuPy on a GPU (cuBLAS, device memory, the engine)")
 

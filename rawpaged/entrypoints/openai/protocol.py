@@ -483,13 +483,18 @@ def token_text(tokenizer, token_id: int) -> str:
 
 def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: int = 0) -> dict:
     """OpenAI's completions ``logprobs`` object for generated tokens; ``entries[i]`` is the engine's
-    ``{token_id: logprob}`` for token i (the chosen token first, then the top ones)."""
+    ``{token_id: logprob}`` for token i (the chosen token first, then the top ones by rank). Tokens whose
+    texts collide (byte pieces of one character) share a ``top_logprobs`` key: the chosen token's value
+    wins, then the best-ranked."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         s = token_text(tokenizer, tid)
         tokens.append(s)
         lps.append(entry.get(tid))
-        tops.append({token_text(tokenizer, t): lp for t, lp in entry.items()})
+        top: dict = {}  # entry: the chosen token first, then by rank: where texts collide, the first stays
+        for t, lp in entry.items():
+            top.setdefault(token_text(tokenizer, t), lp)
+        tops.append(top)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

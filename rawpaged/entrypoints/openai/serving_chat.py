@@ -18,25 +18,29 @@ class ChatFormat:
     chunk = staticmethod(protocol.chat_chunk)
 
     @staticmethod
-    def _logprobs(req, prompt, token_ids, entries):
-        if req.num_logprobs is None:
+    def logprobs(req, prompt, token_ids, entries, text_offset=0):
+        """Chat's ``logprobs`` object for these tokens (None unless asked for)."""
+        if req.num_logprobs is None or not token_ids:
             return None
         return protocol.chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
 
     def choice(self, req, index, prompt, output):
         return protocol.chat_choice(
-            index, output.text, output.finish_reason, self._logprobs(req, prompt, output.token_ids, output.logprobs)
+            index, output.text, output.finish_reason, self.logprobs(req, prompt, output.token_ids, output.logprobs)
         )
 
     @staticmethod
     def opening_choices(req, num_choices):
         return [protocol.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
 
-    def chunk_choice(self, req, index, prompt, delta):
-        lp = self._logprobs(req, prompt, delta.token_ids, delta.logprobs) if delta.token_ids else None
-        if not delta.text and delta.finish_reason is None and lp is None:
-            return None
-        return protocol.chat_chunk_choice(index, {"content": delta.text} if delta.text else {}, delta.finish_reason, lp)
+    def chunk_choices(self, req, index, prompt, delta):
+        lp = self.logprobs(req, prompt, delta.token_ids, delta.logprobs)
+        choices = []
+        if delta.text or lp is not None:
+            choices.append(protocol.chat_chunk_choice(index, {"content": delta.text}, None, lp))
+        if delta.finish_reason is not None:
+            choices.append(protocol.chat_chunk_choice(index, {}, delta.finish_reason))
+        return choices
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:

@@ -17,10 +17,11 @@ class CompletionFormat:
     chunk = staticmethod(protocol.completion_chunk)
 
     @staticmethod
-    def _logprobs(req, prompt, token_ids, entries, offset):
-        if req.num_logprobs is None:
+    def logprobs(req, prompt, token_ids, entries, text_offset):
+        """Completions' ``logprobs`` object for these tokens (None unless asked for)."""
+        if req.num_logprobs is None or not token_ids:
             return None
-        return protocol.completion_logprobs(prompt.tokenizer, token_ids, entries or [], offset)
+        return protocol.completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
 
     def choice(self, req, index, prompt, output):
         prefix = prompt.echo_text if req.echo else ""
@@ -28,24 +29,25 @@ class CompletionFormat:
             index,
             prefix + output.text,
             output.finish_reason,
-            self._logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)),
+            self.logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)),
         )
 
     @staticmethod
     def opening_choices(req, num_choices):
         return []
 
-    def chunk_choice(self, req, index, prompt, delta):
-        echo = len(prompt.echo_text) if req.echo else 0
-        lp = (
-            self._logprobs(req, prompt, delta.token_ids, delta.logprobs, echo + delta.text_offset)
-            if delta.token_ids
-            else None
+    def chunk_choices(self, req, index, prompt, delta):
+        echo = req.echo and delta.first
+        lp = self.logprobs(
+            req, prompt, delta.token_ids, delta.logprobs, delta.text_offset + (len(prompt.echo_text) if req.echo else 0)
         )
-        if not delta.text and delta.finish_reason is None and lp is None:
-            return None
-        text = prompt.echo_text + delta.text if req.echo and delta.first else delta.text
-        return protocol.completion_choice(index, text, delta.finish_reason, lp)
+        choices = []
+        if delta.text or lp is not None or echo:
+            text = prompt.echo_text + delta.text if echo else delta.text
+            choices.append(protocol.completion_choice(index, text, None, lp))
+        if delta.finish_reason is not None:
+            choices.append(protocol.completion_choice(index, "", delta.finish_reason))
+        return choices
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:

@@ -57,10 +57,9 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
     def work():
         if req.kind == "chat":
             try:
-                text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+                return [tok.encode_chat(req.template_messages(), add_generation_prompt=True)]
             except ValueError as e:
                 raise ProtocolError(str(e), param="messages") from None
-            return [(text, tok.encode(text))]
         return [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts(limits)]
 
     items = await asyncio.to_thread(work)
@@ -88,14 +87,17 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
     return out
 
 
-async def add_requests(engine: AsyncEngine, req: GenerationRequest, prompts: list, base_id: str) -> list:
+async def add_requests(
+    engine: AsyncEngine, req: GenerationRequest, prompts: list, base_id: str, log_label: str | None = None
+) -> list:
     """One engine request per prompt (ids ``base_id``, or ``base_id-i`` for several); their streams. On
-    any failure every request added so far is aborted."""
+    any failure every request added so far is aborted. ``log_label`` is added to their log lines."""
     streams = []
     try:
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await engine.add_request({"prompt_token_ids": p.ids, "prompt": p.text}, p.params, rid))
+            prompt = {"prompt_token_ids": p.ids, "prompt": p.text}
+            streams.append(await engine.add_request(prompt, p.params, rid, log_label=log_label))
     except BaseException as e:
         for s in streams:
             engine.abort(s.request_id)
@@ -161,10 +163,14 @@ class ResponseFormat(Protocol):
     def opening_choices(self, req: GenerationRequest, num_choices: int) -> list:
         """Chunk choices sent before any token (chat: the role of every choice)."""
 
-    def chunk_choice(
-        self, req: GenerationRequest, index: int, prompt: PreparedPrompt, delta: CompletionDelta
+    def chunk_choices(self, req: GenerationRequest, index: int, prompt: PreparedPrompt, delta: CompletionDelta) -> list:
+        """The chunk choices of one delta (its new text and logprobs; then its finish_reason), each sent
+        as a chunk of its own."""
+
+    def logprobs(
+        self, req: GenerationRequest, prompt: PreparedPrompt, token_ids: list, entries: list, text_offset: int
     ) -> dict | None:
-        """The chunk choice for one delta, or None when it carries nothing to send."""
+        """This route's ``logprobs`` object for ``token_ids`` (None unless asked for)."""
 
 
 async def serve_generation(request: web.Request, req: GenerationRequest, fmt: ResponseFormat) -> web.StreamResponse:
@@ -217,19 +223,15 @@ async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat
     trackers = [DeltaTracker() for _ in prompts]
     completion_tokens = 0
     try:
-        opening = fmt.opening_choices(req, len(prompts) * n)
-        if opening:
-            await send(fmt.chunk(rid, created, model, opening, None, req.include_usage))
+        # One choice per chunk, as OpenAI streams n > 1 (clients read choices[0]).
+        for choice in fmt.opening_choices(req, len(prompts) * n):
+            await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage))
         async for i, out in merge_streams(streams):
-            choices = [
-                c
-                for d in trackers[i].deltas(out)
-                if (c := fmt.chunk_choice(req, i * n + d.index, prompts[i], d)) is not None
-            ]
+            for d in trackers[i].deltas(out):
+                for choice in fmt.chunk_choices(req, i * n + d.index, prompts[i], d):
+                    await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage))
             if out.finished:
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-            if choices:
-                await send(fmt.chunk(rid, created, model, choices, None, req.include_usage))
         check_complete(streams)
         if req.include_usage:
             usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)

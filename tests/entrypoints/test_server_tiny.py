@@ -1,0 +1,232 @@
+"""The server on a small random model (fast, no download): streamed choices one per chunk, CORS, 405s
+that keep ``Allow``, websocket ids and logprobs shapes, beam search with logprobs, a failing request
+answered alone, and logprobs whose tokens share text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import pytest
+
+from rawpaged.config import EngineConfig
+from rawpaged.entrypoints.app import create_app
+from rawpaged.entrypoints.openai import protocol
+from tests.entrypoints.server_thread import ServerThread, run, sse, wait_pool_empty
+
+ORIGIN = "https://ok.example"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=128, max_model_len=256)
+    srv = ServerThread(create_app(config, max_tokens_limit=64, allowed_origins=[ORIGIN])).start()
+    srv.wait_healthy()
+    yield srv
+    assert srv.stop() == 0
+
+
+async def post(session, url, body, **kw):
+    async with session.post(url, json=body, **kw) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "abc", "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 1, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "n": 3,
+                "temperature": 1.0,
+                "seed": 1,
+                "stream": True,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        ),
+    ],
+)
+def test_streams_send_one_choice_per_chunk(tiny_server, path, body):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return await sse(s, tiny_server.url + path, body)
+
+    chunks, done = run(main())
+    assert done and all(len(c["choices"]) == 1 for c in chunks)
+    per_index = {}
+    for c in chunks:
+        per_index.setdefault(c["choices"][0]["index"], []).append(c["choices"][0])
+    assert sorted(per_index) == [0, 1, 2]
+    for choices in per_index.values():
+        finishes = [c["finish_reason"] for c in choices if c["finish_reason"]]
+        assert finishes == ["length"] and choices[-1]["finish_reason"] == "length"
+        if "chat" in path:
+            assert choices[0]["delta"] == {"role": "assistant", "content": ""}  # each choice's own role chunk
+            assert all(c["logprobs"] for c in choices[1:-1]) and choices[-1]["delta"] == {}
+    wait_pool_empty(tiny_server)
+
+
+def test_cors_preflight_headers_and_methods(tiny_server):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            out = {}
+            pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+            for name, origin in (("ok", ORIGIN), ("other", "https://evil.example")):
+                async with s.options(tiny_server.url + "/v1/completions", headers={"Origin": origin, **pre}) as r:
+                    out[f"preflight_{name}"] = (r.status, dict(r.headers))
+                async with s.get(tiny_server.url + "/v1/models", headers={"Origin": origin}) as r:
+                    out[f"get_{name}"] = (r.status, dict(r.headers))
+            body = {"prompt": "a", "max_tokens": 2, "stream": True}
+            async with s.post(tiny_server.url + "/v1/completions", json=body, headers={"Origin": ORIGIN}) as r:
+                await r.read()
+                out["stream"] = (r.status, dict(r.headers))
+            async with s.get(tiny_server.url + "/v1/completions") as r:
+                out["get_post_route"] = (r.status, dict(r.headers), await r.json())
+            return out
+
+    out = run(main())
+    status, headers = out["preflight_ok"]
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == ORIGIN
+    assert (
+        "POST" in headers["Access-Control-Allow-Methods"] and headers["Access-Control-Allow-Headers"] == "authorization"
+    )
+    assert "Access-Control-Allow-Origin" not in out["preflight_other"][1] and out["preflight_other"][0] == 405
+    assert out["get_ok"][1]["Access-Control-Allow-Origin"] == ORIGIN
+    assert "Access-Control-Allow-Origin" not in out["get_other"][1]
+    assert out["stream"][0] == 200 and out["stream"][1]["Access-Control-Allow-Origin"] == ORIGIN  # streams too
+    status, headers, body = out["get_post_route"]
+    assert status == 405 and headers["Allow"] == "POST" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_no_cors_headers_unless_asked(tiny_dir):
+    srv = ServerThread(
+        create_app(EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64))
+    ).start()
+    try:
+        srv.wait_healthy()
+
+        async def main():
+            async with aiohttp.ClientSession() as s, s.get(srv.url + "/v1/models", headers={"Origin": ORIGIN}) as r:
+                return dict(r.headers)
+
+        assert "Access-Control-Allow-Origin" not in run(main())
+    finally:
+        assert srv.stop() == 0
+
+
+def test_websocket_ids_logprobs_shapes_and_log_label(tiny_server, caplog):
+    caplog.set_level(logging.INFO, logger="rawpaged.server")
+
+    async def main():
+        async with aiohttp.ClientSession() as s, s.ws_connect(tiny_server.url + "/v1/ws") as ws:
+            await ws.send_json(
+                {"type": "generate", "id": "p", "prompt": "hello", "max_tokens": 3, "logprobs": 2, "temperature": 0}
+            )
+            await ws.send_json({"type": "generate", "id": "p", "prompt": "again"})  # duplicate while p runs
+            await ws.send_json(
+                {
+                    "type": "generate",
+                    "id": "m",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                    "logprobs": 2,
+                    "temperature": 0,
+                }
+            )
+            msgs = []
+            while sum(m["type"] == "done" for m in msgs) < 2:
+                msgs.append(json.loads((await ws.receive(timeout=60)).data))
+            return msgs
+
+    msgs = run(main())
+    errors = [m for m in msgs if m["type"] == "error"]
+    assert len(errors) == 1 and errors[0]["id"] == "p" and errors[0]["param"] == "id"
+    p_lp = [m["logprobs"] for m in msgs if m["type"] == "delta" and m["id"] == "p"]
+    m_lp = [m["logprobs"] for m in msgs if m["type"] == "delta" and m["id"] == "m"]
+    assert p_lp and all(set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"} for lp in p_lp)
+    assert m_lp and all(set(lp) == {"content"} and lp["content"][0]["top_logprobs"] for lp in m_lp)
+    lines = [r.getMessage() for r in caplog.records if "websocket id" in r.getMessage()]
+    assert any("(websocket id 'p')" in line for line in lines) and any("(websocket id 'm')" in line for line in lines)
+    wait_pool_empty(tiny_server)
+
+
+def test_beam_search_with_logprobs_returns_one_entry_per_token(tiny_server):
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            return await post(
+                s,
+                tiny_server.url + "/v1/completions",
+                {"prompt": "abc", "max_tokens": 6, "n": 2, "use_beam_search": True, "logprobs": 3, "ignore_eos": True},
+            )
+
+    status, _, body = run(main())
+    assert status == 200, body
+    for choice in body["choices"]:
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+        assert all(isinstance(v, float) for v in lp["token_logprobs"])
+
+
+def test_a_request_failing_in_the_engine_gets_a_500_alone(tiny_server, monkeypatch):
+    from rawpaged.engine import llm_engine
+
+    real = llm_engine.draw_uniform
+
+    def draw(params, rng):
+        if params.seed == 666:
+            raise RuntimeError("poisoned")
+        return real(params, rng)
+
+    monkeypatch.setattr(llm_engine, "draw_uniform", draw)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            good = post(s, tiny_server.url + "/v1/completions", {"prompt": "abc", "max_tokens": 8, "temperature": 0})
+            bad = post(s, tiny_server.url + "/v1/completions", {"prompt": "abc", "max_tokens": 8, "seed": 666})
+            return await asyncio.gather(good, bad)
+
+    (good_status, _, good), (bad_status, _, bad) = run(main())
+    assert good_status == 200 and good["choices"][0]["finish_reason"] == "length"
+    assert bad_status == 500 and "poisoned" in bad["error"]["message"]
+    assert bad["error"]["type"] == "internal_server_error"
+    wait_pool_empty(tiny_server)
+    assert tiny_server.state.engine is not None
+
+
+class CollidingTokenizer:
+    """Token ids 7, 8 and 9 all decode to the same text (byte pieces of one character do)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "X" if ids[0] in (7, 8, 9) else f"<{ids[0]}>"
+
+
+def test_top_logprobs_keep_the_chosen_then_the_best_ranked_on_collisions():
+    tok = CollidingTokenizer()
+    # The chosen token 8 first, then the top ones by rank: 7 and 9 share its text.
+    lp = protocol.completion_logprobs(tok, [8, 1], [{8: -2.0, 7: -0.5, 1: -1.0, 9: -3.0}, {1: -0.1, 9: -0.2, 7: -0.3}])
+    assert lp["token_logprobs"] == [-2.0, -0.1]
+    assert lp["top_logprobs"][0] == {"X": -2.0, "<1>": -1.0}  # the chosen token's own value
+    assert lp["top_logprobs"][1] == {"<1>": -0.1, "X": -0.2}  # the best-ranked of 9 and 7
+
+
+@pytest.mark.model
+def test_repeated_emoji_logprobs_are_consistent(model_dir):
+    from rawpaged import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
+    out = llm.generate(["🎉🎉🎉🎉🎉🎉"], SamplingParams(temperature=0, max_tokens=8, logprobs=5))[0].outputs[0]
+    lp = protocol.completion_logprobs(llm.tokenizer, out.token_ids, out.logprobs)
+    for token, value, top, entry in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], out.logprobs):
+        assert top[token] == value
+        texts = {}
+        for t, v in entry.items():
+            texts.setdefault(protocol.token_text(llm.tokenizer, t), []).append(v)
+        for text, values in texts.items():
+            if text != token:
+                assert top[text] == max(values)
