@@ -109,8 +109,9 @@ def test_inputs_that_used_to_fail_the_batch(tiny_dir, reference):
         assert [o.outputs[0].token_ids for o in got["good"]] == reference
         assert got["bad"].error is None and got["bad"].outputs, poisoned
     # A subnormal temperature is greedy (vLLM: below 1e-5), not an overflow of logits / T.
-    tiny = SamplingParams(temperature=5e-324, max_tokens=12, ignore_eos=True)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, tiny)] == reference
+    for t in (5e-324, 1e-308):
+        tiny = SamplingParams(temperature=t, max_tokens=12, ignore_eos=True)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, tiny)] == reference
     wide = SamplingParams(temperature=0.8, top_k=1 << 40, seed=3, max_tokens=6)
     same = SamplingParams(temperature=0.8, top_k=-1, seed=3, max_tokens=6)
     assert (

@@ -169,3 +169,13 @@ def test_generate_streams_the_same_text_as_the_engine(tiny_dir):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout == want + "\n"
+
+
+def test_generate_help_documents_every_option():
+    parser = cli_mod.build_generate_parser()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help and len(action.help) > 5, action.option_strings
+    temperature = next(a for a in parser._actions if "--temperature" in a.option_strings)
+    assert temperature.default == 0.0 and "1.0" in temperature.help  # its default beside the API's
+    assert "``" not in parser.format_help()  # plain text
