@@ -195,13 +195,18 @@ class LLMEngine:
                             touched[req.request_id] = req
                     continue
                 lp_row = log_softmax(rows[row]) if parallel_sampling.needs_logprobs(params) else None
-                targets = [seq, *parallel_sampling.fork_samples(req, seq, self._fork)]
-                req_draws = [(row, params, draw_uniform(params, t.rng)) for t in targets]
+                targets = [seq]
+                if not req.forked:
+                    targets += parallel_sampling.fork_samples(req, seq, self._fork)
+                req_draws = []
+                for t in targets:
+                    req_draws.append((row, params, draw_uniform(params, t.rng)))
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 failed[req.request_id] = e
                 continue
             draws += req_draws
-            samples += [(t, lp_row) for t in targets]
+            for t in targets:
+                samples.append((t, lp_row))
             touched[req.request_id] = req
         tokens = self._sample(logits, draws, samples, failed)
         samples = [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens) if seq.request_id not in failed]
@@ -213,11 +218,14 @@ class LLMEngine:
         by_request: dict[str, list] = {}
         for sample in samples:
             by_request.setdefault(sample[0].request_id, []).append(sample)
+        stopped = []
         for rid, group in by_request.items():
             try:
-                self.scheduler.finish_seqs(self.output_processor.process_tokens(group, now), "stop")
+                stopped += self.output_processor.process_tokens(group, now)
             except Exception as e:  # noqa: BLE001
                 failed[rid] = e
+        if stopped:
+            self.scheduler.finish_seqs([s for s in stopped if s.request_id not in failed], "stop")
         outputs = []
         for req in touched.values():
             if req.request_id in failed:
