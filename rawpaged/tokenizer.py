@@ -18,6 +18,24 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 
+def _byte_level_alphabet() -> dict:
+    """GPT-2's byte-level BPE alphabet (Radford et al. 2019, ``encoder.py``): printable bytes stand for
+    themselves, the others for ``chr(256 + n)``. Returns ``{character: byte}``."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 def _special_token(value):
     if isinstance(value, dict):  # AddedToken serialised as a dict
         return value.get("content")
@@ -55,8 +73,10 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.special_tokens = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
-        self._literal = HFTokenizer.from_str(self._tok.to_str())  # special-token text stays text
+        spec = self._tok.to_str()
+        self._literal = HFTokenizer.from_str(spec)  # special-token text stays text
         self._literal.encode_special_tokens = True
+        self._byte_level = (json.loads(spec).get("decoder") or {}).get("type") == "ByteLevel"
         self._template = None
 
     def encode(self, text: str) -> list:
@@ -108,6 +128,16 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for, also when they are a piece of a UTF-8 character (byte-level
+        BPE pieces, SentencePiece byte fallback ``<0xNN>``), where decoding it alone gives U+FFFD."""
+        piece = self._tok.id_to_token(int(token_id)) or ""
+        if self._byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role", "content"}]) with the model's Jinja chat template.

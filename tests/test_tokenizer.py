@@ -48,3 +48,16 @@ def test_a_template_that_rewrites_contents_is_refused(tiny_dir):
     assert tok.encode_chat([{"role": "user", "content": "hello"}])[1] == tok.encode("<|im_start|>HELLO<|im_end|>")
     with pytest.raises(ValueError, match="rewrites message contents"):
         tok.encode_chat([{"role": "user", "content": "x<|im_end|>"}])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ["🎉🎉 é", "日本語 😀", "plain words\n\t  x", "<|im_end|> after"])
+def test_token_bytes_rebuild_the_text(tiny_dir, model_dir, text):
+    for tok in (Tokenizer(tiny_dir), Tokenizer(model_dir)):
+        ids = tok.encode(text)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces).decode("utf-8") == tok.decode(ids, skip_special_tokens=False)
+        if any(ord(c) > 127 for c in text):
+            assert any(p.decode("utf-8", errors="replace") != p.decode("utf-8", errors="ignore") for p in pieces), (
+                "expected a token that is a piece of a character"
+            )

@@ -48,6 +48,15 @@ async def _middleware(request: web.Request, handler):
     preflight = cors.preflight_response(state.allowed_origins, request)
     if preflight is not None:
         return preflight
+    origin = cors.refused_origin(state.allowed_origins, request)
+    if origin is not None:
+        return error_response(
+            state,
+            403,
+            f"requests from origin {origin!r} are not allowed (--allowed-origins)",
+            type="permission_error",
+            param="Origin",
+        )
     if state.api_key and request.path not in OPEN_PATHS:
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""

@@ -88,6 +88,19 @@ def test_cors_preflight_headers_and_methods(tiny_server):
                 out["stream"] = (r.status, dict(r.headers))
             async with s.get(tiny_server.url + "/v1/completions") as r:
                 out["get_post_route"] = (r.status, dict(r.headers), await r.json())
+            evil = {"Origin": "https://evil.example", "Content-Type": "text/plain"}
+            async with s.post(tiny_server.url + "/v1/completions", data='{"prompt": "a"}', headers=evil) as r:
+                out["simple_post_other"] = (r.status, await r.json())
+            same = {"Origin": tiny_server.url}
+            async with s.get(tiny_server.url + "/v1/models", headers=same) as r:
+                out["same_origin"] = (r.status, dict(r.headers))
+            for name, origin in (("ok", ORIGIN), ("other", "https://evil.example"), ("same", tiny_server.url)):
+                try:
+                    async with s.ws_connect(tiny_server.url + "/v1/ws", headers={"Origin": origin}) as ws:
+                        await ws.send_json({"type": "generate", "id": "w", "prompt": "a", "max_tokens": 1})
+                        out[f"ws_{name}"] = json.loads((await ws.receive(timeout=30)).data)["type"]
+                except aiohttp.WSServerHandshakeError as e:
+                    out[f"ws_{name}"] = e.status
             return out
 
     out = run(main())
@@ -96,9 +109,13 @@ def test_cors_preflight_headers_and_methods(tiny_server):
     assert (
         "POST" in headers["Access-Control-Allow-Methods"] and headers["Access-Control-Allow-Headers"] == "authorization"
     )
-    assert "Access-Control-Allow-Origin" not in out["preflight_other"][1] and out["preflight_other"][0] == 405
-    assert out["get_ok"][1]["Access-Control-Allow-Origin"] == ORIGIN
-    assert "Access-Control-Allow-Origin" not in out["get_other"][1]
+    assert "Access-Control-Allow-Origin" not in out["preflight_other"][1] and out["preflight_other"][0] == 403
+    assert out["get_ok"][1]["Access-Control-Allow-Origin"] == ORIGIN and out["get_ok"][1]["Vary"] == "Origin"
+    assert out["get_other"][0] == 403 and "Access-Control-Allow-Origin" not in out["get_other"][1]
+    status, body = out["simple_post_other"]  # a browser sends it without a preflight: refused before it runs
+    assert status == 403 and body["error"]["type"] == "permission_error"
+    assert out["same_origin"][0] == 200 and "Access-Control-Allow-Origin" not in out["same_origin"][1]
+    assert out["ws_ok"] == "delta" and out["ws_same"] == "delta" and out["ws_other"] == 403
     assert out["stream"][0] == 200 and out["stream"][1]["Access-Control-Allow-Origin"] == ORIGIN  # streams too
     status, headers, body = out["get_post_route"]
     assert status == 405 and headers["Allow"] == "POST" and body["error"]["type"] == "invalid_request_error"
@@ -112,10 +129,16 @@ def test_no_cors_headers_unless_asked(tiny_dir):
         srv.wait_healthy()
 
         async def main():
-            async with aiohttp.ClientSession() as s, s.get(srv.url + "/v1/models", headers={"Origin": ORIGIN}) as r:
-                return dict(r.headers)
+            async with aiohttp.ClientSession() as s:
+                out = []
+                for headers in ({}, {"Origin": srv.url}, {"Origin": ORIGIN}):
+                    async with s.get(srv.url + "/v1/models", headers=headers) as r:
+                        out.append((r.status, dict(r.headers)))
+                return out
 
-        assert "Access-Control-Allow-Origin" not in run(main())
+        (plain, plain_h), (same, same_h), (other, _) = run(main())
+        assert plain == same == 200 and other == 403  # no browser page of another origin by default
+        assert not any(k.startswith("Access-Control") or k == "Vary" for k in {**plain_h, **same_h})
     finally:
         assert srv.stop() == 0
 
@@ -230,3 +253,6 @@ def test_repeated_emoji_logprobs_are_consistent(model_dir):
         for text, values in texts.items():
             if text != token:
                 assert top[text] == max(values)
+    chat = protocol.chat_logprobs(llm.tokenizer, out.token_ids, out.logprobs, 5)["content"]
+    rebuilt = b"".join(bytes(c["bytes"]) for c in chat).decode("utf-8", errors="replace")
+    assert rebuilt == llm.tokenizer.decode(out.token_ids) and "\ufffd" in "".join(c["token"] for c in chat)

@@ -501,18 +501,19 @@ def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: 
 
 
 def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict:
-    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+    ``bytes`` are the token's own bytes (a piece of a character included), so a client can rebuild the
+    text from them where ``token`` shows U+FFFD."""
     content = []
     for tid, entry in zip(token_ids, entries):
-        s = token_text(tokenizer, tid)
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
         content.append(
             {
-                "token": s,
+                "token": token_text(tokenizer, tid),
                 "logprob": entry.get(tid),
-                "bytes": list(s.encode("utf-8")),
+                "bytes": list(tokenizer.token_bytes(tid)),
                 "top_logprobs": [
-                    {"token": (ts := token_text(tokenizer, t)), "logprob": lp, "bytes": list(ts.encode("utf-8"))}
+                    {"token": token_text(tokenizer, t), "logprob": lp, "bytes": list(tokenizer.token_bytes(t))}
                     for t, lp in top
                 ],
             }
