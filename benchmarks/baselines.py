@@ -60,6 +60,6 @@ class CopyingForks(KVCacheManager):
         if src is None or len(src.block_ids) > self.block_pool.num_free_blocks:
             super().fork(parent, child)
             return
-        table = child.block_table = self._new_table(num_tokens=src.num_tokens)
+        table = child.block_table = self._new_table([], src.num_tokens, [])
         for bid in src.block_ids:
             table.block_ids.append(self.block_pool.copy(bid, table.table_id))

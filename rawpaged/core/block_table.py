@@ -29,12 +29,6 @@ class BlockTable:
     block_hashes: list = field(default_factory=list)
     freed: bool = False
 
-    def slot(self, position: int) -> int:
-        """Flat slot index of ``position``. Raises IndexError outside ``[0, num_tokens)``."""
-        if not 0 <= position < self.num_tokens:
-            raise IndexError(f"position {position} outside reserved slots [0, {self.num_tokens})")
-        return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
-
     def slots(self, start: int, end: int) -> list:
         """Slots of positions ``start .. end-1`` (those tokens' ``slot_mapping``). Raises IndexError
         outside the reserved slots."""

@@ -117,7 +117,7 @@ class KVCacheManager:
         pool, bs = self.block_pool, self.block_size
         table = seq.block_table
         if table is None:
-            table = seq.block_table = self._new_table()
+            table = seq.block_table = self._new_table([], 0, [])
             for bid in computed_blocks:
                 pool.share(bid, table.table_id)
                 table.block_ids.append(bid)
@@ -166,8 +166,8 @@ class KVCacheManager:
         table.freed = True
         seq.block_table = None
 
-    def _new_table(self, block_ids=None, num_tokens: int = 0, block_hashes=None) -> BlockTable:
-        return BlockTable(next(self._table_ids), self.block_size, block_ids or [], num_tokens, block_hashes or [])
+    def _new_table(self, block_ids: list, num_tokens: int, block_hashes: list) -> BlockTable:
+        return BlockTable(next(self._table_ids), self.block_size, block_ids, num_tokens, block_hashes)
 
     def take_block_copies(self) -> list:
         """The copy-on-write ``(src, dst)`` block copies recorded since the last call."""
@@ -185,11 +185,11 @@ class KVCacheManager:
             return
         counts: dict[int, int] = {}
         for t in tables:
-            assert not t.freed
+            assert not t.freed, f"table {t.table_id} was freed"
             assert len(t.block_ids) == -(-t.num_tokens // self.block_size), "table length"
             assert len(set(t.block_ids)) == len(t.block_ids), "a table holds a block twice"
             for bid in t.block_ids:
-                assert t.table_id in pool.blocks[bid].owners
+                assert t.table_id in pool.blocks[bid].owners, f"table {t.table_id} does not own block {bid}"
                 counts[bid] = counts.get(bid, 0) + 1
         for b in pool.blocks:
             assert counts.get(b.block_id, 0) == b.ref_count, f"block {b.block_id} ref_count mismatch"

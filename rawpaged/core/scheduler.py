@@ -176,19 +176,19 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.output_token_ids and seq.sampling_params.use_beam_search:
                 if not self._admit_beam_group(seq, out):
-                    break
+                    return
                 budget = self.max_num_batched_tokens - out.num_batched_tokens
                 slots = sum(map(_seq_slots, self.running))
                 continue
             if slots + _seq_slots(seq) > self.max_num_seqs and self.running:
-                break
+                return
             if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
-                break
+                return
             computed = kv.get_computed_blocks(seq)
             num_cached = len(computed) * kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not kv.allocate_slots(seq, n, computed):
-                break
+                return
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             if not seq.output_token_ids:
@@ -261,8 +261,7 @@ class Scheduler:
         stats = self.stats
         kv = self.kv_cache_manager
         for seq, n in scheduler_output.scheduled:
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                stats.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            stats.num_prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_tokens += n
             kv.cache_full_blocks(seq)
         finished = []

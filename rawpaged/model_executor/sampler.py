@@ -27,7 +27,7 @@ def sampling_arrays(draws: list, vocab_size: int) -> dict:
     params = [p for _, p, _ in draws]
     return dict(
         sample_rows=np.array([r for r, _, _ in draws], dtype=np.int64),
-        temperature=np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float64),
+        temperature=np.array([p.temperature for p in params], dtype=np.float64),  # 0.0 when greedy
         top_k=np.array([min(p.top_k, vocab_size) for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float64),
         min_p=np.array([p.min_p for p in params], dtype=np.float64),

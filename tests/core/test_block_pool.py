@@ -87,3 +87,69 @@ def test_longest_cache_hit_stops_at_the_first_miss_and_at_max_blocks():
     assert find_longest_cache_hit(pool, tokens + [9, 9, 9, 9], 4, max_blocks=3) == ([0, 1], 3)
     assert find_longest_cache_hit(pool, tokens, 4, max_blocks=1) == ([0], 1)
     assert find_longest_cache_hit(pool, [99] + tokens[1:], 4, max_blocks=2) == ([], 1)  # chained: no later hit
+
+
+def test_counters_start_at_zero_and_count_every_event():
+    pool = BlockPool(4)
+    assert (pool.peak_used_blocks, pool.num_cow_copies, pool.num_shared_blocks, pool.usage()) == (0, 0, 0, 0.0)
+    a = pool.take(owner=0).block_id
+    b = pool.take(owner=0).block_id
+    pool.share(a, owner=1)
+    pool.share(b, owner=1)
+    assert pool.num_shared_blocks == 2
+    pool.copy_on_write(a, owner=1)
+    pool.copy_on_write(b, owner=1)
+    assert pool.num_cow_copies == 2 and pool.peak_used_blocks == 4 and pool.num_shared_blocks == 0
+    assert pool.take_copies() == [(a, 2), (b, 3)]
+
+
+def test_a_cache_hit_on_a_free_block_counts_toward_the_peak():
+    pool = BlockPool(3)
+    blk = pool.take(owner=0)
+    pool.cache_block(blk.block_id, 7, (1,))
+    pool.release(blk.block_id, 0)
+    assert pool.num_used_blocks == 0 and pool.peak_used_blocks == 1
+    pool.take(owner=1)
+    pool.share(blk.block_id, owner=2)  # the hit takes a free block: 2 in use now
+    pool.take(owner=3)
+    assert pool.peak_used_blocks == 3 and pool.num_free_blocks == 0
+
+
+def test_an_evicted_block_loses_its_identity():
+    pool = BlockPool(1)
+    blk = pool.take(owner=0)
+    pool.cache_block(blk.block_id, 11, (5, 6))
+    pool.release(blk.block_id, 0)
+    again = pool.take(owner=1)
+    assert again.block_hash is None and again.token_ids is None and pool.get_cached_block(11, (5, 6)) is None
+    pool.cache_block(again.block_id, 12, (7, 8))  # rewritten with new content: found under its new hash only
+    assert pool.get_cached_block(12, (7, 8)) == again.block_id and pool.get_cached_block(11, (5, 6)) is None
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda pool: pool._free.pop(2), "free \\+ referenced != total"),
+    (lambda pool: setattr(pool.blocks[2], "ref_count", -1), "ref_count -1 < 0"),
+    (lambda pool: pool.blocks[1].owners.add(9), "ref_count != owners"),
+    (lambda pool: pool._free.__setitem__(1, None) or pool._free.pop(2), "free/referenced"),
+    (lambda pool: pool._cached.__setitem__(99, 0), "cache entry 99 -> block 0 is stale"),
+])  # fmt: skip
+def test_check_invariants_names_what_is_broken(corrupt, message):
+    pool = BlockPool(3)
+    pool.take(owner=0)
+    pool.take(owner=0)
+    pool.check_invariants()
+    corrupt(pool)
+    with pytest.raises(AssertionError, match=message):
+        pool.check_invariants()
+
+
+def test_longest_cache_hit_with_a_partial_last_block():
+    pool = BlockPool(2)
+    tokens = list(range(10))  # two full blocks of 4 and 2 tokens over
+    parent = None
+    for i in range(2):
+        blk = pool.take(owner=i)
+        parent = hash_block_tokens(parent, tuple(tokens[4 * i : 4 * i + 4]))
+        pool.cache_block(blk.block_id, parent, tuple(tokens[4 * i : 4 * i + 4]))
+    assert find_longest_cache_hit(pool, tokens, 4, max_blocks=5) == ([0, 1], 2)
+    assert find_longest_cache_hit(pool, tokens, 4, max_blocks=0) == ([], 0)

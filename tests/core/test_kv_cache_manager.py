@@ -287,3 +287,148 @@ class PagedKVMachine(RuleBasedStateMachine):
 
 TestPagedKVMachine = PagedKVMachine.TestCase
 TestPagedKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_defaults_and_zero_token_allocation():
+    kv = KVCacheManager(4)
+    assert kv.block_size == 16 and not kv.enable_prefix_caching and kv.num_blocks == 4 and kv.usage == 0.0
+    s = seq()
+    assert kv.allocate_slots(s, 0) and s.block_table.block_ids == [] and s.block_table.num_tokens == 0
+    assert kv.allocate_slots(s, 0)  # again, with a table
+
+
+def test_zero_tokens_need_no_copy_even_onto_a_shared_partial_block():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    parent, child = seq(), seq(seq_id=1)
+    kv.allocate_slots(parent, 6)
+    kv.fork(parent, child)
+    assert kv.num_blocks_to_allocate(child, 0) == 0 and kv.block_pool.num_free_blocks == 0
+    assert kv.allocate_slots(child, 0) and kv.take_block_copies() == []
+
+
+def test_copy_on_write_only_for_a_shared_partial_block():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    alone = seq()
+    kv.allocate_slots(alone, 6)  # partial last block, not shared: no copy counted
+    assert kv.num_blocks_to_allocate(alone, 1) == 0
+    assert kv.num_blocks_to_allocate(alone, 3) == 1 and kv.num_blocks_to_allocate(alone, 2) == 0
+
+
+def test_allocation_with_exactly_enough_free_blocks_succeeds():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    s = seq()
+    assert kv.num_blocks_to_allocate(s, 12) == 3 and kv.allocate_slots(s, 12)
+    assert kv.block_pool.num_free_blocks == 0
+    t = seq(seq_id=1)
+    assert kv.num_blocks_to_allocate(t, 1) == 1 and not kv.allocate_slots(t, 1)
+
+
+def test_free_empties_the_table():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    s = seq(list(range(6)))
+    kv.allocate_slots(s, 6)
+    table = s.block_table
+    kv.free(s)
+    assert (table.block_ids, table.block_hashes, table.num_tokens, table.freed) == ([], [], 0, True)
+    kv.free(s)  # nothing left to free
+
+
+def test_fork_and_appends_refuse_a_freed_table():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    parent = seq()
+    kv.allocate_slots(parent, 5)
+    freed = parent.block_table
+    kv.free(parent)
+    parent.block_table = freed
+    with pytest.raises(BlockPoolError, match="already freed"):
+        kv.fork(parent, seq(seq_id=1))
+    with pytest.raises(BlockPoolError, match="already freed"):
+        kv.allocate_slots(parent, 0)
+
+
+def _computed(kv, s):
+    """Run ``s``'s whole prompt as the engine would: hits, slots, computed tokens, cached blocks."""
+    hits = kv.get_computed_blocks(s)
+    assert kv.allocate_slots(s, s.num_tokens - len(hits) * kv.block_size, hits)
+    s.num_computed_tokens = s.num_tokens
+    kv.cache_full_blocks(s)
+    return hits
+
+
+def test_prefix_cache_chains_past_the_hit_and_through_forks():
+    kv = KVCacheManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
+    base = list(range(100, 108))  # four blocks of 2
+    a = seq(base[:5])
+    _computed(kv, a)  # caches blocks 0 and 1
+    b = seq(base[:7], seq_id=1)
+    assert len(_computed(kv, b)) == 2  # hits 2, computes and caches block 2 chained after the hits
+    c = seq(base + [1], seq_id=2)
+    assert len(_computed(kv, c)) == 3  # the third block is found: the chain continued through b's hits
+    child = seq(seq_id=3)
+    kv.fork(c, child)
+    assert child.block_table.block_hashes == c.block_table.block_hashes
+    child.prompt_token_ids = list(c.prompt_token_ids)
+    child.output_token_ids = [5, 6, 7]
+    child.num_computed_tokens = c.num_tokens
+    kv.allocate_slots(child, 3)
+    child.num_computed_tokens = child.num_tokens
+    kv.cache_full_blocks(child)
+    d = seq(base + [1, 5, 6, 7, 9], seq_id=4)
+    assert len(kv.get_computed_blocks(d)) == 6  # the fork's blocks chain onto the parent's
+
+
+def test_prefix_cache_counts_every_lookup():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    _computed(kv, seq([1, 2, 3, 4, 5]))
+    kv.get_computed_blocks(seq([1, 2, 3, 4, 5], seq_id=1))
+    kv.get_computed_blocks(seq([1, 2, 9, 9, 9], seq_id=2))
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1 + 2 + 2, 2 + 1)
+    kv.reset_stats()
+    assert (kv.num_prefix_queries, kv.num_prefix_hits, kv.block_pool.num_cow_copies) == (0, 0, 0)
+
+
+def test_caching_off_registers_nothing_and_finds_nothing():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    s = seq([1, 2, 3, 4, 5])
+    _computed(kv, s)
+    assert s.block_table.block_hashes == [] and kv.block_pool.num_cached_free_blocks == 0
+    assert kv.get_computed_blocks(seq([1, 2, 3, 4, 5], seq_id=1)) == [] and kv.num_prefix_queries == 0
+
+
+def test_cache_full_blocks_hashes_only_what_is_computed():
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    s = seq([1, 2, 3, 4, 5, 6])
+    kv.allocate_slots(s, 6)
+    s.num_computed_tokens = 3
+    kv.cache_full_blocks(s)
+    assert len(s.block_table.block_hashes) == 1
+    s.num_computed_tokens = 6
+    kv.cache_full_blocks(s)
+    assert len(s.block_table.block_hashes) == 3
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda a, b: setattr(a.block_table, "num_tokens", 9), "table length"),
+    (lambda a, b: a.block_table.block_ids.__setitem__(1, a.block_table.block_ids[0]), "a table holds a block twice"),
+    (lambda a, b: b.block_table.block_ids.__setitem__(0, a.block_table.block_ids[0]), "does not own block"),
+    (lambda a, b: setattr(b.block_table, "freed", True), "was freed"),
+])  # fmt: skip
+def test_check_invariants_sees_broken_tables(corrupt, message):
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = seq(), seq(seq_id=1)
+    kv.allocate_slots(a, 8)
+    kv.allocate_slots(b, 4)
+    kv.check_invariants([a, b])
+    corrupt(a, b)
+    with pytest.raises(AssertionError, match=message):
+        kv.check_invariants([a, b])
+
+
+def test_check_invariants_counts_references_of_all_given_tables():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = seq(), seq(seq_id=1)
+    kv.allocate_slots(a, 4)
+    kv.fork(a, b)
+    kv.check_invariants([a, b])
+    with pytest.raises(AssertionError, match="ref_count mismatch"):
+        kv.check_invariants([a, seq(seq_id=5)])  # b's reference is not accounted for

@@ -234,3 +234,198 @@ def test_limits_must_be_positive():
 
 def test_scheduler_output_empty():
     assert SchedulerOutput().is_empty and SchedulerOutput().num_batched_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+def test_limit_messages_name_the_limit(name):
+    args = dict(max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1) | {name: 0}
+    with pytest.raises(ValueError) as e:
+        Scheduler(KVCacheManager(4, 4), **args)
+    assert str(e.value) == f"{name} must be >= 1, got 0"
+
+
+def test_add_fork_and_finish_set_the_status():
+    sched = make()
+    a = seq(0, 4, SamplingParams(n=2, temperature=1.0))
+    a.status = SequenceStatus.FINISHED
+    sched.add(a)
+    assert a.status is SequenceStatus.WAITING
+    out = sched.schedule()
+    assert a.status is SequenceStatus.RUNNING
+    child = a.fork(1, 1, None)
+    sched.fork(a, child)
+    assert child.status is SequenceStatus.RUNNING and sched.running == [a, child]
+    sched.update_from_output(out, [(a, 5), (child, 6)])
+    b = seq(2, 4)
+    sched.add(b)
+    sched.finish_seqs([a, child, b], "abort")  # running and waiting, in one call
+    sched.finish_seqs([a, b], "stop")
+    assert [s.finish_reason for s in (a, child, b)] == ["abort"] * 3 and sched.num_unfinished == 0
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 16
+
+
+def test_finish_seqs_goes_on_past_a_finished_one():
+    sched = make()
+    a, b = seq(0, 4), seq(1, 4)
+    sched.add(a)
+    sched.add(b)
+    sched.finish_seqs([a], "abort")
+    sched.finish_seqs([a, b], "stop")
+    assert b.finish_reason == "stop" and not sched.waiting
+
+
+def test_every_token_of_the_budget_is_used():
+    sched = make(max_num_batched_tokens=3)
+    seqs = [seq(i, 1, SamplingParams(max_tokens=10)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out, _ = run_step(sched)
+    assert [n for _, n in out.scheduled] == [1, 1, 1]  # the last token of the budget admits the third
+    out, _ = run_step(sched)
+    assert [n for _, n in out.scheduled] == [1, 1, 1]  # and serves the third decode
+
+
+def test_running_prefills_share_the_budget_in_order():
+    sched = make(num_blocks=32, max_num_batched_tokens=12)
+    a, b = seq(0, 30, SamplingParams(max_tokens=2)), seq(1, 30, SamplingParams(max_tokens=2))
+    sched.add(a)
+    sched.add(b)
+    out, _ = run_step(sched)
+    assert [(s, n) for s, n in out.scheduled] == [(a, 12)]
+    out, _ = run_step(sched)
+    assert [(s, n) for s, n in out.scheduled] == [(a, 12)]
+    out, _ = run_step(sched)
+    assert [(s, n) for s, n in out.scheduled] == [(a, 6), (b, 6)]  # a's last chunk, then b gets the rest
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (30, 6) and a.output_token_ids == [7]
+    assert sched.stats.num_prompt_tokens == 36
+
+
+def test_a_sequence_with_nothing_to_compute_is_passed_over():
+    sched = make()
+    a, b, c = seq(0, 4, SamplingParams(max_tokens=9)), seq(1, 4, SamplingParams(max_tokens=9)), seq(2, 4)
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    sched.update_from_output(out, [(a, 7), (b, 7), (c, 7)])
+    out = sched.schedule()
+    # a and b get no token this step (as beams waiting for their siblings' rows): their KV is complete.
+    sched.update_from_output(out, [(c, 7)])
+    assert a.num_computed_tokens == a.num_tokens and b.num_computed_tokens == b.num_tokens
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == [c]
+
+
+def test_max_num_seqs_admits_up_to_the_limit_and_counts_forks_once():
+    sched = make(max_num_seqs=3)
+    for i in range(4):
+        sched.add(seq(i, 4))
+    out = sched.schedule()
+    assert len(out.scheduled) == 3 and len(sched.waiting) == 1  # exactly max_num_seqs, not one fewer
+    forked = make(max_num_seqs=3)
+    first = seq(0, 4, SamplingParams(n=2, temperature=1.0))
+    forked.add(first)
+    forked.add(seq(1, 4))
+    forked.add(seq(2, 4))
+    out = forked.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == [0, 1]  # 2 slots for the samples + 1 = 3
+    later_sample = Sequence(9, "r9", 1, [1, 2, 3], SamplingParams(n=4, temperature=1.0), None, 0.0)
+    assert forked_slots(later_sample) == 1  # only a request's first sequence forks
+
+
+def forked_slots(s):
+    from rawpaged.core.scheduler import _seq_slots
+
+    return _seq_slots(s)
+
+
+def test_preempting_a_beam_group_unschedules_a_sibling_scheduled_earlier():
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    beams = _beams(sched, prompt=4, width=2)  # each beam: 5 tokens, 4 computed, one block of its own coming
+    other = seq(9, 8, SamplingParams(max_tokens=20))
+    sched.running.insert(1, other)  # running: beam 0, other, beam 1
+    assert sched.kv_cache_manager.allocate_slots(other, 8)
+    other.num_computed_tokens = 7  # other's 8th token computes next, in its own blocks
+    hog = seq(8, 4, SamplingParams(max_tokens=1))
+    assert sched.kv_cache_manager.allocate_slots(hog, 1)  # the last free block
+    other.prompt_token_ids.append(1)  # other now needs a third block: none is free
+    out = sched.schedule()
+    # beam 0 was scheduled, then other's block forced a preemption of the newest: beam 1 and its sibling.
+    assert out.preempted == [beams[1], beams[0]] or set(out.preempted) == set(beams)
+    assert [s for s, _ in out.scheduled] == [other] and list(sched.waiting)[:2] == beams
+    assert all(b.block_table is None and b.num_computed_tokens == 0 for b in beams)
+
+
+def test_two_preemptions_are_counted_and_policies_released():
+    policy = CountingPolicy(limit=10)
+    sched = make(num_blocks=2, block_size=4, admission_policy=policy)
+    a, b = seq(0, 4, SamplingParams(max_tokens=20)), seq(1, 4, SamplingParams(max_tokens=20))
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prompts: one block each
+    out, _ = run_step(sched)  # a's 5th token needs a block: b is preempted
+    assert out.preempted == [b] and ("released", 1) in policy.log and sched.stats.num_preemptions == 1
+    for _ in range(3):
+        out, _ = run_step(sched)  # a's tokens 6 to 8 fit its two blocks
+        assert not out.preempted
+    out, _ = run_step(sched)  # its 9th needs a third: a preempts itself
+    assert out.preempted == [a] and ("released", 0) in policy.log and sched.stats.num_preemptions == 2
+
+
+def _beams(sched, request=1, prompt=4, width=2):
+    """A beam request of ``width`` beams that each generated one token, running."""
+    params = SamplingParams(beam_width=width, max_tokens=30)
+    head = seq(request, prompt, params)
+    sched.add(head)
+    out = sched.schedule()
+    beams = [head] + [head.fork(100 + i, i + 1, None) for i in range(width - 1)]
+    for child in beams[1:]:
+        sched.fork(head, child)
+    sched.update_from_output(out, [(b, 7) for b in beams])
+    return beams
+
+
+def test_waiting_beams_are_readmitted_as_a_group_when_their_blocks_fit():
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    beams = _beams(sched, width=2)
+    sched.finish_seqs([], "abort")
+    victims = sched._preempt_newest(SchedulerOutput())
+    assert victims == beams and list(sched.waiting) == beams
+    other = seq(9, 12, SamplingParams(max_tokens=1))
+    sched.waiting.append(other)
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == beams  # 5 tokens each from scratch: 2 + 2 blocks; 0 left for other
+    assert all(b.status is SequenceStatus.RUNNING and b.num_computed_tokens == 0 for b in beams)
+    assert other in sched.waiting
+    assert sum(n for _, n in out.scheduled) == 10
+
+
+def test_waiting_beams_that_do_not_fit_wait_and_change_nothing():
+    sched = make(num_blocks=4, block_size=4)
+    beams = _beams(sched, width=2)
+    sched._preempt_newest(SchedulerOutput())
+    hog = seq(8, 8, SamplingParams(max_tokens=1))
+    assert sched.kv_cache_manager.allocate_slots(hog, 8)  # 2 blocks left: the beams need 4
+    out = sched.schedule()
+    assert out.is_empty and list(sched.waiting) == beams and all(b.block_table is None for b in beams)
+
+
+def test_readmitted_beams_share_the_budget_and_are_chunked():
+    sched = make(num_blocks=8, block_size=4, max_num_batched_tokens=7)
+    beams = _beams(sched, prompt=4, width=2)
+    sched._preempt_newest(SchedulerOutput())
+    out = sched.schedule()
+    assert [(s, n) for s, n in out.scheduled] == [(beams[0], 5), (beams[1], 2)]
+    assert all(b in sched.running for b in beams)
+    sched.update_from_output(out, [])
+    out = sched.schedule()
+    assert [(s, n) for s, n in out.scheduled] == [(beams[1], 3)]
+
+
+def test_readmitted_beams_leave_room_for_other_admissions():
+    sched = make(num_blocks=8, block_size=4, max_num_batched_tokens=14)
+    beams = _beams(sched, prompt=4, width=2)
+    sched._preempt_newest(SchedulerOutput())
+    other = seq(9, 3, SamplingParams(max_tokens=1))
+    sched.add(other)
+    out = sched.schedule()
+    assert [(s, n) for s, n in out.scheduled] == [(beams[0], 5), (beams[1], 5), (other, 3)]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu
-from rawpaged.model_executor.sampler import draw_uniform, sampling_arrays
+from rawpaged.model_executor.sampler import draw_uniform, log_softmax, sampling_arrays
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -121,3 +121,25 @@ def test_temperature_thresholds_follow_vllm():
     assert SamplingParams(temperature=0.5).temperature == 0.5 and not SamplingParams(temperature=0.5).greedy
     rng = np.random.default_rng(0)
     assert draw_uniform(SamplingParams(temperature=1e-308), rng) == 0.0  # greedy: no uniform drawn
+
+
+def test_log_softmax_against_float64():
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 30, (4, 50)).astype(np.float32)
+    x[0, :3] = [1e4, -1e4, 0]  # large magnitudes: computed stably
+    got = log_softmax(x)
+    ref = x.astype(np.float64)
+    ref = ref - ref.max(axis=-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(axis=-1, keepdims=True))
+    assert got.dtype == np.float32 and np.allclose(got, ref, atol=1e-5) and (got <= 0).all()
+    assert np.allclose(np.exp(got.astype(np.float64)).sum(axis=-1), 1.0, atol=1e-5)
+    assert np.allclose(log_softmax(x + 7.0), got, atol=1e-4)  # shift invariant
+
+
+def test_sampling_arrays_dtypes_even_when_empty():
+    for draws in ([], [(2, SamplingParams(temperature=0.5, top_k=3), 0.25)]):
+        arrays = sampling_arrays(draws, vocab_size=10)
+        assert {k: a.dtype for k, a in arrays.items()} == {
+            "sample_rows": np.int64, "temperature": np.float64, "top_k": np.int64, "top_p": np.float64,
+            "min_p": np.float64, "uniforms": np.float64}  # fmt: skip
+        assert all(len(a) == len(draws) for a in arrays.values())
