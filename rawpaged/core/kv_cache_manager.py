@@ -117,12 +117,11 @@ class KVCacheManager:
         pool, bs = self.block_pool, self.block_size
         table = seq.block_table
         if table is None:
-            table = seq.block_table = self._new_table([], 0, [])
+            table = seq.block_table = self._new_table([], len(computed_blocks) * bs, [])
             for bid in computed_blocks:
                 pool.share(bid, table.table_id)
                 table.block_ids.append(bid)
                 table.block_hashes.append(pool.blocks[bid].block_hash)
-            table.num_tokens = len(computed_blocks) * bs
         if num_new_tokens == 0:
             return True
         if table.num_tokens % bs and pool.blocks[table.block_ids[-1]].ref_count > 1:

@@ -229,7 +229,7 @@ class Scheduler:
             s.num_computed_tokens = 0
             n = min(s.num_tokens, budget)
             allocated = kv.allocate_slots(s, n)
-            assert allocated, "the group's blocks were counted free"
+            assert allocated, "the group's blocks were counted free"  # pragma: no mutate
             s.status = SequenceStatus.RUNNING
             self.running.append(s)
             if n:

@@ -26,7 +26,7 @@ from rawpaged.engine.outputs import CompletionOutput
 def length_normalized(cumulative_logprob: float, length: int, length_penalty: float) -> float:
     """``cumulative_logprob / length ** length_penalty`` in float64, for any finite ``length_penalty``: a
     power that overflows gives -0.0 and one that underflows -inf (never an exception)."""
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+    with np.errstate(all="ignore"):
         return float(np.float64(cumulative_logprob) / np.power(np.float64(length), length_penalty))
 
 

@@ -12,9 +12,12 @@ def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:
     order, equal values by lower id (the chosen one not repeated; ``k`` at most the vocabulary), from a
     float32 ``log_softmax`` row."""
     out = {int(token_id): float(logprobs_row[token_id])}
-    k = min(k, len(logprobs_row))
+    n = len(logprobs_row)
+    k = min(k, n)
     if k > 0:
-        top = np.sort(np.argpartition(-logprobs_row, k - 1)[:k])  # in id order, so equal values keep it
+        kth = np.partition(logprobs_row, n - k)[n - k]  # the k-th largest value
+        above = np.flatnonzero(logprobs_row > kth)
+        top = np.concatenate([above, np.flatnonzero(logprobs_row == kth)[: k - len(above)]])  # ids ascending
         for t in top[np.argsort(-logprobs_row[top], kind="stable")]:
             out.setdefault(int(t), float(logprobs_row[t]))
     return out

@@ -127,10 +127,10 @@ def test_an_evicted_block_loses_its_identity():
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda pool: pool._free.pop(2), "free \\+ referenced != total"),
-    (lambda pool: setattr(pool.blocks[2], "ref_count", -1), "ref_count -1 < 0"),
-    (lambda pool: pool.blocks[1].owners.add(9), "ref_count != owners"),
-    (lambda pool: pool._free.__setitem__(1, None) or pool._free.pop(2), "free/referenced"),
+    (lambda pool: pool._free.pop(2), "free + referenced != total"),
+    (lambda pool: setattr(pool.blocks[2], "ref_count", -1), "block 2 ref_count -1 < 0"),
+    (lambda pool: pool.blocks[1].owners.add(9), "block 1 ref_count != owners"),
+    (lambda pool: pool._free.__setitem__(1, None) or pool._free.pop(2), "block 1 free/referenced"),
     (lambda pool: pool._cached.__setitem__(99, 0), "cache entry 99 -> block 0 is stale"),
 ])  # fmt: skip
 def test_check_invariants_names_what_is_broken(corrupt, message):
@@ -139,8 +139,9 @@ def test_check_invariants_names_what_is_broken(corrupt, message):
     pool.take(owner=0)
     pool.check_invariants()
     corrupt(pool)
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(AssertionError) as e:
         pool.check_invariants()
+    assert str(e.value) == message
 
 
 def test_longest_cache_hit_with_a_partial_last_block():

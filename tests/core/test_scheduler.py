@@ -302,17 +302,17 @@ def test_running_prefills_share_the_budget_in_order():
 
 def test_a_sequence_with_nothing_to_compute_is_passed_over():
     sched = make()
-    a, b, c = seq(0, 4, SamplingParams(max_tokens=9)), seq(1, 4, SamplingParams(max_tokens=9)), seq(2, 4)
+    a, b, c = (seq(i, 4, SamplingParams(max_tokens=9)) for i in range(3))
     for s in (a, b, c):
         sched.add(s)
     out = sched.schedule()
     sched.update_from_output(out, [(a, 7), (b, 7), (c, 7)])
     out = sched.schedule()
-    # a and b get no token this step (as beams waiting for their siblings' rows): their KV is complete.
-    sched.update_from_output(out, [(c, 7)])
-    assert a.num_computed_tokens == a.num_tokens and b.num_computed_tokens == b.num_tokens
+    # a gets no token this step (as a beam waiting for its siblings' rows): its KV is complete.
+    sched.update_from_output(out, [(b, 7), (c, 7)])
+    assert a.num_computed_tokens == a.num_tokens
     out = sched.schedule()
-    assert [s for s, _ in out.scheduled] == [c]
+    assert [s for s, _ in out.scheduled] == [b, c]
 
 
 def test_max_num_seqs_admits_up_to_the_limit_and_counts_forks_once():
@@ -344,14 +344,13 @@ def test_preempting_a_beam_group_unschedules_a_sibling_scheduled_earlier():
     other = seq(9, 8, SamplingParams(max_tokens=20))
     sched.running.insert(1, other)  # running: beam 0, other, beam 1
     assert sched.kv_cache_manager.allocate_slots(other, 8)
-    other.num_computed_tokens = 7  # other's 8th token computes next, in its own blocks
-    hog = seq(8, 4, SamplingParams(max_tokens=1))
-    assert sched.kv_cache_manager.allocate_slots(hog, 1)  # the last free block
-    other.prompt_token_ids.append(1)  # other now needs a third block: none is free
+    other.num_computed_tokens = 7
+    other.prompt_token_ids.append(1)  # other computes tokens 8 and 9: a third block
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == 1  # beam 0 takes it first
     out = sched.schedule()
     # beam 0 was scheduled, then other's block forced a preemption of the newest: beam 1 and its sibling.
-    assert out.preempted == [beams[1], beams[0]] or set(out.preempted) == set(beams)
-    assert [s for s, _ in out.scheduled] == [other] and list(sched.waiting)[:2] == beams
+    assert set(out.preempted) == set(beams)
+    assert [(s, n) for s, n in out.scheduled] == [(other, 2)] and list(sched.waiting)[:2] == beams
     assert all(b.block_table is None and b.num_computed_tokens == 0 for b in beams)
 
 
@@ -429,3 +428,61 @@ def test_readmitted_beams_leave_room_for_other_admissions():
     sched.add(other)
     out = sched.schedule()
     assert [(s, n) for s, n in out.scheduled] == [(beams[0], 5), (beams[1], 5), (other, 3)]
+
+
+def test_a_preempted_sequence_finds_its_own_cached_blocks_again():
+    sched = make(num_blocks=4, block_size=4, prefix_caching=True)
+    a = seq(0, 8, SamplingParams(max_tokens=20))
+    sched.add(a)
+    run_step(sched)  # its prompt's two full blocks are cached
+    assert sched._preempt_newest(SchedulerOutput()) == [a] and a.num_computed_tokens == 0
+    out = sched.schedule()  # readmitted: the cache holds its prompt; only the generated token is computed
+    assert [(s, n) for s, n in out.scheduled] == [(a, 1)] and a.num_computed_tokens == 8
+    assert a.num_cached_tokens == 0  # counted at its first admission only
+
+
+def test_a_beam_group_takes_what_the_running_batch_left_and_others_the_rest():
+    sched = make(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    beams = _beams(sched, request=1, prompt=4, width=2)
+    sched._preempt_newest(SchedulerOutput())
+    runner = seq(5, 2, SamplingParams(max_tokens=20))
+    assert sched.kv_cache_manager.allocate_slots(runner, 2)
+    runner.num_computed_tokens, runner.output_token_ids, runner.status = 2, [7], SequenceStatus.RUNNING
+    sched.running.append(runner)  # a decode already in the batch
+    other = seq(9, 6, SamplingParams(max_tokens=1))
+    sched.add(other)
+    out = sched.schedule()
+    # runner decodes 1; the group gets 7 of the 8: 5 + 2; nothing is left for other.
+    assert [(s, n) for s, n in out.scheduled] == [(runner, 1), (beams[0], 5), (beams[1], 2)]
+    assert other in sched.waiting
+    roomy = make(num_blocks=16, block_size=4, max_num_batched_tokens=14)
+    beams = _beams(roomy, prompt=4, width=2)
+    roomy._preempt_newest(SchedulerOutput())
+    other = seq(9, 6, SamplingParams(max_tokens=1))
+    roomy.add(other)
+    out = roomy.schedule()
+    assert [(s, n) for s, n in out.scheduled] == [(beams[0], 5), (beams[1], 5), (other, 4)]  # other: the last 4
+
+
+def test_a_beam_group_needs_every_block_before_it_is_readmitted():
+    sched = make(num_blocks=5, block_size=4)
+    beams = _beams(sched, width=2)  # each beam: 5 tokens, 2 blocks from scratch
+    sched._preempt_newest(SchedulerOutput())
+    hog = seq(8, 8, SamplingParams(max_tokens=1))
+    assert sched.kv_cache_manager.allocate_slots(hog, 8)  # 3 blocks free: 2.5 + 2.5 would pass, 4 do not
+    out = sched.schedule()
+    assert out.is_empty and all(b.block_table is None for b in beams)
+
+
+class SeenPolicy(CountingPolicy):
+    def can_admit(self, s):
+        self.log.append(("asked", s.seq_id))
+        return super().can_admit(s)
+
+
+def test_the_admission_hook_sees_the_candidate():
+    policy = SeenPolicy(limit=5)
+    sched = make(admission_policy=policy)
+    sched.add(seq(3, 4))
+    sched.schedule()
+    assert policy.log[:2] == [("asked", 3), ("admitted", 3)]

@@ -178,3 +178,74 @@ def test_beam_outputs_take_the_n_best_hypotheses():
     assert [(o.index, o.text, o.token_ids, o.finish_reason, o.cumulative_logprob) for o in outs] == [
         (0, "ab", [0, 1], "stop", -2.0), (1, "cc", [2, 2], "length", -3.0)]  # fmt: skip
     assert outs[0].logprobs == [{0: -1.0}, {1: -1.0}] and outs[1].logprobs is None
+
+
+def test_length_normalized_hides_every_floating_point_warning():
+    with np.errstate(all="raise"):  # a caller that raises on every floating-point event
+        assert length_normalized(-3.0, 7, 400.0) == 0.0  # overflow
+        assert length_normalized(-3.0, 7, -1000.0) == -math.inf  # division by zero
+        assert math.isnan(length_normalized(-math.inf, 7, 400.0))  # inf / inf: invalid
+
+
+def test_when_the_top_two_width_all_stop_the_search_ends():
+    state = BeamState(1, 1.0)
+    rows = np.log(np.array([[0.5, 0.4, 0.1]], np.float32))  # top-2 both stop tokens
+    chosen = step(state, [0.0], [[]], rows, stop_ids={0, 1}, max_new_tokens=9)
+    assert chosen == [] and state.done and [h.token_ids for h in state.finished] == [[0]]
+
+
+def test_the_last_candidate_of_the_top_two_width_is_the_true_one():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        p = rng.dirichlet(np.ones(64)).astype(np.float32)
+        rows = np.log(p)[None, :]
+        order = np.argsort(-p, kind="stable")
+        stop = {int(order[0]), int(order[1])}  # the two best stop: running beams are the 3rd and 4th best
+        chosen = step(BeamState(2, 1.0), [0.0], [[]], rows, stop, 9)
+        assert [c.token_id for c in chosen] == [int(order[2]), int(order[3])]
+
+
+def test_a_tie_between_the_best_running_beam_and_the_worst_hypothesis_ends_the_search():
+    state = BeamState(1, 1.0)
+    rows = np.log(np.array([[0.5, 0.5]], np.float32))
+    chosen = step(state, [0.0], [[]], rows, stop_ids={0}, max_new_tokens=9)
+    assert [c.token_id for c in chosen] == [1] and state.done and state.improvement_possible is False
+
+
+def test_finished_hypotheses_carry_their_logprobs():
+    rows = np.log(np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]], np.float32))
+    state = BeamState(2, 1.0)
+    parents = [[{5: -0.1}], [{6: -0.2}]]
+    step(state, [-0.1, -0.2], [[5], [6]], rows, stop_ids={0, 2}, max_new_tokens=9, logprobs=parents, num_logprobs=1)
+    assert [h.token_ids for h in state.finished] == [[5, 0], [6, 2]]
+    assert state.finished[0].logprobs == [{5: -0.1}, {0: float(rows[0, 0])}]
+    assert state.finished[1].logprobs == [{6: -0.2}, {2: float(rows[1, 2])}]
+    plain = BeamState(2, 1.0)
+    step(plain, [-0.1, -0.2], [[5], [6]], rows, stop_ids={0, 2}, max_new_tokens=9)
+    assert all(h.logprobs is None for h in plain.finished)
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 2])
+def test_step_beams_reports_logprobs_for_every_token(num_logprobs):
+    rows = markov_model(3)
+    req = _beam_request(2, rows([[]]), logprobs=num_logprobs, max_tokens=4)
+    n_seqs = [1]
+
+    def fork(r, parent):
+        child = parent.fork(n_seqs[0], n_seqs[0], None)
+        n_seqs[0] += 1
+        r.seqs.append(child)
+        return child
+
+    while not req.beam.done:
+        sampled, _ = step_beams(req, fork, set(), 100, 0.0)
+        for s, token in sampled:
+            s.output_token_ids.append(token)
+        for b in req.beams:
+            b.pending_logprobs = rows([b.output_token_ids])[0]
+    for h in req.beam.finished:
+        assert len(h.logprobs) == len(h.token_ids) == 4
+        assert sum(e[t] for e, t in zip(h.logprobs, h.token_ids)) == pytest.approx(h.cumulative_logprob, abs=1e-4)
+        assert all(
+            len(e) in (num_logprobs, num_logprobs + 1) or (num_logprobs == 0 and len(e) == 1) for e in h.logprobs
+        )

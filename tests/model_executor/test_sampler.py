@@ -134,6 +134,8 @@ def test_log_softmax_against_float64():
     assert got.dtype == np.float32 and np.allclose(got, ref, atol=1e-5) and (got <= 0).all()
     assert np.allclose(np.exp(got.astype(np.float64)).sum(axis=-1), 1.0, atol=1e-5)
     assert np.allclose(log_softmax(x + 7.0), got, atol=1e-4)  # shift invariant
+    one = log_softmax(x[1])  # a single row, as the engine passes them
+    assert one.shape == (50,) and np.allclose(one, ref[1], atol=1e-5)
 
 
 def test_sampling_arrays_dtypes_even_when_empty():
