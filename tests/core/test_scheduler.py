@@ -313,6 +313,10 @@ def test_a_sequence_with_nothing_to_compute_is_passed_over():
     assert a.num_computed_tokens == a.num_tokens
     out = sched.schedule()
     assert [s for s, _ in out.scheduled] == [b, c]
+    sched.update_from_output(out, [(b, 7), (c, 7)])
+    sched.running[:2] = [b, a]  # the one with nothing to compute in the middle
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == [b, c]
 
 
 def test_max_num_seqs_admits_up_to_the_limit_and_counts_forks_once():

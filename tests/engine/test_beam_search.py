@@ -246,6 +246,22 @@ def test_step_beams_reports_logprobs_for_every_token(num_logprobs):
     for h in req.beam.finished:
         assert len(h.logprobs) == len(h.token_ids) == 4
         assert sum(e[t] for e, t in zip(h.logprobs, h.token_ids)) == pytest.approx(h.cumulative_logprob, abs=1e-4)
-        assert all(
-            len(e) in (num_logprobs, num_logprobs + 1) or (num_logprobs == 0 and len(e) == 1) for e in h.logprobs
-        )
+        for e, t in zip(h.logprobs, h.token_ids):
+            assert list(e)[0] == t and len(e) in ((1,) if num_logprobs == 0 else (num_logprobs, num_logprobs + 1))
+
+
+def test_step_beams_without_logprobs_keeps_none():
+    rows = markov_model(3)
+    req = _beam_request(2, rows([[]]), max_tokens=3)
+
+    def fork(r, parent):
+        r.seqs.append(parent.fork(len(r.seqs), len(r.seqs), None))
+        return r.seqs[-1]
+
+    while not req.beam.done:
+        sampled, _ = step_beams(req, fork, set(), 100, 0.0)
+        for s, token in sampled:
+            s.output_token_ids.append(token)
+        for b in req.beams:
+            b.pending_logprobs = rows([b.output_token_ids])[0]
+    assert all(h.logprobs is None for h in req.beam.finished) and all(s.logprobs == [] for s in req.seqs)

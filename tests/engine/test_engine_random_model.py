@@ -118,17 +118,43 @@ class EngineMachine(RuleBasedStateMachine):
         if hasattr(self, "eng"):
             self._check()
 
-    def teardown(self):
-        if not hasattr(self, "eng"):
-            return
-        for _ in range(500):
+    def _drain(self):
+        for _ in range(2000):
             if not self.eng.has_unfinished_requests():
                 break
             self.eng.step()
+            self._check()
         assert not self.eng.has_unfinished_requests(), "requests never finished (hang?)"
         s = self.llm.stats()
         assert s["num_free_blocks"] == s["num_total_blocks"]
         assert all(b.ref_count == 0 for b in self.eng.kv_cache_manager.block_pool.blocks)
+
+    def _force_preemption_and_beam_readmission(self):
+        """Whatever the random rules did: greedy requests that outgrow the pool, then a beam request (the
+        newest, so its group is what gets preempted), run to the end. Every run must preempt and
+        readmit a beam group."""
+        eng, sched = self.eng, self.eng.scheduler
+        bs, n = eng.config.block_size, eng.kv_cache_manager.num_blocks
+        readmitted = []
+        real = sched._admit_beam_group
+        sched._admit_beam_group = lambda head, out: readmitted.append(real(head, out)) or readmitted[-1]
+        preemptions = sched.stats.num_preemptions
+        greedy_tokens = min(128, n * bs) - bs  # each alone fits the pool; together they outgrow it
+        for i in range(5):
+            eng.add_request({"prompt_token_ids": [20 + i] * bs},
+                            SamplingParams(temperature=0.0, max_tokens=greedy_tokens, ignore_eos=True))  # fmt: skip
+        beam_tokens = max(1, (n // 3) * bs - bs)
+        eng.add_request({"prompt_token_ids": [30] * bs},
+                        SamplingParams(beam_width=3, max_tokens=beam_tokens, ignore_eos=True))  # fmt: skip
+        self._drain()
+        sched._admit_beam_group = real
+        assert sched.stats.num_preemptions > preemptions and any(readmitted), (n, bs, readmitted)
+
+    def teardown(self):
+        if not hasattr(self, "eng"):
+            return
+        self._drain()
+        self._force_preemption_and_beam_readmission()
 
 
 def test_engine_state_machine(tiny_dir):
