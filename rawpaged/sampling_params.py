@@ -90,13 +90,11 @@ class SamplingParams:
             bad("seed", "must be an integer in [0, 2^64) or None")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if self.stop is None:
-            self.stop_strings = []
-        elif isinstance(self.stop, str):
+        if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
             self.stop_strings = list(self.stop)
-        else:
+        elif self.stop is not None:
             bad("stop", "must be a string or a list of strings")
         if any(s == "" for s in self.stop_strings):
             bad("stop", "must not contain empty strings")

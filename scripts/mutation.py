@@ -66,6 +66,7 @@ EQUIVALENT = [
         "num_computed_tokens // bs < len",
         "an early return only: at equality the loop below hashes nothing",
     ),
+    ("scheduler", "_check_stop", "return None", "falling off the end returns None as well"),
     ("scheduler", "schedule", "budget >= 0", "with no budget left every n is 0: the loop schedules nothing"),
     (
         "sampling_params",
@@ -152,8 +153,10 @@ _SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return, ast.R
 
 
 def extra_mutants(source: str):
-    """``(function, description, mutated source)`` for each statement deletion and ``min``/``max`` swap."""
+    """``(function, description, mutated source)`` for each statement deletion and ``min``/``max`` swap;
+    lines marked ``# pragma: no mutate`` (as for mutmut) are left alone."""
     tree = ast.parse(source)
+    lines = source.splitlines()
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     for fn in functions:
         for body_owner in ast.walk(fn):
@@ -166,6 +169,8 @@ def extra_mutants(source: str):
                         continue
                     if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
                         continue  # a docstring
+                    if "pragma: no mutate" in lines[stmt.lineno - 1]:
+                        continue
                     body[i] = ast.Pass()
                     yield (
                         fn.name,

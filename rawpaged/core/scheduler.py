@@ -225,8 +225,7 @@ class Scheduler:
             return False
         budget = self.max_num_batched_tokens - out.num_batched_tokens
         for s in group:
-            self.waiting.remove(s)
-            s.num_computed_tokens = 0
+            self.waiting.remove(s)  # preempted: num_computed_tokens is 0
             n = min(s.num_tokens, budget)
             allocated = kv.allocate_slots(s, n)
             assert allocated, "the group's blocks were counted free"  # pragma: no mutate

@@ -111,6 +111,7 @@ def test_a_cache_hit_on_a_free_block_counts_toward_the_peak():
     assert pool.num_used_blocks == 0 and pool.peak_used_blocks == 1
     pool.take(owner=1)
     pool.share(blk.block_id, owner=2)  # the hit takes a free block: 2 in use now
+    assert pool.peak_used_blocks == 2
     pool.take(owner=3)
     assert pool.peak_used_blocks == 3 and pool.num_free_blocks == 0
 

@@ -122,6 +122,39 @@ def test_double_free_and_foreign_block_raise():
     kv.check_invariants([a])
 
 
+def test_free_of_a_table_with_a_foreign_block_releases_nothing():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a, b = seq(seq_id=1), seq(seq_id=2)
+    kv.allocate_slots(a, 4)
+    kv.allocate_slots(b, 8)
+    b.block_table.block_ids[0] = a.block_table.block_ids[0]  # forged first block; b still owns its second
+    own = b.block_table.block_ids[1]
+    with pytest.raises(BlockPoolError, match="does not own"):
+        kv.free(b)
+    assert kv.block_pool.blocks[own].ref_count == 1 and kv.block_pool.num_free_blocks == 1
+
+
+def test_check_invariants_checks_the_pool_with_or_without_tables():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = seq()
+    kv.allocate_slots(a, 4)
+    kv.check_invariants()  # blocks in use, but no tables given: only the pool is checked
+    kv.block_pool.blocks[a.block_table.block_ids[0]].ref_count = 0
+    with pytest.raises(AssertionError):
+        kv.check_invariants()
+
+
+def test_reset_stats_zeroes_the_copy_on_write_count():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = seq(), seq(seq_id=1)
+    kv.allocate_slots(a, 2)
+    kv.fork(a, b)
+    kv.allocate_slots(b, 1)  # writes into the shared partial block: one copy
+    assert kv.block_pool.num_cow_copies == 1
+    kv.reset_stats()
+    assert kv.block_pool.num_cow_copies == 0 and kv.num_prefix_queries == kv.num_prefix_hits == 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheManager(0, 16)
@@ -325,10 +358,13 @@ def test_allocation_with_exactly_enough_free_blocks_succeeds():
 
 
 def test_free_empties_the_table():
-    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
     s = seq(list(range(6)))
     kv.allocate_slots(s, 6)
+    s.num_computed_tokens = 6
+    kv.cache_full_blocks(s)
     table = s.block_table
+    assert len(table.block_hashes) == 1
     kv.free(s)
     assert (table.block_ids, table.block_hashes, table.num_tokens, table.freed) == ([], [], 0, True)
     kv.free(s)  # nothing left to free

@@ -434,6 +434,16 @@ def test_readmitted_beams_leave_room_for_other_admissions():
     assert [(s, n) for s, n in out.scheduled] == [(beams[0], 5), (beams[1], 5), (other, 3)]
 
 
+def test_readmitted_beams_count_toward_max_num_seqs():
+    sched = make(num_blocks=8, block_size=4, max_num_seqs=2)
+    beams = _beams(sched, prompt=4, width=2)
+    sched._preempt_newest(SchedulerOutput())
+    other = seq(9, 3, SamplingParams(max_tokens=1))
+    sched.add(other)
+    out = sched.schedule()
+    assert [s for s, _ in out.scheduled] == beams and list(sched.waiting) == [other]
+
+
 def test_a_preempted_sequence_finds_its_own_cached_blocks_again():
     sched = make(num_blocks=4, block_size=4, prefix_caching=True)
     a = seq(0, 8, SamplingParams(max_tokens=20))

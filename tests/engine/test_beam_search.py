@@ -265,3 +265,29 @@ def test_step_beams_without_logprobs_keeps_none():
         for b in req.beams:
             b.pending_logprobs = rows([b.output_token_ids])[0]
     assert all(h.logprobs is None for h in req.beam.finished) and all(s.logprobs == [] for s in req.seqs)
+
+
+def test_a_stopped_hypothesis_with_logprobs_0_reports_its_token_only():
+    rows = np.log(np.array([[0.5, 0.3, 0.2]], np.float32))
+    req = _beam_request(2, rows, logprobs=0)
+
+    def fork(r, parent):
+        r.seqs.append(parent.fork(len(r.seqs), len(r.seqs), None))
+        return r.seqs[-1]
+
+    step_beams(req, fork, eos_token_ids={1}, max_model_len=100, now=0.0)  # token 1 stops at rank 1 < width
+    assert [h.token_ids for h in req.beam.finished] == [[1]]
+    assert req.beam.finished[0].logprobs == [{1: float(rows[0, 1])}]  # not the top token 0 as well
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_candidates_come_best_first_ties_by_lower_flat_index_at_a_wide_beam(seed):
+    rng = np.random.default_rng(seed)
+    width, vocab = 8, 40
+    rows = np.round(np.log(rng.dirichlet(np.ones(vocab), size=4)), 1).astype(np.float32)  # many ties
+    cum = [0.0, 0.0, -0.5, -1.0]
+    running = step(BeamState(width, 1.0), cum, [[7]] * 4, rows, stop_ids=set(), max_new_tokens=100)
+    flat = (rows.astype(np.float64) + np.array(cum)[:, None]).reshape(-1)
+    want = sorted(range(flat.size), key=lambda i: (-flat[i], i))[:width]
+    assert [(c.parent, c.token_id) for c in running] == [(i // vocab, i % vocab) for i in want]
+    assert [c.cumulative_logprob for c in running] == [flat[i] for i in want]
