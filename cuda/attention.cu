@@ -10,6 +10,8 @@
 // position t of sequence s lives in block block_tables[s, t / block_size], row t % block_size.
 // GQA: query head h reads KV head h / (num_heads / num_kv_heads); a thread block serves a whole group
 // (up to GMAX query heads) so every K/V row is loaded once for all of them.
+// Sliding window (Mistral; sliding_window > 0): the query at position p sees positions p - W + 1 .. p only,
+// and positions before the window are never read.
 //
 // Caches: [num_blocks, block_size, num_kv_heads, HEAD_DIM] in C (float, __half, __nv_bfloat16).
 // Queries/outputs: T (same set); token stride given in elements, heads and dims contiguous.
@@ -46,7 +48,7 @@ __device__ __forceinline__ i64 kv_offset(const int* __restrict__ bt_row, int t, 
 // grid: (num_kv_heads * ceil(group / GMAX), num_seqs, num_splits), block: DEC_THREADS,
 // dynamic shared memory: DecodeSmem<HEAD_DIM, GMAX>::TOTAL floats.
 // Block (x, s, p) handles query heads [kvh*group + c*GMAX, +min(GMAX, group - c*GMAX)) of sequence s over
-// positions [p*split_len, min(ctx, (p+1)*split_len)). With num_splits == 1 it writes out directly;
+// positions [lo + p*split_len, min(ctx, lo + (p+1)*split_len)), lo = max(0, ctx - W) with a window, else 0. With num_splits == 1 it writes out directly;
 // otherwise it writes the partition's normalized output to part_out [num_seqs, num_heads, num_splits, D]
 // and (max, sum) to part_ml [num_seqs, num_heads, num_splits, 2] for paged_attention_reduce_kernel.
 // Work split inside the block:
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
                            const C* __restrict__ key_cache, const C* __restrict__ value_cache,
                            const int* __restrict__ block_tables, int max_blocks_per_seq,
                            const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
-                           int block_size, float scale, int split_len, int num_splits) {
+                           int block_size, float scale, int split_len, int num_splits, int sliding_window) {
     using namespace rp;
     constexpr int VK = 16 / (int)sizeof(C);                // cache elements per 16-byte load
     constexpr int KCH = HEAD_DIM / (VK * DEC_TPK);         // 16-byte chunks per lane per key
@@ -93,7 +95,8 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
     const i64 seq = blockIdx.y;
     const int split = blockIdx.z;
     const int ctx = context_lens[seq];
-    const int start = split * split_len;
+    const int lo = sliding_window > 0 ? max(0, ctx - sliding_window) : 0;
+    const int start = lo + split * split_len;
     const int end = min(ctx, start + split_len);
 
     if (start >= end) {
@@ -242,18 +245,21 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
 
 // Merge of the decode partitions (flash-decoding's second step).
 // grid: (num_heads, num_seqs), block: any multiple of 32 (host: min(head_dim, 256) rounded up to 32).
-// Sequence s uses its first ceil(context_lens[s] / split_len) partitions; an empty context gives zeros.
+// Sequence s uses its first ceil(visible / split_len) partitions, visible = context_lens[s] (at most W with a
+// sliding window); an empty context gives zeros.
 template <typename T>
 __global__ void paged_attention_reduce_kernel(T* __restrict__ out, long long out_stride,
                                               const float* __restrict__ part_out,
                                               const float* __restrict__ part_ml,
                                               const int* __restrict__ context_lens, int num_heads,
-                                              int head_dim, int num_splits, int split_len) {
+                                              int head_dim, int num_splits, int split_len,
+                                              int sliding_window) {
     using namespace rp;
     const int h = blockIdx.x;
     const i64 seq = blockIdx.y;
     const int ctx = context_lens[seq];
-    const int n = min(num_splits, (ctx + split_len - 1) / split_len);
+    const int visible = sliding_window > 0 ? min(ctx, sliding_window) : ctx;
+    const int n = min(num_splits, (visible + split_len - 1) / split_len);
     const i64 base = (seq * num_heads + h) * num_splits;
     float M = NEG_BIG;
     for (int p = 0; p < n; ++p) M = fmaxf(M, part_ml[2 * (base + p)]);
@@ -297,7 +303,8 @@ template <int D> struct PrefillCfg {
 // ROWS = PrefillCfg::ROWS rows = (ROWS / heads_per_block) tokens x heads_per_block heads, and streams
 // the keys 0 .. (last position of the tile) through shared memory in tiles of PF_KT, reading K/V through
 // the block table. New tokens are the last n_new = query_start_loc[s+1] - query_start_loc[s] positions of
-// sequence s (length seq_lens[s]); the token at absolute position p attends positions 0 .. p.
+// sequence s (length seq_lens[s]); the token at absolute position p attends positions 0 .. p (p - W + 1 .. p
+// with a sliding window W, and the tile loop starts at the first row's window).
 // grid: (max query tiles per sequence, num_kv_heads * ceil(group / heads_per_block), num_seqs),
 // block: PF_THREADS, dynamic shared memory: PrefillCfg<HEAD_DIM>::TOTAL floats.
 // Tiles are visited in reverse (blockIdx.x 0 = last tile) so the longest causal tiles start first.
@@ -308,7 +315,7 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
                              const C* __restrict__ value_cache, const int* __restrict__ block_tables,
                              int max_blocks_per_seq, const int* __restrict__ query_start_loc,
                              const int* __restrict__ seq_lens, int num_heads, int num_kv_heads,
-                             int block_size, float scale, int heads_per_block) {
+                             int block_size, float scale, int heads_per_block, int sliding_window) {
     using namespace rp;
     using Cfg = PrefillCfg<HEAD_DIM>;
     constexpr int RPT = Cfg::RPT;
@@ -370,7 +377,10 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
         for (int dd = 0; dd < DPT; ++dd) acc[i][dd] = 0.f;
     }
 
-    for (int kt0 = 0; kt0 <= last_pos; kt0 += PF_KT) {
+    // A key position is visible to row i when it is causal and inside the row's window.
+    const int wnd = sliding_window > 0 ? sliding_window : (1 << 30);
+    const int first_key = max(0, first_pos + tq0 - wnd + 1);
+    for (int kt0 = first_key; kt0 <= last_pos; kt0 += PF_KT) {
         // K/V tile -> shared memory (float); keys past last_pos are zero (and masked below).
         for (int i = tid; i < PF_KT * CPR; i += PF_THREADS) {
             const int j = i / CPR;
@@ -416,7 +426,7 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
             float mx = NEG_BIG;
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj)
-                if (kt0 + kg + 8 * jj <= pos[i]) mx = fmaxf(mx, s[i][jj]);
+                if (kt0 + kg + 8 * jj <= pos[i] && kt0 + kg + 8 * jj > pos[i] - wnd) mx = fmaxf(mx, s[i][jj]);
 #pragma unroll
             for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
             const float m_new = fmaxf(m[i], mx);
@@ -424,7 +434,8 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
             float sum = 0.f;
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
-                const float p = kt0 + kg + 8 * jj <= pos[i] ? __expf(s[i][jj] - m_new) : 0.f;
+                const int key = kt0 + kg + 8 * jj;
+                const float p = key <= pos[i] && key > pos[i] - wnd ? __expf(s[i][jj] - m_new) : 0.f;
                 Ps[(rg + 16 * i) * PS + kg + 8 * jj] = p;
                 sum += p;
             }

@@ -38,11 +38,12 @@ def make_paged_kv(rng, context_lens, num_kv_heads, head_dim, block_size, dtype, 
     return key_cache, value_cache, block_tables, keys, values
 
 
-def attention_ref(q, k, v, scale, causal_offset=None):
+def attention_ref(q, k, v, scale, causal_offset=None, window=None):
     """float64 softmax(scale q k^T) v for one sequence with GQA.
 
     q ``[n_q, num_heads, d]``, k/v ``[ctx, num_kv_heads, d]``. With ``causal_offset`` o, query i sits at
-    absolute position o + i and sees keys 0..o+i; without it every query sees all keys.
+    absolute position o + i and sees keys 0..o+i; without it every query sees all keys (a decode query
+    sits at ctx - 1). With ``window`` W a query at position p sees only keys p - W + 1 .. p.
     """
     q = q.astype(np.float64)
     num_heads, num_kv = q.shape[1], k.shape[1]
@@ -54,6 +55,9 @@ def attention_ref(q, k, v, scale, causal_offset=None):
         qpos = causal_offset + np.arange(q.shape[0])[:, None]
         kpos = np.arange(k.shape[0])[None, :]
         scores = np.where(kpos <= qpos, scores, -np.inf)
+    if window is not None:
+        qpos = (causal_offset if causal_offset is not None else k.shape[0] - q.shape[0]) + np.arange(q.shape[0])
+        scores = np.where(np.arange(k.shape[0])[None, :] > qpos[:, None] - window, scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
@@ -79,14 +83,16 @@ def rope_ref(x, positions, theta):
     return x * cos + rot * sin
 
 
-def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scale, **tol):
+def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scale, window=None, **tol):
     """Each sequence's rows of ``out`` equal the float64 causal attention of its new tokens (the last
     ``query_start_loc[s+1] - query_start_loc[s]`` positions of a sequence of ``seq_lens[s]``)."""
     tol = tol or dict(rtol=2e-4, atol=2e-5)
     for s, seq_len in enumerate(seq_lens):
         rows = slice(int(query_start_loc[s]), int(query_start_loc[s + 1]))
         n = rows.stop - rows.start
-        ref = attention_ref(np.asarray(q[rows], np.float64), keys[s], values[s], scale, causal_offset=seq_len - n)
+        ref = attention_ref(
+            np.asarray(q[rows], np.float64), keys[s], values[s], scale, causal_offset=seq_len - n, window=window
+        )
         np.testing.assert_allclose(np.asarray(out[rows], np.float64), ref, err_msg=f"seq {s}", **tol)
 
 
@@ -122,3 +128,13 @@ def rms_norm_ref(x, weight, eps, residual=None):
     """float64 RMSNorm (Zhang & Sennrich 2019) of ``x + residual``; returns (output, the summed input)."""
     s = np.asarray(x, np.float64) + (0.0 if residual is None else np.asarray(residual, np.float64))
     return s / np.sqrt((s**2).mean(-1, keepdims=True) + eps) * np.asarray(weight, np.float64), s
+
+
+def poison_before(key_cache, value_cache, block_tables, firsts):
+    """NaN into the cached K/V of positions ``0 .. firsts[s] - 1`` of each sequence s (positions a
+    windowed kernel must never read: one read turns its output into NaN)."""
+    block_size = key_cache.shape[1]
+    for s, first in enumerate(firsts):
+        for p in range(int(first)):
+            for cache in (key_cache, value_cache):
+                cache[block_tables[s, p // block_size], p % block_size] = np.nan

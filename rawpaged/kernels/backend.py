@@ -68,15 +68,35 @@ class Backend(Protocol):
         D]`` caches (``slot_mapping`` int64 ``[T]``)."""
 
     def paged_attention(
-        self, out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None
+        self,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale,
+        max_context_len=None,
+        sliding_window=None,
     ) -> None:
-        """Decode attention: one query token per sequence over its cached K/V, read through its block table."""
+        """Decode attention: one query token per sequence over its cached K/V, read through its block
+        table (with ``sliding_window`` W: over its last W positions only)."""
 
     def prefill_attention(
-        self, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None
+        self,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=None,
+        sliding_window=None,
     ) -> None:
         """Causal attention of each sequence's new tokens over all its cached K/V (plain, chunked and
-        prefix-cached prefill)."""
+        prefix-cached prefill); with ``sliding_window`` W, token p sees positions p - W + 1 .. p."""
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         """Copy-on-write: ``(src, dst)`` block copies (int64 ``[n, 2]``) for every layer in one call."""

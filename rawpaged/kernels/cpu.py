@@ -134,9 +134,10 @@ def _load_block(cache, b, n, kv0, dst, dst_bits, is_bf16):
 
 
 @nb.njit(**_JIT)
-def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_bf16):
+def _attend(q, out, kc, vc, block_row, kv0, nkv, group, start, causal_limit, scale, is_bf16):
     """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
-    positions ``0 .. causal_limit-1`` of one sequence.
+    positions ``start .. causal_limit-1`` of one sequence (``start`` > 0: a sliding window; the blocks
+    before it are not read).
 
     Block by block: the block's K/V rows are read once for all those heads, scores for the whole
     block, one rescale of the running (max, sum, acc) per block (online softmax, Milakov &
@@ -158,15 +159,16 @@ def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_
         for d in range(head_dim):
             qs[r, d] = q[r, d] * scale
     num_blocks = (causal_limit + block_size - 1) // block_size
-    for j in range(num_blocks):
+    for j in range(start // block_size, num_blocks):
         b = np.int64(block_row[j])
         n = min(block_size, causal_limit - j * block_size)
+        t0 = max(0, start - j * block_size)  # rows of the block before the window's first position
         _load_block(kc, b, n, kv0, kbuf, kbits, is_bf16)
         _load_block(vc, b, n, kv0, vbuf, vbits, is_bf16)
         for r in range(rows):
             h = r // group
             bm = np.float32(-1e30)
-            for t in range(n):
+            for t in range(t0, n):
                 dot = np.float32(0.0)
                 for d in range(head_dim):
                     dot += qs[r, d] * kbuf[t, h, d]
@@ -176,14 +178,14 @@ def _attend(q, out, kc, vc, block_row, kv0, nkv, group, causal_limit, scale, is_
             corr = np.float32(math.exp(m[r] - new_m))
             m[r] = new_m
             total = denom[r] * corr
-            for t in range(n):
+            for t in range(t0, n):
                 p = np.float32(math.exp(s[r, t] - new_m))
                 s[r, t] = p
                 total += p
             denom[r] = total
             for d in range(head_dim):
                 acc[r, d] *= corr
-            for t in range(n):
+            for t in range(t0, n):
                 p = s[r, t]
                 for d in range(head_dim):
                     acc[r, d] += p * vbuf[t, h, d]
@@ -199,7 +201,7 @@ def _kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
     return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
 
 
-def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scale, is_bf16, nkv):
+def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scale, is_bf16, nkv, window):
     num_seqs = query.shape[0]
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
@@ -219,6 +221,7 @@ def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scal
             kv0,
             nkv,
             group,
+            max(0, ctx - window) if window > 0 else 0,
             ctx,
             scale,
             is_bf16,
@@ -238,7 +241,9 @@ def _check_attention_args(out, query, key_cache, value_cache, block_tables):
         raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None):
+def paged_attention(
+    out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None, sliding_window=None
+):
     """Decode attention: one query token per sequence over its paged K/V.
 
     Args:
@@ -249,6 +254,8 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, context_le
         context_lens: int32 ``[num_seqs]``, tokens of K/V to attend (including the current one).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         max_context_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
+        sliding_window: W or None; with W the query sees only the last W positions (itself and the
+            W - 1 before it, as HF's Mistral), and blocks wholly before them are not read.
     Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``
     (Vaswani et al. 2017, eq. 1), GQA: head h uses KV head ``h // (num_heads // num_kv_heads)``.
     """
@@ -262,11 +269,21 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, context_le
         * (int(max_context_len) if max_context_len else block_tables.shape[1] * key_cache.shape[1])
     )
     kernel = _paged_attention_parallel if work >= PARALLEL_MIN_WORK else _paged_attention_serial
-    kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv)
+    window = _check_window(sliding_window)
+    kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv, window)
+
+
+def _check_window(sliding_window) -> int:
+    """0 for no window, else the window (raises ValueError for one below 1)."""
+    if sliding_window is None:
+        return 0
+    if int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return int(sliding_window)
 
 
 def _prefill_attention_kernel(
-    out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16, token_rows, token_seq, nkv
+    out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, is_bf16, token_rows, token_seq, nkv, window
 ):
     """Causal attention for the query rows ``token_rows`` (sequence ``token_seq`` of each)."""
     num_heads = query.shape[1]
@@ -291,6 +308,7 @@ def _prefill_attention_kernel(
             kv0,
             nkv,
             group,
+            max(0, pos + 1 - window) if window > 0 else 0,
             pos + 1,
             scale,
             is_bf16,
@@ -314,7 +332,16 @@ PARALLEL_MIN_WORK = 1 << 17
 
 
 def prefill_attention(
-    out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None
+    out,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    max_query_len=None,
+    sliding_window=None,
 ):
     """Causal attention of each sequence's new tokens over all of its cached K/V.
 
@@ -329,9 +356,12 @@ def prefill_attention(
             ``query_start_loc[s+1] - query_start_loc[s]`` positions.
         scale: softmax scale.
         max_query_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
-    New token at absolute position p attends positions ``0 .. p`` (causal mask).
+        sliding_window: W or None (see ``paged_attention``).
+    New token at absolute position p attends positions ``0 .. p`` (causal mask), or ``p - W + 1 .. p``
+    with a window.
     """
     _check_attention_args(out, query, key_cache, value_cache, block_tables)
+    window = _check_window(sliding_window)
     kc, is_bf16 = _cache_view(key_cache)
     vc, _ = _cache_view(value_cache)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
@@ -352,6 +382,7 @@ def prefill_attention(
             int(qsl[s + 1]),
             int(seq_lens[s]),
             np.float32(scale),
+            window,
         )
     if tiled.all():
         return
@@ -363,7 +394,9 @@ def prefill_attention(
     nkv = _kv_heads_per_task(len(token_rows), key_cache.shape[2])
     work = len(token_rows) * query.shape[1] * int(np.max(seq_lens, initial=0))
     kernel = _prefill_attention_parallel if work >= PARALLEL_MIN_WORK else _prefill_attention_serial
-    kernel(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_rows, token_seq, nkv)
+    kernel(
+        out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), is_bf16, token_rows, token_seq, nkv, window
+    )
 
 
 # Sequences with at least this many new tokens use the BLAS-tiled path.
@@ -371,45 +404,59 @@ TILED_PREFILL_MIN_TOKENS = 32
 PREFILL_KV_TILE = 256  # key positions per tile (a multiple of every supported block_size)
 
 
-def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end, seq_len, scale):
+def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end, seq_len, scale, window=0):
     """FlashAttention-style prefill of one sequence in NumPy/BLAS (Dao et al. 2022, Alg. 1): K/V are
     gathered from the paged cache one tile of ``PREFILL_KV_TILE`` positions at a time (like a GPU
     kernel staging tiles in shared memory), scores for all new tokens x tile via SGEMM, online softmax
-    across tiles, causal mask only where a tile reaches the new tokens."""
+    across tiles, causal mask only where a tile reaches the new tokens. With a sliding ``window``, each
+    tile is computed only for the rows whose window it meets (every such row sees at least one of its
+    keys, so no row's running max stays at -inf), and masked where it starts inside a row's window."""
     n = q_end - q_start
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     first = seq_len - n  # absolute position of the first new token
     qpos = first + np.repeat(np.arange(n), group)  # position of each (token, head-in-group) row, ascending
-    tiles = []  # (k0, k1, first row that sees the tile, causal bias or None), shared by the KV heads
-    for k0 in range(0, seq_len, PREFILL_KV_TILE):
+    tiles = []  # (k0, k1, rows r0:r1 that see the tile, bias or None), shared by the KV heads
+    k_first = max(0, first + 1 - window) if window else 0  # the first new token's first visible key
+    for k0 in range(k_first - k_first % block_size, seq_len, PREFILL_KV_TILE):  # no block before it read
         k1 = min(k0 + PREFILL_KV_TILE, seq_len)
-        r0 = int(np.searchsorted(qpos, k0))  # rows before r0 see none of this tile's keys
+        r0 = int(np.searchsorted(qpos, k0))  # rows before r0 see none of this tile's keys (causal)
+        # rows from r1 on have their window start after the tile (position - window + 1 > k1 - 1)
+        r1 = int(np.searchsorted(qpos, k1 + window - 1)) if window else len(qpos)
+        if r0 >= r1:
+            continue
         bias = None
-        if k1 - 1 > first:  # the tile reaches new tokens: hide keys after each query's position
-            bias = np.where(np.arange(k0, k1)[None, :] > qpos[r0:, None], np.float32(-np.inf), np.float32(0.0))
-        tiles.append((k0, k1, r0, bias))
+        kpos = np.arange(k0, k1)[None, :]
+        rows = qpos[r0:r1, None]
+        hidden = kpos > rows if k1 - 1 > first else None  # the tile reaches new tokens: causal mask
+        if window and k0 < qpos[r1 - 1] - window + 1:  # some row's window starts inside the tile
+            outside = kpos < rows - window + 1
+            hidden = outside if hidden is None else hidden | outside
+        if hidden is not None:
+            bias = np.where(hidden, np.float32(-np.inf), np.float32(0.0))
+        tiles.append((k0, k1, r0, r1, bias))
     for kvh in range(num_kv_heads):
         q = query[q_start:q_end, kvh * group : (kvh + 1) * group].reshape(n * group, head_dim) * scale
         m = np.full(n * group, -np.inf, np.float32)
         denom = np.zeros(n * group, np.float32)
         acc = np.zeros((n * group, head_dim), np.float32)
-        for k0, k1, r0, bias in tiles:
+        for k0, k1, r0, r1, bias in tiles:
             blocks = block_row[k0 // block_size : -(-k1 // block_size)]
             k = key_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             v = value_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
-            scores = q[r0:] @ k.T
+            rows = slice(r0, r1)
+            scores = q[rows] @ k.T
             if bias is not None:
                 scores += bias
-            m_new = np.maximum(m[r0:], scores.max(axis=1))
+            m_new = np.maximum(m[rows], scores.max(axis=1))
             scores -= m_new[:, None]
             p = np.exp(scores, out=scores)
-            corr = np.exp(m[r0:] - m_new)
-            denom[r0:] = denom[r0:] * corr + p.sum(axis=1)
-            acc[r0:] *= corr[:, None]
-            acc[r0:] += p @ v
-            m[r0:] = m_new
+            corr = np.exp(m[rows] - m_new)
+            denom[rows] = denom[rows] * corr + p.sum(axis=1)
+            acc[rows] *= corr[:, None]
+            acc[rows] += p @ v
+            m[rows] = m_new
         out[q_start:q_end, kvh * group : (kvh + 1) * group] = (acc / denom[:, None]).reshape(n, group, head_dim)
 
 

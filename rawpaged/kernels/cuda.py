@@ -63,6 +63,15 @@ def _i64(v) -> np.int64:
     return np.int64(v)
 
 
+def _window(sliding_window) -> int:
+    """The kernels' ``sliding_window`` argument: 0 for none (raises ValueError for one below 1)."""
+    if sliding_window is None:
+        return 0
+    if int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return int(sliding_window)
+
+
 def _row_stride(a, what: str, inner_dims: int) -> int:
     """Element stride of axis 0 of ``a``, checking that the last ``inner_dims`` axes are contiguous."""
     item = a.dtype.itemsize
@@ -304,7 +313,16 @@ class CudaBackend:
         )
 
     def paged_attention(
-        self, out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len: int | None = None
+        self,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale,
+        max_context_len: int | None = None,
+        sliding_window: int | None = None,
     ):
         """Decode attention, one query token per sequence (see ``cpu.paged_attention``).
 
@@ -312,8 +330,10 @@ class CudaBackend:
         ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables int32 ``[num_seqs, max_blocks]``,
         context_lens int32 ``[num_seqs]``. Flash-decoding split-K when the (sequence, KV head) grid is too
         small for the GPU: partitions from :func:`cuda_sources.decode_config`, merged by a second kernel.
+        With ``sliding_window`` W, each query sees its last W positions; partitions cover only those.
         """
         self._check_attention(out, query, key_cache, value_cache, block_tables)
+        window = _window(sliding_window)
         act, cache = _ctype(query, "query"), _ctype(key_cache, "key_cache")
         num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
@@ -322,6 +342,8 @@ class CudaBackend:
         bt = self._dev(block_tables, np.int32)
         ctx = self._dev(context_lens, np.int32)
         max_ctx = max_context_len if max_context_len is not None else bt.shape[1] * block_size
+        if window:
+            max_ctx = min(max_ctx, window)
         cfg = src.decode_config(num_seqs, num_heads, num_kv_heads, head_dim, max_ctx, self.num_sms)
         splits = cfg["num_splits"]
         null = np.uint64(0)
@@ -354,6 +376,7 @@ class CudaBackend:
                 np.float32(scale),
                 _i32(cfg["split_len"]),
                 _i32(splits),
+                _i32(window),
             ),
             cfg["smem_bytes"],
         )
@@ -374,6 +397,7 @@ class CudaBackend:
                     _i32(head_dim),
                     _i32(splits),
                     _i32(cfg["split_len"]),
+                    _i32(window),
                 ),
             )
 
@@ -388,6 +412,7 @@ class CudaBackend:
         seq_lens,
         scale,
         max_query_len: int | None = None,
+        sliding_window: int | None = None,
     ):
         """Causal attention of each sequence's new tokens over all its cached K/V (see
         ``cpu.prefill_attention``): plain prefill, prefill after a cached prefix, chunked prefill.
@@ -397,6 +422,7 @@ class CudaBackend:
         query_start_loc/seq_lens are validated like on the CPU; device arrays are trusted.
         """
         self._check_attention(out, query, key_cache, value_cache, block_tables)
+        window = _window(sliding_window)
         act, cache = _ctype(query, "query"), _ctype(key_cache, "key_cache")
         num_tokens, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
@@ -440,6 +466,7 @@ class CudaBackend:
                 _i32(block_size),
                 np.float32(scale),
                 _i32(cfg["heads_per_block"]),
+                _i32(window),
             ),
             cfg["smem_bytes"],
         )

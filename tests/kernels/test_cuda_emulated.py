@@ -31,6 +31,7 @@ from tests.kv_reference import (
     attention_ref,
     copy_blocks_expected,
     make_paged_kv,
+    poison_before,
     rms_norm_ref,
     rope_cache,
     rope_ref,
@@ -153,7 +154,43 @@ def test_paged_attention_half_precision_activations(emu, act, cache):
         np.testing.assert_allclose(out[s].astype(np.float64), ref, **tol(act))
 
 
+@pytest.mark.parametrize("num_sms", [1, 64], ids=["one-partition", "split-k"])
+@pytest.mark.parametrize("window", [1, 20, 300])
+def test_paged_attention_sliding_window(emu, window, num_sms):
+    """Windowed decode on both kernel paths: partitions cover only the window (positions before it hold
+    NaN, so one read would show), merged by the reduce kernel over the window's partitions only."""
+    rng = np.random.default_rng(window)
+    contexts = [1, 17, 40, 700]
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 2, 3, 64, 16, BF16)
+    poison_before(kc, vc, bt, [max(0, c - window) for c in contexts])
+    be = backend(emu, num_sms)
+    emu.launches.clear()
+    out = np.full_like(q, np.nan)
+    be.paged_attention(out, q, dev(kc), dev(vc), bt, np.array(contexts, np.int32), 0.125, sliding_window=window)
+    assert (len(emu.launches) == 2) == (num_sms == 64 and window == 300), [n for n, *_ in emu.launches]
+    for s, c in enumerate(contexts):
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.125, window=window)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}")
+
+
 # ------------------------------------------------------------------------------------------ prefill
+@pytest.mark.parametrize("window", [1, 8, 45])
+def test_prefill_attention_sliding_window(emu, window):
+    """Windowed prefill: full prompts longer than the window, a chunk after a prefix, a single token;
+    the positions before the first new token's window hold NaN (the key loop starts at the window)."""
+    rng = np.random.default_rng(window)
+    seq_lens = [100, 70, 33, 9]
+    new_tokens = [100, 20, 1, 9]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 64, 16, np.float32)
+    poison_before(kc, vc, bt, [max(0, s - n + 1 - window) for s, n in zip(seq_lens, new_tokens)])
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], 6, 64)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    lens = np.array(seq_lens, np.int32)
+    backend(emu).prefill_attention(out, q, kc, vc, bt, qsl, lens, 0.125, sliding_window=window)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125, window=window)
+
+
 @pytest.mark.parametrize("cache_dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_prefill_attention_causal_chunked(emu, cache_dtype, block_size):
@@ -603,6 +640,7 @@ def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
         np.float32(0.125),
         np.int32(cfg["split_len"]),
         np.int32(1),
+        np.int32(0),
     )
     with pytest.raises(RuntimeError, match="outside"):
         emu.launch(

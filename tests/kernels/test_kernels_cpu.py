@@ -11,6 +11,7 @@ from tests.kv_reference import (
     attention_ref,
     copy_blocks_expected,
     make_paged_kv,
+    poison_before,
     rms_norm_ref,
     rope_cache,
     rope_ref,
@@ -64,6 +65,49 @@ def test_prefill_attention_causal_chunked(dtype, block_size, numba_mode):
     out = np.full_like(q, np.nan)
     cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
     assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [1, 16, 37])
+def test_paged_attention_sliding_window(dtype, window, numba_mode):
+    """Each query sees its last ``window`` positions; the positions before them hold NaN, so a single
+    read of them would show."""
+    rng = np.random.default_rng(window)
+    contexts = [1, 5, 16, 17, 40, 300]
+    num_kv_heads, group, head_dim = 2, 3, 64
+    kc, vc, bt, keys, values = make_paged_kv(rng, contexts, num_kv_heads, head_dim, 16, dtype)
+    poison_before(kc, vc, bt, [max(0, c - window) for c in contexts])
+    q = rng.standard_normal((len(contexts), num_kv_heads * group, head_dim)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    cpu.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125, sliding_window=window)
+    for s, ctx in enumerate(contexts):
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.125, window=window)[0]
+        np.testing.assert_allclose(out[s], ref, **_tol(dtype), err_msg=f"ctx={ctx}")
+    with pytest.raises(ValueError, match="sliding_window"):
+        cpu.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [1, 8, 100, 259])
+def test_prefill_attention_sliding_window(window, numba_mode):
+    """Windowed prefill on both CPU paths: the per-token Numba kernel (short chunks) and the BLAS-tiled
+    one (>= 32 new tokens; 600 positions span three 256-key tiles, the window starting inside one)."""
+    rng = np.random.default_rng(window)
+    seq_lens = [40, 300, 600, 20, 33]
+    new_tokens = [40, 1, 300, 7, 33]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 64, 16, np.float32)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], 4, 64)).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    poisoned = (kc.copy(), vc.copy())
+    # NaN in the blocks wholly before each sequence's first new token's window: never read
+    firsts = [max(0, s - n + 1 - window) for s, n in zip(seq_lens, new_tokens)]
+    poison_before(*poisoned, bt, [f - f % 16 for f in firsts])
+    cpu.prefill_attention(out, q, *poisoned, bt, qsl, np.array(seq_lens, np.int32), 0.125, sliding_window=window)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125, window=window)
+    # A window as long as the sequence is plain causal attention.
+    full = np.full_like(q, np.nan)
+    cpu.prefill_attention(full, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), 0.125, sliding_window=600)
+    assert_prefill_matches(full, q, qsl, seq_lens, keys, values, 0.125)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
