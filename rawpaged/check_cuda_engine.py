@@ -3,7 +3,9 @@
 For the default model's shapes and a larger Llama-like shape (head_dim 128), runs the same greedy
 requests on ``device="cpu"`` and on ``device="cuda"`` in float32 and in bfloat16 (the CUDA default),
 compares first-step logits (max abs difference) and generated ids, runs seeded top-p sampling on the
-device, then times CUDA decode at batch 1 and 32. Writes ``engine_check.json`` to ``--out``.
+device, then times CUDA decode at batch 1 and 32. ``FEATURE_SHAPES`` add the families' features (a
+Mistral sliding window with YaRN, Qwen3 q/k norms with Llama 3 RoPE), checked the same way without timings.
+Writes ``engine_check.json`` to ``--out``.
 
 Usage: ``python -m rawpaged.check_cuda_engine --out DIR`` (exit code 1 if a check fails).
 """
@@ -37,6 +39,42 @@ SHAPES = {
         num_kv_heads=2,
         head_dim=128,
         vocab_size=32000,
+    ),
+}
+
+
+#: Family features on the device, checked without timings: a window shorter than the longest prompts
+#: with YaRN (Mistral), q/k norms with head_dim 128 unlike hidden / heads and Llama 3 RoPE (Qwen3).
+FEATURE_SHAPES = {
+    "mistral-window256-yarn": dict(
+        architecture="MistralForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        sliding_window=256,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    ),
+    "qwen3-head128-llama3": dict(
+        architecture="Qwen3ForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=128,
+        vocab_size=32000,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
     ),
 }
 
@@ -98,6 +136,7 @@ def check_shape(
         draws = [o.outputs[0].token_ids for o in gpu.generate([{"prompt_token_ids": p} for p in prompts[:4]], sampled)]
         vocab = shape["vocab_size"]
         stats = gpu.stats()
+        timings = _timings(gpu, rng, timing_batches, timing_tokens) if timing_batches else {}
         r = {
             "max_abs_logit_diff": max(diffs),
             "max_abs_logit": scale,
@@ -108,7 +147,7 @@ def check_shape(
             ],
             "sampled_ids_valid": all(len(d) == 16 and all(0 <= t < vocab for t in d) for d in draws),
             "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"],
-            **_timings(gpu, rng, timing_batches, timing_tokens),
+            **timings,
         }
         close = (max(diffs) < 1e-2 and equal >= len(prompts) - 1) if dtype == "float32" else max(diffs) < 0.1 * scale
         r["ok"] = bool(close and r["sampled_ids_valid"] and r["blocks_all_free"])
@@ -125,9 +164,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, shape in SHAPES.items():
+        for name, shape in {**SHAPES, **FEATURE_SHAPES}.items():
             try:
-                results[name] = check_shape(name, shape, tmp, rng)
+                timing = () if name in FEATURE_SHAPES else (1, 32)
+                results[name] = check_shape(name, shape, tmp, rng, timing_batches=timing)
             except Exception as e:  # report every shape, then fail
                 results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             r = results[name]
@@ -139,7 +179,11 @@ def main(argv=None) -> int:
                 print(
                     f"{name} {dtype}: ok={d['ok']} max|dlogit|={d['max_abs_logit_diff']:.2e} "
                     f"(max|logit| {d['max_abs_logit']:.2e}) ids_equal={d['ids_equal']}/{r['num_prompts']} "
-                    f"b1={d['batch1_tok_per_s']:.0f} b32={d['batch32_tok_per_s']:.0f} tok/s"
+                    + (
+                        f" b1={d['batch1_tok_per_s']:.0f} b32={d['batch32_tok_per_s']:.0f} tok/s"
+                        if "batch1_tok_per_s" in d
+                        else ""
+                    )
                 )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

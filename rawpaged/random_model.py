@@ -56,11 +56,14 @@ def write_random_model(
     tie_word_embeddings=True,
     max_position_embeddings=2048,
     seed=0,
+    sliding_window=None,
+    rope_scaling=None,
 ) -> Path:
     """Write a random model directory at ``dst`` and return it.
 
     ``vocab_size`` defaults to the tokenizer's size. ``architecture="Qwen2ForCausalLM"`` adds q/k/v
-    biases. Weights are N(0, 0.02) float32, norm weights 1.
+    biases, ``"Qwen3ForCausalLM"`` q/k norms; ``sliding_window`` (Mistral) and ``rope_scaling`` go into
+    config.json as given. Weights are N(0, 0.02) float32, norm weights 1.
     """
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,9 @@ def write_random_model(
                 p + "mlp.down_proj.weight": w(hidden_size, intermediate_size),
             }
         )
+        if architecture == "Qwen3ForCausalLM":
+            tensors[p + "self_attn.q_norm.weight"] = np.ones(head_dim, np.float32)
+            tensors[p + "self_attn.k_norm.weight"] = np.ones(head_dim, np.float32)
         if architecture == "Qwen2ForCausalLM":
             tensors.update(
                 {
@@ -114,7 +120,7 @@ def write_random_model(
         json.dumps(
             {
                 "architectures": [architecture],
-                "model_type": "qwen2" if architecture.startswith("Qwen2") else "llama",
+                "model_type": architecture.removesuffix("ForCausalLM").lower(),
                 "vocab_size": vocab_size,
                 "hidden_size": hidden_size,
                 "intermediate_size": intermediate_size,
@@ -130,6 +136,8 @@ def write_random_model(
                 "eos_token_id": 2,
                 "torch_dtype": "float32",
                 "hidden_act": "silu",
+                "sliding_window": sliding_window,
+                "rope_scaling": rope_scaling,
             },
             indent=1,
         )

@@ -80,8 +80,14 @@ class Tokenizer:
         self._template = None
 
     def encode(self, text: str) -> list:
-        """Token ids of ``text``, special-token text parsed as the special token (BOS first if the model
-        adds one)."""
+        """Token ids of a raw prompt as HF's ``tokenizer(text)`` and vLLM give them: special-token text
+        parsed as the special token, and the tokens ``tokenizer.json``'s post-processor adds (Llama 3's
+        BOS), or BOS first where ``tokenizer_config.json`` sets ``add_bos_token`` (never twice)."""
+        return self._with_bos(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def _encode_rendered(self, text: str) -> list:
+        """Token ids of a rendered chat template: its special tokens are the template's own (it writes
+        any BOS itself), so nothing is added but ``add_bos_token``'s BOS where the template has none."""
         return self._with_bos(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_literal(self, text: str) -> list:
@@ -93,7 +99,9 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def encode_chat(self, messages: list, add_generation_prompt: bool = True) -> tuple:
+    def encode_chat(
+        self, messages: list, add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> tuple:
         """``(prompt text, token ids)`` of a conversation rendered with the chat template, every message's
         content encoded as literal text: only the template's own markers are special tokens.
 
@@ -102,12 +110,14 @@ class Tokenizer:
         apart. Raises ValueError (see ``apply_chat_template``), also when a template rewrites a content
         that spells a special token, since then it cannot be kept literal.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         contents = [m["content"] for m in messages]
         if not any(s in c for c in contents for s in self.special_tokens):
-            return text, self.encode(text)
+            return text, self._encode_rendered(text)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        marked = self.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+        marked = self.apply_chat_template(
+            [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt, template_kwargs
+        )
         pieces = re.split("(\ue000\\d+\ue001)", marked)
         is_content = [p in marks for p in pieces]
         if "".join(contents[marks.index(p)] if c else p for p, c in zip(pieces, is_content)) != text:
@@ -139,8 +149,12 @@ class Tokenizer:
             return bytes([int(m.group(1), 16)])
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
-    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role", "content"}]) with the model's Jinja chat template.
+    def apply_chat_template(
+        self, messages: list, add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> str:
+        """Render ``messages`` ([{"role", "content"}]) with the model's Jinja chat template;
+        ``template_kwargs`` are extra template variables (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
+        ``enable_thinking``).
 
         Raises:
             ValueError: the model has no chat template, a message is malformed, or the template raises.
@@ -164,6 +178,7 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
+                **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

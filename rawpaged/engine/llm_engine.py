@@ -27,7 +27,7 @@ from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
-from rawpaged.model_executor.model_loader import load_config, load_weights, resolve_model_dir
+from rawpaged.model_executor.model_loader import load_config, load_generation_config, load_weights, resolve_model_dir
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
@@ -48,9 +48,12 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = mc = load_config(self.model_dir)
+        self.generation_config = gen = load_generation_config(self.model_dir)
+        if gen.ignored:
+            logger.warning("generation_config.json: %s not applied (not supported)", ", ".join(gen.ignored))
         self.tokenizer = Tokenizer(self.model_dir)
         self.backend = get_backend(config.device)
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or mc.context_len, mc.context_len)
         self.dtype, self.kv_cache_dtype = resolve_dtypes(
             config.dtype, config.kv_cache_dtype, self.backend, mc.torch_dtype
         )
@@ -65,7 +68,7 @@ class LLMEngine:
         if num_blocks is None:
             budget = config.kv_cache_memory or self.backend.default_kv_cache_memory(config.gpu_memory_utilization)
             num_blocks = max(1, budget // self.kv_block_bytes)
-        self.eos_token_ids = set(mc.eos_token_ids)
+        self.eos_token_ids = set(mc.eos_token_ids) | set(gen.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
@@ -84,6 +87,12 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+
+    @property
+    def default_sampling_params(self) -> dict:
+        """``SamplingParams`` defaults from the model's ``generation_config.json`` (temperature, top_p,
+        top_k, min_p where it sets them), applied where a request leaves a field unset."""
+        return dict(self.generation_config.sampling_defaults)
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:

@@ -23,14 +23,15 @@ class LLM:
     def generate(self, prompts, sampling_params=None) -> list:
         """Generate for one prompt or a list; returns ``RequestOutput``s in input order.
 
-        ``sampling_params`` is one ``SamplingParams`` for all or a list (one per prompt). If any prompt
+        ``sampling_params`` is one ``SamplingParams`` for all or a list (one per prompt); None means
+        ``get_default_sampling_params()`` (the model's generation config, as in vLLM). If any prompt
         is invalid, a ValueError is raised and nothing is left queued. If computing a request failed in the
         engine, RequestFailedError is raised once the others are done.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         ids = []
@@ -51,14 +52,20 @@ class LLM:
             raise RequestFailedError(f"{len(errors)} of {len(ids)} requests failed ({'; '.join(errors)})")
         return [final[rid] for rid in ids]
 
-    def chat(self, messages, sampling_params=None) -> list:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` defaults (temperature, top_p,
+        top_k, min_p where it sets them)."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
+    def chat(self, messages, sampling_params=None, chat_template_kwargs: dict | None = None) -> list:
         """Like ``generate`` for one conversation (list of {"role", "content"}) or a list of them,
-        rendered with the model's chat template and ``add_generation_prompt=True``; message contents are
+        rendered with the model's chat template and ``add_generation_prompt=True`` (plus
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}`` for Qwen3); message contents are
         literal text (``Tokenizer.encode_chat``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
-            text, ids = self.tokenizer.encode_chat(conv, add_generation_prompt=True)
+            text, ids = self.tokenizer.encode_chat(conv, True, chat_template_kwargs)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params)
 

@@ -17,13 +17,18 @@ from pathlib import Path
 import numpy as np
 
 from rawpaged.dtypes import SAFETENSORS_DTYPES
+from rawpaged.model_executor.layers.rotary_embedding import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The fields of ``config.json`` the Llama/Qwen2 forward needs."""
+    """The fields of ``config.json`` the decoder forward needs (Llama, Mistral, Qwen2, Qwen3).
+
+    ``rope``: the RoPE variant (``RopeScaling``); ``sliding_window``: tokens a query sees, itself
+    included (Mistral), or None; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
+    """
 
     architecture: str
     vocab_size: int
@@ -41,6 +46,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple
     torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if config.json gives one
+    rope: RopeScaling = RopeScaling()
+    sliding_window: int | None = None
+    qk_norm: bool = False
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -53,8 +61,10 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            if cfg.get("rope_scaling"):
-                raise ValueError(f"{source}: rope_scaling {cfg['rope_scaling']} is not supported")
+            for field, supported in (("hidden_act", "silu"), ("mlp_bias", False)):
+                value = cfg.get(field, supported)
+                if value != supported:
+                    raise ValueError(f"{source}: {field} {value!r} is not supported (only {supported!r})")
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -72,9 +82,17 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+                rope=RopeScaling.from_hf_config(cfg, source),
+                sliding_window=_sliding_window(cfg, arch, source),
+                qk_norm=arch == "Qwen3ForCausalLM",
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence the model serves (``max_position_embeddings``, stretched by RoPE scaling)."""
+        return self.rope.context_len(self.max_position_embeddings)
 
     def expected_shapes(self) -> dict:
         """HF tensor name -> shape, for every tensor the model needs."""
@@ -98,6 +116,8 @@ class ModelConfig:
                     p + "mlp.down_proj.weight": (H, F),
                 }
             )
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
             if self.attention_bias:
                 shapes.update(
                     {
@@ -107,6 +127,21 @@ class ModelConfig:
                     }
                 )
         return shapes
+
+
+def _sliding_window(cfg: dict, arch: str, source: str) -> int | None:
+    """Mistral's ``sliding_window`` (every layer); Qwen2/Qwen3 window only some layers when
+    ``use_sliding_window`` is set, which is refused. Llama has none."""
+    if arch.startswith("Qwen"):
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window (a window on some layers only) is not supported")
+        return None
+    if arch != "MistralForCausalLM" or cfg.get("sliding_window") is None:
+        return None
+    window = cfg["sliding_window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
+    return window
 
 
 def read_safetensors(path: Path) -> dict:
@@ -203,6 +238,51 @@ def load_config(model_dir: Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     return ModelConfig.from_dict(cfg, str(path))
+
+
+#: generation_config.json fields applied as sampling defaults (as vLLM's ``--generation-config auto``).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What ``generation_config.json`` adds: more end-of-sequence ids and sampling defaults.
+
+    eos_token_ids: its ``eos_token_id`` (an id or a list; Llama 3 and Qwen3 list several).
+    sampling_defaults: ``SamplingParams`` keyword -> value for the fields in ``GENERATION_DEFAULTS`` the
+        file sets; the server and ``LLM`` apply them where a request leaves the field unset.
+    ignored: fields the file sets that this engine does not apply (e.g. ``repetition_penalty``).
+    """
+
+    eos_token_ids: tuple = ()
+    sampling_defaults: dict = None
+    ignored: tuple = ()
+
+
+def load_generation_config(model_dir: Path) -> GenerationConfig:
+    """Read ``model_dir/generation_config.json`` if present (else an empty ``GenerationConfig``).
+
+    Raises:
+        ValueError naming the file: not JSON, or a default the sampling parameters refuse.
+    """
+    from rawpaged.sampling_params import SamplingParams
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return GenerationConfig(sampling_defaults={})
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    defaults = {k: cfg[k] for k in GENERATION_DEFAULTS if cfg.get(k) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    ignored = tuple(k for k in ("repetition_penalty", "max_new_tokens") if cfg.get(k) not in (None, 1, 1.0))
+    return GenerationConfig(eos_ids, defaults, ignored)
 
 
 def load_weights(model_dir: Path, config: ModelConfig) -> dict:

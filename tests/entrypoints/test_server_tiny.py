@@ -256,3 +256,41 @@ def test_repeated_emoji_logprobs_are_consistent(model_dir):
     chat = protocol.chat_logprobs(llm.tokenizer, out.token_ids, out.logprobs, 5)["content"]
     rebuilt = b"".join(bytes(c["bytes"]) for c in chat).decode("utf-8", errors="replace")
     assert rebuilt == llm.tokenizer.decode(out.token_ids) and "\ufffd" in "".join(c["token"] for c in chat)
+
+
+def test_chat_template_kwargs_and_generation_config_defaults(tmp_path, tiny_dir):
+    """``chat_template_kwargs`` reach the template (a variable it reads changes the prompt), reserved names
+    are a 400, and generation_config.json's temperature is the default where a request sets none."""
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in tiny_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    config = EngineConfig(model=str(d), device="cpu", num_kv_blocks=64, max_model_len=256)
+    srv = ServerThread(create_app(config, max_tokens_limit=64)).start()
+    srv.wait_healthy()
+    url = srv.url + "/v1/chat/completions"
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "n": 2, "ignore_eos": True}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            plain = await post(s, url, base)
+            off = await post(s, url, {**base, "chat_template_kwargs": {"enable_thinking": False}})
+            bad = await post(s, url, {**base, "chat_template_kwargs": {"messages": []}})
+            sampled = await post(s, url, {**base, "temperature": 1.0, "seed": 3})
+            return plain, off, bad, sampled
+
+    try:
+        plain, off, bad, sampled = run(main())
+    finally:
+        assert srv.stop() == 0
+    assert plain[0] == off[0] == 200
+    assert off[2]["usage"]["prompt_tokens"] == plain[2]["usage"]["prompt_tokens"] + len("<think></think>")
+    assert bad[0] == 400 and bad[2]["error"]["param"] == "chat_template_kwargs"
+    greedy = [c["message"]["content"] for c in plain[2]["choices"]]
+    assert greedy[0] == greedy[1], "the generation config's temperature 0 applies: both choices greedy"
+    drawn = [c["message"]["content"] for c in sampled[2]["choices"]]
+    assert drawn[0] != drawn[1], "an explicit temperature wins over the default"

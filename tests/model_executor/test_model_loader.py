@@ -97,3 +97,55 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_dir):
         _engine(tmp_path).generate(["abc"], params)[0].outputs[0].token_ids
         == _engine(tiny_dir).generate(["abc"], params)[0].outputs[0].token_ids
     )
+
+
+def _copy_model(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_generation_config_defaults_and_eos_ids(tmp_path, tiny_dir):
+    """generation_config.json: its eos list joins config.json's, its sampling fields become the defaults
+    (``LLM`` with no params, and the server where a request leaves them unset), an explicit value wins,
+    and what the engine does not apply is named."""
+    from rawpaged.entrypoints.openai.protocol import CompletionRequest
+
+    d = _copy_model(tiny_dir, tmp_path / "m")
+    (d / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05})
+    )
+    llm = _engine(d)
+    assert llm.engine.eos_token_ids == {2, 5}
+    assert llm.engine.generation_config.ignored == ("repetition_penalty",)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.9, 20, 0.0)
+    defaults = llm.engine.default_sampling_params
+    unset = CompletionRequest(prompt="x").sampling_params(4, defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
+    explicit = CompletionRequest(prompt="x", temperature=0, top_p=1.0).sampling_params(4, defaults)
+    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (0.0, 1.0, 20)
+    assert CompletionRequest(prompt="x").sampling_params(4).temperature == 1.0, "no generation config: 1.0"
+
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
+    with pytest.raises(ValueError, match="generation_config.json: top_p"):
+        _engine(d)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_sharded_checkpoint_matches_reference(tmp_path, dtype):
+    """A Qwen3 checkpoint stored in bf16/fp16 over three shards runs (in float32 on the CPU) to the greedy
+    ids of the float64 reference on the same rounded weights."""
+    from tests.model_reference import MAX_MODEL_LEN, PROMPTS, ROPES, decisive_prefix, greedy_reference, write_checkpoint
+
+    cfg, w = write_checkpoint(tmp_path / "m", "qwen3", ROPES["yarn"], dtype=dtype, num_shards=3, seed=3)
+    assert len(list((tmp_path / "m").glob("model-0000?-of-00003.safetensors"))) == 3
+    llm = LLM(model=str(tmp_path / "m"), device="cpu", num_kv_blocks=64, block_size=4)
+    assert llm.engine.max_model_len == MAX_MODEL_LEN
+    prompt = PROMPTS[3]
+    ids, margins = greedy_reference(cfg, w, prompt, 8, MAX_MODEL_LEN)
+    k = decisive_prefix(ids, margins)
+    assert k >= 6
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert list(out[0].outputs[0].token_ids)[:k] == ids[:k]

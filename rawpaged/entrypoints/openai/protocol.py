@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -96,6 +96,10 @@ class ChatMessage(OpenAIBaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+#: Chat template variables a request's ``chat_template_kwargs`` may not replace.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class GenerationRequest(OpenAIBaseModel):
     """Fields shared by completions, chat and websocket ``generate`` (OpenAI's, plus vLLM's extras
     ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``use_beam_search``, ``length_penalty``)."""
@@ -158,10 +162,12 @@ class GenerationRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_kwargs(self) -> dict:
-        """``SamplingParams`` keyword arguments except ``max_tokens``."""
-        kw = dict(n=self.num_choices, temperature=1.0 if self.temperature is None else self.temperature)
-        for name in ("top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos"):
+    def sampling_kwargs(self, defaults: dict | None = None) -> dict:
+        """``SamplingParams`` keyword arguments except ``max_tokens``; ``defaults`` (the model's
+        generation config: temperature, top_p, top_k, min_p) fill the fields the request leaves unset."""
+        kw = dict(defaults or {})
+        kw.update(n=self.num_choices, temperature=kw.get("temperature", 1.0))
+        for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         if self.seed is not None:
@@ -178,11 +184,11 @@ class GenerationRequest(OpenAIBaseModel):
                 kw["length_penalty"] = self.length_penalty
         return kw
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's ``SamplingParams``; its ``InvalidRequestError`` becomes a ProtocolError naming
-        the field as the client sent it."""
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``defaults``: see ``sampling_kwargs``); its
+        ``InvalidRequestError`` becomes a ProtocolError naming the field as the client sent it."""
         try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling_kwargs())
+            return SamplingParams(max_tokens=max_tokens, **self.sampling_kwargs(defaults))
         except InvalidRequestError as e:
             param, message = self._client_param(e.param), str(e)
             if param != e.param and message.startswith(e.param):
@@ -229,6 +235,9 @@ class GenerationRequest(OpenAIBaseModel):
             raise ProtocolError("suffix is not supported by this server", param="suffix")
         if self.tools or self.functions:
             raise ProtocolError("tools are not supported by this server", param="tools")
+        reserved = sorted(set(getattr(self, "chat_template_kwargs", None) or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ProtocolError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ProtocolError('response_format: only {"type": "text"} is supported', param="response_format")
         self.sampling_params(1 if max_tokens is None else max_tokens)
@@ -279,6 +288,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def kind(self) -> str:
@@ -319,6 +329,7 @@ class WebSocketGenerateRequest(GenerationRequest):
 
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
     best_of: int | None = None
     logprobs: int | None = None
 

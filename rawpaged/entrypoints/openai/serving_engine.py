@@ -57,13 +57,14 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
     def work():
         if req.kind == "chat":
             try:
-                return [tok.encode_chat(req.template_messages(), add_generation_prompt=True)]
+                return [tok.encode_chat(req.template_messages(), True, req.chat_template_kwargs)]
             except ValueError as e:
                 raise ProtocolError(str(e), param="messages") from None
         return [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts(limits)]
 
     items = await asyncio.to_thread(work)
     max_len = engine.max_model_len
+    defaults = engine.engine.default_sampling_params
     out = []
     for text, ids in items:
         try:
@@ -83,7 +84,7 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
             )
         else:
             max_tokens = requested
-        out.append(PreparedPrompt(text, list(ids), req.sampling_params(max_tokens), tok))
+        out.append(PreparedPrompt(text, list(ids), req.sampling_params(max_tokens, defaults), tok))
     return out
 
 

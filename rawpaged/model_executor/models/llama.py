@@ -1,9 +1,12 @@
-"""Llama / Qwen2 decoder forward over the backend's ops, K/V kept only in the paged cache.
+"""Llama-family decoder forward (Llama, Mistral, Qwen2, Qwen3) over the backend's ops, K/V kept only in
+the paged cache.
 
-Math as in HF transformers' ``modeling_llama.py`` / ``modeling_qwen2.py``: token embedding; per layer
-pre-norm RMSNorm -> fused QKV projection (+ bias for Qwen2) -> RoPE (rotate-half) -> paged attention
-with GQA -> output projection -> residual; RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head
-(tied to the embeddings when ``tie_word_embeddings``).
+Math as in HF transformers' ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py`` and
+``modeling_qwen3.py``: token embedding; per layer pre-norm RMSNorm -> fused QKV projection (+ bias for
+Qwen2) -> per-head RMSNorm of q and k (Qwen3) -> RoPE (rotate-half; the variant's table,
+``layers.rotary_embedding``) -> paged attention with GQA (within ``sliding_window`` for Mistral) ->
+output projection -> residual; RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head (tied to the
+embeddings when ``tie_word_embeddings``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rawpaged.model_executor.layers.rotary_embedding import cos_sin_cache
 from rawpaged.model_executor.model_loader import ModelConfig
 
 
@@ -39,14 +43,6 @@ class AttentionMetadata:
     max_context_len: int = 0
 
 
-def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float) -> np.ndarray:
-    """float32 ``[max_position, head_dim]`` = concat(cos, sin) of ``pos * theta^(-2i/head_dim)``
-    (Su et al. 2021, RoFormer eq. 34), computed in float64."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
-
-
 class LlamaModel:
     """Weights on the backend plus the forward pass.
 
@@ -56,7 +52,8 @@ class LlamaModel:
             on the backend and converted to ``dtype`` one at a time (``backend.load_weight``/``load_linear``).
         backend: ``CPUBackend`` or ``CudaBackend``.
         dtype: compute dtype name for weights/activations: "float32" (CPU), "float16" or "bfloat16".
-        max_position: positions the RoPE cache covers (the engine's ``max_model_len``).
+        max_position: positions the RoPE cache covers (the engine's ``max_model_len``; also the sequence
+            length dynamic NTK scaling is computed for).
     """
 
     def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32", max_position: int = 2048):
@@ -86,13 +83,17 @@ class LlamaModel:
                     if config.attention_bias
                     else None
                 ),
+                "q_norm": put(p + "self_attn.q_norm.weight") if config.qk_norm else None,
+                "k_norm": put(p + "self_attn.k_norm.weight") if config.qk_norm else None,
                 "o_proj": lin(p + "self_attn.o_proj.weight"),
                 "gate_up_proj": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 "down_proj": lin(p + "mlp.down_proj.weight"),
             }
             self.layers.append(layer)
         backend.finish_loading()
-        self.cos_sin_cache = backend.asarray(rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta))
+        inv_freq, attention_factor = config.rope.inv_freq(config.head_dim, config.max_position_embeddings, max_position)
+        self.cos_sin_cache = backend.asarray(cos_sin_cache(inv_freq, attention_factor, max_position))
+        self.sliding_window = config.sliding_window
         self.scale = config.head_dim**-0.5
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
@@ -117,6 +118,9 @@ class LlamaModel:
             q = be.xp.ascontiguousarray(qkv[:, : Hq * D]).reshape(T, Hq, D)
             k = be.xp.ascontiguousarray(qkv[:, Hq * D : (Hq + Hkv) * D]).reshape(T, Hkv, D)
             v = be.xp.ascontiguousarray(qkv[:, (Hq + Hkv) * D :]).reshape(T, Hkv, D)
+            if layer["q_norm"] is not None:
+                q = be.rms_norm(q.reshape(T * Hq, D), layer["q_norm"], cfg.rms_norm_eps).reshape(T, Hq, D)
+                k = be.rms_norm(k.reshape(T * Hkv, D), layer["k_norm"], cfg.rms_norm_eps).reshape(T, Hkv, D)
             be.rotary_embedding(positions, q, k, self.cos_sin_cache)
             be.reshape_and_cache(k, v, key_caches[i], value_caches[i], attn.slot_mapping)
             if nd:
@@ -129,6 +133,7 @@ class LlamaModel:
                     attn.decode_context_lens,
                     self.scale,
                     max_context_len=attn.max_context_len,
+                    sliding_window=self.sliding_window,
                 )
             if nd < T:
                 be.prefill_attention(
@@ -141,6 +146,7 @@ class LlamaModel:
                     attn.prefill_seq_lens,
                     self.scale,
                     max_query_len=attn.max_query_len,
+                    sliding_window=self.sliding_window,
                 )
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)

@@ -1,0 +1,1 @@
+"""Model building blocks computed once at load (RoPE variants)."""

