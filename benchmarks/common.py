@@ -10,6 +10,30 @@ import time
 from pathlib import Path
 
 
+def blas_kernel() -> str:
+    """The OpenBLAS core NumPy's BLAS runs (``SkylakeX``, ``Haswell``, ...), plus the OPENBLAS_*
+    variables that steer it, or "unknown"."""
+    import ctypes
+
+    import numpy as np  # noqa: F401 (loads the BLAS library)
+
+    names = []
+    try:
+        libs = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}
+    except OSError:
+        libs = set()
+    for lib in sorted(p for p in libs if ".so" in p):
+        handle = ctypes.CDLL(lib)
+        for sym in ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"):
+            f = getattr(handle, sym, None)
+            if f is not None:
+                f.restype = ctypes.c_char_p
+                names.append(f().decode())
+                break
+    env = {k: v for k, v in os.environ.items() if k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    return (", ".join(names) or "unknown") + (f" ({env})" if env else " (OPENBLAS_CORETYPE/L2_SIZE unset)")
+
+
 def conditions(**extra) -> dict:
     """What a reader needs to interpret the numbers: machine, software, and the run's own settings."""
     import numba
@@ -27,6 +51,7 @@ def conditions(**extra) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "blas": blas_kernel(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "numba": numba.__version__,

@@ -10,7 +10,12 @@ Measures, in one run:
     count and vocabulary but tiny hidden sizes (hidden 72, 9/3 heads of dim 8, intermediate 64), where
     the math costs almost nothing, so the step time is the engine's and model code's own overhead.
 
-Usage: ``python benchmarks/offline_throughput.py [--batches 1 8 32 64] [--out DIR] [--no-hf]``.
+``--model`` takes several models, measured one after another in the same run: ``default`` (the prepared
+float32 model), ``default-gguf`` (its original Q4_1 GGUF file, computed on its blocks), or a path to a
+model directory or ``.gguf`` file; ``--quantization q8_0`` quantizes the safetensors ones on load.
+
+Usage: ``python benchmarks/offline_throughput.py [--model default default-gguf] [--quantization q8_0]
+[--batches 1 8 32 64] [--out DIR] [--no-hf]``.
 """
 
 from __future__ import annotations
@@ -56,9 +61,18 @@ def timed_generate(llm, prompts, params):
     return time.perf_counter() - t0, generated, decode_time, decode_tokens
 
 
-def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng):
+def resolve_model(name: str) -> Path:
+    if name == "default":
+        return rp_weights.prepare(progress=True)
+    if name == "default-gguf":
+        return rp_weights.default_gguf_path(progress=True)
+    return Path(name)
+
+
+def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng, label="rawpaged", quantization=None):
     llm = LLM(
         model=str(model_dir),
+        quantization=quantization,
         device="cpu",
         max_num_seqs=max(batches),
         max_model_len=2048,
@@ -72,7 +86,7 @@ def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng)
     llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1))
     rows.append(
         dict(
-            engine="rawpaged",
+            engine=label,
             case=f"prefill {prefill_len}",
             batch=1,
             tok_per_s=prefill_len / (time.perf_counter() - t0),
@@ -83,7 +97,7 @@ def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng)
         elapsed, gen, dec_t, dec_n = timed_generate(llm, random_prompts(rng, b, prompt_len), params)
         rows.append(
             dict(
-                engine="rawpaged",
+                engine=label,
                 case=f"generate {prompt_len}+{output_len}",
                 batch=b,
                 tok_per_s=gen / elapsed,
@@ -167,11 +181,20 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers even if importable")
+    ap.add_argument("--model", nargs="+", default=["default"], help="default, default-gguf, or paths")
+    ap.add_argument("--quantization", default=None, choices=["gguf", "q8_0"])
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     model_dir = rp_weights.prepare(progress=True)
     rng = np.random.default_rng(0)
-    rows = bench_rawpaged(model_dir, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng)
+    rows = []
+    for name in args.model:
+        path = resolve_model(name)
+        quant = args.quantization if path.is_dir() else None
+        label = f"rawpaged {name}" + (f" {quant}" if quant else "")
+        rows += bench_rawpaged(
+            path, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng, label, quant
+        )
     hf_note = "skipped (--no-hf)" if args.no_hf else None
     if not args.no_hf:
         try:
@@ -189,7 +212,9 @@ def main(argv=None):
         {
             "conditions": conditions(
                 model="SmolLM2-135M-Instruct",
-                dtype="float32",
+                models=args.model,
+                quantization=args.quantization,
+                dtype="float32 activations",
                 kv_cache_dtype="float32",
                 block_size=16,
                 prompt_len=args.prompt_len,

@@ -10,6 +10,7 @@ from rawpaged.dtypes import DTYPE_CHOICES
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal[DTYPE_CHOICES]
+Quantization = Literal["gguf", "q8_0"]
 
 
 @dataclass
@@ -17,8 +18,8 @@ class EngineConfig:
     """How to build an ``LLMEngine``. Raises ValueError naming the field for an invalid value."""
 
     model: str | None = None
-    """HF-style model directory (config.json, safetensors, tokenizer.json); default: SmolLM2-135M-Instruct,
-    downloaded and prepared into weights/ on first use"""
+    """HF-style model directory (config.json, safetensors, tokenizer.json) or a .gguf file; default:
+    SmolLM2-135M-Instruct, downloaded and prepared into weights/ on first use"""
     device: Device = "auto"
     """auto uses CUDA when a GPU is usable, else the CPU"""
     dtype: DType = "auto"
@@ -45,6 +46,10 @@ class EngineConfig:
     """reuse the KV blocks of identical prompt prefixes across requests"""
     seed: int = 0
     """seed of the generator for requests that give none"""
+    quantization: Quantization | None = None
+    """weights: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1 blocks (the default for GGUF files; other types
+    are dequantized); q8_0 quantizes a safetensors checkpoint on load. The CPU computes on the blocks;
+    CUDA dequantizes them for now"""
 
     def __post_init__(self):
         if self.device not in Device.__args__:
@@ -65,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in (None, *Quantization.__args__):
+            raise ValueError(f"quantization must be one of {Quantization.__args__} or None, got {self.quantization!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

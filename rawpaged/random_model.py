@@ -70,8 +70,9 @@ def write_random_model(
     if tokenizer_from is not None:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(Path(tokenizer_from) / f, dst / f)
-        tok_vocab = json.loads((dst / "tokenizer.json").read_text())["model"]["vocab"]
-        tok_size = len(tok_vocab)
+        from tokenizers import Tokenizer
+
+        tok_size = Tokenizer.from_file(str(dst / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     else:
         tok_size = _byte_tokenizer(dst)
     vocab_size = vocab_size or tok_size

@@ -33,6 +33,8 @@ def _byte_level_alphabet() -> dict:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+#: Chat template variables ``chat_template_kwargs`` may not replace.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -55,11 +57,22 @@ class Tokenizer:
         if not path.exists():
             raise ValueError(f"{model_dir}: no tokenizer.json")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a generic Exception
             raise ValueError(f"{path}: cannot load tokenizer ({e})") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self._setup(tok, json.loads(cfg_path.read_text()) if cfg_path.exists() else {})
+
+    @classmethod
+    def from_objects(cls, tokenizer: HFTokenizer, config: dict) -> Tokenizer:
+        """From a ``tokenizers.Tokenizer`` and a ``tokenizer_config.json`` dict (e.g. built from a GGUF's
+        metadata)."""
+        self = cls.__new__(cls)
+        self._setup(tokenizer, config)
+        return self
+
+    def _setup(self, tok: HFTokenizer, cfg: dict) -> None:
+        self._tok = tok
         self.chat_template = cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
             self.chat_template = next(
@@ -161,6 +174,12 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json: chat_template)")
+        if template_kwargs is not None:
+            if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+                raise ValueError("chat_template_kwargs must be a mapping of names to values")
+            reserved = sorted(set(template_kwargs) & RESERVED_TEMPLATE_KWARGS)
+            if reserved:
+                raise ValueError(f"chat_template_kwargs may not set {reserved}")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):

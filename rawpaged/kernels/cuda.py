@@ -29,6 +29,7 @@ import numpy as np
 
 from rawpaged.dtypes import BFLOAT16, FLOAT32, FLOAT_TYPES, float_type, float_type_of
 from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.quantization import QuantizedTensor
 
 _BF16 = BFLOAT16.numpy
 #: Device storage dtype -> C++ element type.
@@ -61,6 +62,11 @@ def _i32(v) -> np.int32:
 
 def _i64(v) -> np.int64:
     return np.int64(v)
+
+
+def _dequantized(host):
+    """Host float array of a weight: ``QuantizedTensor``s are expanded (no CUDA kernels on blocks yet)."""
+    return host.dequantize() if isinstance(host, QuantizedTensor) else host
 
 
 def _window(sliding_window) -> int:
@@ -676,14 +682,18 @@ class CudaBackend:
         """A host tensor (e.g. a memory-mapped safetensors view; float32, float16 or bfloat16) -> a new
         contiguous device array of ``dtype`` ("float32", "float16", "bfloat16" = uint16 bits). The bytes
         go through the pinned staging buffers in the checkpoint's dtype and are converted on the device
-        (``convert_kernel``), so no host copy of the model is made."""
+        (``convert_kernel``), so no host copy of the model is made. A ``QuantizedTensor`` is dequantized
+        first: the CUDA backend has no kernels on quantized blocks yet."""
+        host = _dequantized(host)
         out = self.xp.empty(host.shape, dtype=float_type(dtype).device)
         self._upload_into(out, host, dtype)
         return out
 
     def load_linear(self, parts: list, dtype: str):
         """HF ``[out_i, in]`` host weights -> one device weight ``[sum out_i, in]`` of ``dtype`` (fused
-        projections such as QKV or gate/up are uploaded part by part into their rows)."""
+        projections such as QKV or gate/up are uploaded part by part into their rows; ``QuantizedTensor``
+        parts are dequantized first)."""
+        parts = [_dequantized(p) for p in parts]
         storage = float_type(dtype).device
         cols = parts[0].shape[1]
         if any(p.ndim != 2 or p.shape[1] != cols for p in parts):

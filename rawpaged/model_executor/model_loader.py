@@ -61,6 +61,14 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            if kv_heads < 1 or heads % kv_heads:
+                raise ValueError(
+                    f"{source}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
+                )
+            if head_dim < 2 or head_dim % 2:
+                raise ValueError(f"{source}: head_dim {head_dim} must be even (RoPE rotates pairs)")
             for field, supported in (("hidden_act", "silu"), ("mlp_bias", False)):
                 value = cfg.get(field, supported)
                 if value != supported:
@@ -72,8 +80,8 @@ class ModelConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(cfg.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -214,9 +222,9 @@ def safetensors_files(model_dir: Path) -> list:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The model directory for ``EngineConfig.model``: None or the default model's name -> the prepared
-    default model (downloaded and converted on first use); else an existing directory. Raises ValueError
-    for anything else."""
+    """The model directory (or GGUF file) for ``EngineConfig.model``: None or the default model's name ->
+    the prepared default model (downloaded and converted on first use); else an existing directory or
+    ``.gguf`` file. Raises ValueError for anything else."""
     from rawpaged import weights
 
     if model is None or model == weights.DEFAULT_MODEL:
@@ -224,8 +232,8 @@ def resolve_model_dir(model: str | None) -> Path:
             weights.prepare() if not weights.is_prepared(weights.default_model_dir()) else weights.default_model_dir()
         )
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model {model!r} is neither {weights.DEFAULT_MODEL!r} nor a directory")
+    if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"model {model!r} is neither {weights.DEFAULT_MODEL!r}, a directory nor a .gguf file")
     return path
 
 
@@ -314,3 +322,40 @@ def load_weights(model_dir: Path, config: ModelConfig) -> dict:
                 f"{origin[name]}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
             )
     return {n: tensors[n] for n in expected}
+
+
+QUANTIZATION_CHOICES = ("gguf", "q8_0")
+
+
+def load_model(path: Path, quantization: str | None = None) -> tuple:
+    """(``ModelConfig``, ``Tokenizer``, ``GenerationConfig``, weights) of a model directory or GGUF file.
+
+    Weights map HF names to host arrays or ``QuantizedTensor``s:
+    - a GGUF file keeps its Q8_0/Q4_0/Q4_1 tensors in their blocks (``quantization`` None or "gguf") and
+      dequantizes every other type to float32;
+    - a safetensors checkpoint with ``quantization="q8_0"`` has its 2-D weights (linears, embeddings)
+      quantized to Q8_0 on load with the ``gguf`` package's reference quantizer.
+
+    Raises:
+        ValueError naming the option or file: "gguf" for a safetensors checkpoint, "q8_0" for a GGUF
+        file, an unknown ``quantization``, or any loading error.
+    """
+    from rawpaged.kernels.quantization import QuantizedTensor
+    from rawpaged.model_executor.gguf_loader import load_gguf
+    from rawpaged.tokenizer import Tokenizer
+
+    if quantization not in (None, *QUANTIZATION_CHOICES):
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None, got {quantization!r}")
+    path = Path(path)
+    if path.is_file():
+        if quantization == "q8_0":
+            raise ValueError(f"quantization 'q8_0' quantizes safetensors checkpoints; {path} is a GGUF file")
+        config, tokenizer, weights = load_gguf(path)
+        return config, tokenizer, GenerationConfig(sampling_defaults={}), weights
+    if quantization == "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's formats; {path} is not a GGUF file")
+    config = load_config(path)
+    weights = load_weights(path, config)
+    if quantization == "q8_0":
+        weights = {n: QuantizedTensor.quantize(w, "Q8_0") if w.ndim == 2 else w for n, w in weights.items()}
+    return config, Tokenizer(path), load_generation_config(path), weights

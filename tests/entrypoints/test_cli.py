@@ -122,7 +122,7 @@ def test_invalid_engine_option_is_one_error_line():
         "error: block_size must be a power of two in [1, 128], got 3"
     ]
     r = _cli("--model", "/no/such/dir")
-    assert r.returncode == 1 and "is not a directory" in r.stderr
+    assert r.returncode == 1 and "is neither a directory nor a .gguf file" in r.stderr
 
 
 def test_rawpaged_command_dispatches():

@@ -149,3 +149,15 @@ def test_half_precision_sharded_checkpoint_matches_reference(tmp_path, dtype):
     assert k >= 6
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert list(out[0].outputs[0].token_ids)[:k] == ids[:k]
+
+
+def test_context_and_template_kwargs_are_checked_up_front(tiny_dir):
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's context of 2048"):
+        _engine(tiny_dir, max_model_len=100000)
+    llm = _engine(tiny_dir)
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set \\['messages'\\]"):
+        llm.chat(hi, chat_template_kwargs={"messages": 1})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        llm.chat(hi, chat_template_kwargs=["x"])
+    assert llm.engine.kv_cache_manager.block_pool.num_free_blocks == 64

@@ -133,6 +133,8 @@ def test_cos_sin_cache_scales_by_the_attention_factor():
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window must be"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"mlp_bias": True}, "mlp_bias"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 2"),
+        ({"head_dim": 7}, "head_dim 7 must be even"),
         ({"architectures": ["Gemma2ForCausalLM"]}, "not supported"),
     ],
 )

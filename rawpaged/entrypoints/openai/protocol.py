@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rawpaged.errors import InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
+from rawpaged.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
@@ -94,10 +95,6 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(content, list):
             content = "".join(p.text for p in content)
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
-
-
-#: Chat template variables a request's ``chat_template_kwargs`` may not replace.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class GenerationRequest(OpenAIBaseModel):

@@ -1,0 +1,161 @@
+"""CPU (Numba) products with GGUF block-quantized weights (``rawpaged.kernels.quantization``: the
+formats and their planes), dequantized in registers.
+
+``quant_linear(x, w)`` computes ``x @ dequantize(w).T`` for x float32 ``[M, K]`` and a
+``QuantizedTensor`` ``[N, K]``:
+
+- M = 1 (decode at batch 1, memory-bound): each row is one long loop over its quant bytes, with the
+  block's scale picked as ``d[k >> 4]`` (``k >> 5`` for Q8_0) so the loop vectorizes. x is split once
+  per call into its low-nibble and high-nibble halves (``xlo``, ``xhi``: elements 0-15 and 16-31 of each
+  block, in the order the nibble bytes hold them) and its per-block sums, so Q4_1's minimum costs one
+  ``m * sum(x)`` per block, as in llama.cpp's dot products.
+- 1 < M <= ``SMALL_BATCH``: each row is dequantized once into a scratch row and applied to every x row.
+- larger M (prefill, big batches): ``TILE_ROWS`` rows at a time are dequantized into a float32 scratch
+  tile that goes through SGEMM, so compute-bound products run at BLAS speed.
+
+Rows are split across threads in chunks (each chunk converts its rows' fp16 scales through a
+65536-entry float32 table, exact for every fp16 value, into its own scratch).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from rawpaged.kernels.quantization import QK, QuantizedTensor
+
+_JIT = dict(cache=True, nogil=True, fastmath=True)
+F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+SMALL_BATCH = 8
+TILE_ROWS = 256
+_FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+
+
+def _num_chunks(rows: int) -> int:
+    return max(1, min(rows, 8 * nb.get_num_threads()))
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemv_q8_0(x, qs, scales, lut, out, nchunks):
+    N, K = qs.shape
+    nblk = scales.shape[1]
+    for c in nb.prange(nchunks):
+        d = np.empty(nblk, np.float32)
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            for b in range(nblk):
+                d[b] = lut[scales[n, b]]
+            row = qs[n]
+            acc = np.float32(0.0)
+            for k in range(K):
+                acc += d[k >> 5] * (np.float32(row[k]) * x[k])
+            out[n] = acc
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemv_q4(xlo, xhi, xsum, qs, scales, mins, has_min, lut, out, nchunks):
+    N, K2 = qs.shape
+    nblk = scales.shape[1]
+    for c in nb.prange(nchunks):
+        d = np.empty(nblk, np.float32)
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            for b in range(nblk):
+                d[b] = lut[scales[n, b]]
+            row = qs[n]
+            acc = np.float32(0.0)
+            for k in range(K2):
+                qi = np.int32(row[k])
+                acc += d[k >> 4] * (np.float32(qi & 15) * xlo[k] + np.float32(qi >> 4) * xhi[k])
+            if has_min:
+                for b in range(nblk):
+                    acc += lut[mins[n, b]] * xsum[b]
+            else:
+                for b in range(nblk):
+                    acc -= np.float32(8.0) * d[b] * xsum[b]
+            out[n] = acc
+
+
+@nb.njit(inline="always")
+def _dequant_row(fmt, qs, scales, mins, n, lut, dst):
+    """dst[0:K] = row n, dequantized."""
+    nblk = scales.shape[1]
+    for b in range(nblk):
+        d = lut[scales[n, b]]
+        base = b * QK
+        if fmt == 0:
+            for j in range(QK):
+                dst[base + j] = d * np.float32(qs[n, base + j])
+        else:
+            m = lut[mins[n, b]] if fmt == 2 else np.float32(-8.0) * d
+            for j in range(16):
+                qi = np.int32(qs[n, b * 16 + j])
+                dst[base + j] = d * np.float32(qi & 15) + m
+                dst[base + 16 + j] = d * np.float32(qi >> 4) + m
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemm_small(fmt, x, qs, scales, mins, lut, out, nchunks):
+    M, K = x.shape
+    N = qs.shape[0]
+    for c in nb.prange(nchunks):
+        w = np.empty(K, np.float32)
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            _dequant_row(fmt, qs, scales, mins, n, lut, w)
+            for mi in range(M):
+                s = np.float32(0.0)
+                for k in range(K):
+                    s += w[k] * x[mi, k]
+                out[mi, n] = s
+
+
+@nb.njit(**_JIT)  # serial: it alternates with SGEMM, whose spinning threads a parallel region would fight
+def _dequant_rows(fmt, qs, scales, mins, rows, lut, out):
+    """out[i] = row ``rows[i]``, dequantized (float32)."""
+    for i in range(rows.shape[0]):
+        _dequant_row(fmt, qs, scales, mins, rows[i], lut, out[i])
+
+
+def _planes(w: QuantizedTensor):
+    qs = w.qs.view(np.int8) if w.qtype == "Q8_0" else w.qs
+    mins = w.mins if w.mins is not None else w.scales  # unread for Q8_0/Q4_0
+    return qs, w.scales, mins
+
+
+def quant_linear(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
+    """float32 ``x [M, K] @ dequantize(w).T`` -> ``[M, N]`` (see the module docstring for the paths).
+
+    Raises ValueError when K differs from the weight's columns."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    M, K = x.shape
+    N, cols = w.shape
+    if K != cols:
+        raise ValueError(f"x has {K} columns, the {w.qtype} weight {cols}")
+    fmt = _FMT[w.qtype]
+    qs, scales, mins = _planes(w)
+    out = np.empty((M, N), np.float32)
+    if M == 1:
+        if fmt == 0:
+            _gemv_q8_0(x[0], qs, scales, F16_TO_F32, out[0], _num_chunks(N))
+        else:
+            blocks = x[0].reshape(-1, QK)
+            xlo = np.ascontiguousarray(blocks[:, :16]).reshape(-1)
+            xhi = np.ascontiguousarray(blocks[:, 16:]).reshape(-1)
+            xsum = blocks.sum(axis=1, dtype=np.float32)
+            _gemv_q4(xlo, xhi, xsum, qs, scales, mins, fmt == 2, F16_TO_F32, out[0], _num_chunks(N))
+    elif M <= SMALL_BATCH:
+        _gemm_small(fmt, x, qs, scales, mins, F16_TO_F32, out, _num_chunks(N))
+    else:
+        tile = np.empty((min(TILE_ROWS, N), K), np.float32)
+        for r0 in range(0, N, TILE_ROWS):
+            rows = np.arange(r0, min(r0 + TILE_ROWS, N), dtype=np.int64)
+            _dequant_rows(fmt, qs, scales, mins, rows, F16_TO_F32, tile[: len(rows)])
+            np.matmul(x, tile[: len(rows)].T, out=out[:, r0 : r0 + len(rows)])
+    return out
+
+
+def quant_embedding(token_ids: np.ndarray, w: QuantizedTensor) -> np.ndarray:
+    """float32 rows ``token_ids`` of a quantized ``[vocab, hidden]`` table, dequantized on lookup."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    out = np.empty((ids.shape[0], w.shape[1]), np.float32)
+    qs, scales, mins = _planes(w)
+    _dequant_rows(_FMT[w.qtype], qs, scales, mins, ids, F16_TO_F32, out)
+    return out

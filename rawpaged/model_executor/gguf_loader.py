@@ -1,0 +1,289 @@
+"""Load a GGUF file (llama.cpp's format) directly: config, tokenizer and chat template from its metadata,
+tensors read with the ``gguf`` package (memory-mapped).
+
+Tensors in a native format (Q8_0, Q4_0, Q4_1: ``rawpaged.kernels.quantization``) stay in their blocks as
+``QuantizedTensor``s unless ``native=False``; every other type the ``gguf`` package can dequantize becomes
+float32. llama.cpp's converter permutes the rows of Llama's Q and K projections (it interleaves the two
+rotary halves of each head); the permutation is undone, on whole rows, so it is exact on blocks too.
+Qwen2 files are not permuted. GGUF lists dimensions fastest first, so the reader's arrays are already
+HF-shaped ``[out_features, in_features]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
+
+# GGUF tensor name (without "blk.N." and the ".weight"/".bias" suffix) -> HF name.
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
+_TOKEN_TYPE_USER_DEFINED = 4
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: ``tokenizer.ggml.pre`` values whose pre-tokenizer ``build_tokenizer`` reproduces.
+PRE_TOKENIZERS = ("smollm",)
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value of a ``gguf.GGUFReader``, or ``default``."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation.
+
+    llama.cpp's converter writes ``w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2)``; this
+    applies the inverse, ``reshape(n_head, head_dim // 2, 2, *rest).swapaxes(1, 2)``.
+
+    Args:
+        w: the permuted weight, ``[n_head * head_dim, ...]`` (float rows, or rows of quantized blocks).
+        n_head: the number of heads stacked in ``w`` (query heads for Q, KV heads for K).
+
+    Returns:
+        A new array of the same shape in HF's "rotate_half" row order.
+
+    Raises:
+        ValueError: the first dimension is not a multiple of ``2 * n_head``.
+    """
+    rows = w.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute {w.shape} with {n_head} heads")
+    return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
+
+    Raises ValueError for a name outside the Llama/Qwen2 set."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    if base.startswith("blk."):
+        _, idx, kind = base.split(".", 2)
+        if kind not in LAYER_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+        return f"model.layers.{int(idx)}.{LAYER_NAMES[kind]}.{suffix}"
+    if base not in GLOBAL_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"{GLOBAL_NAMES[base]}.{suffix}"
+
+
+def shortest_f32(x: float) -> float:
+    """1e-5 stored as float32 reads back as 9.99999974e-06; give the shortest decimal instead."""
+    return float(repr(np.float32(x)).removeprefix("np.float32(").removesuffix(")"))
+
+
+def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None) -> Any:
+    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` metadata.
+
+    Args:
+        tokens: the vocabulary in id order.
+        merges: merge rules as ``"left right"`` strings, in priority order.
+        token_types: llama.cpp token types per id; type 3 (control) tokens become special tokens,
+            type 4 (user-defined) tokens become added (non-special) tokens, both keeping their ids.
+
+    Returns:
+        A ``tokenizers.Tokenizer``: no normalizer; pre-tokenizer digits-split-individually then
+        byte-level (GPT-2 regex, no prefix space: llama.cpp's ``smollm``); byte-level decoder and
+        post-processor.
+
+    Raises:
+        ValueError: duplicate tokens or a malformed merge.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("GGUF vocabulary has duplicate tokens")
+    pairs = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"malformed merge {m!r}")
+        pairs.append((parts[0], parts[1]))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    if token_types is not None:
+        special = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
+        user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
+        if special:
+            tok.add_special_tokens(
+                [
+                    AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+                    for s in special
+                ]
+            )
+        if user:
+            tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
+    return tok
+
+
+def read_metadata(reader: Any, source: str) -> tuple:
+    """(HF ``config.json`` dict, ``tokenizers.Tokenizer``, ``tokenizer_config.json`` dict) of a GGUF.
+
+    Raises:
+        ValueError naming the file: an architecture other than llama/qwen2, missing metadata, RoPE
+        scaling, or a pre-tokenizer this loader cannot reproduce (its token ids would be wrong).
+    """
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+
+    def need(key: str) -> Any:
+        v = field(reader, key)
+        if v is None:
+            raise ValueError(f"{source}: missing metadata {key}")
+        return v
+
+    scaling = field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported in GGUF files")
+    model = field(reader, "tokenizer.ggml.model")
+    pre = field(reader, "tokenizer.ggml.pre", "default")
+    if model != "gpt2" or pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model {model!r} / tokenizer.ggml.pre {pre!r} is not supported "
+            f"(supported: 'gpt2' with {PRE_TOKENIZERS}); convert the model to safetensors instead"
+        )
+    hidden = int(need(f"{arch}.embedding_length"))
+    n_head = int(need(f"{arch}.attention.head_count"))
+    tokens = list(need("tokenizer.ggml.tokens"))
+    token_types = field(reader, "tokenizer.ggml.token_type")
+    token_types = [int(t) for t in token_types] if token_types is not None else None
+    names = {t.name for t in reader.tensors}
+    bos_id = int(field(reader, "tokenizer.ggml.bos_token_id", 1))
+    eos_id = int(field(reader, "tokenizer.ggml.eos_token_id", 2))
+    pad_id = field(reader, "tokenizer.ggml.padding_token_id")
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(need(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(need(f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", n_head)),
+        "head_dim": int(field(reader, f"{arch}.attention.key_length", 0) or hidden // n_head),
+        "rms_norm_eps": shortest_f32(float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
+        "rope_theta": shortest_f32(float(field(reader, f"{arch}.rope.freq_base", 10000.0))),
+        "rope_scaling": None,
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": False,
+    }
+    if pad_id is not None:
+        config["pad_token_id"] = int(pad_id)
+    tok = build_tokenizer(tokens, list(need("tokenizer.ggml.merges")), token_types)
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[bos_id],
+        "eos_token": tokens[eos_id],
+        "pad_token": tokens[int(pad_id)] if pad_id is not None else tokens[eos_id],
+        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    template = field(reader, "tokenizer.chat_template")
+    if template is not None:
+        tok_config["chat_template"] = template
+    return config, tok, tok_config
+
+
+def read_tensors(reader: Any, config: dict, source: str, native: bool = True, progress: bool = False) -> dict:
+    """HF name -> float32 array, or ``QuantizedTensor`` for a native format when ``native``.
+
+    Raises ValueError naming the file for an unexpected or duplicate tensor."""
+    import gguf
+    from tqdm.auto import tqdm
+
+    permute = config["model_type"] == "llama"
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    tensors: dict[str, Any] = {}
+    for t in tqdm(reader.tensors, desc="read tensors", unit="tensor", disable=not progress):
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        name = hf_name(t.name)
+        if name in tensors:
+            raise ValueError(f"{source}: duplicate tensor {t.name}")
+        kind = t.name.split(".")[-2]
+        qtype = t.tensor_type.name
+        if native and qtype in NATIVE and len(shape) == 2:
+            data = np.asarray(t.data).reshape(shape[0], -1)
+            if permute and kind in heads:
+                data = unpermute_qk(data, heads[kind])
+            tensors[name] = QuantizedTensor.from_blocks(qtype, shape, data)
+            continue
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if permute and kind in heads:
+            w = unpermute_qk(w, heads[kind])
+        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
+    return tensors
+
+
+def is_gguf(path) -> bool:
+    """True for an existing file that starts with the GGUF magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_gguf(path, native: bool = True) -> tuple:
+    """(``ModelConfig``, ``Tokenizer``, weights: HF name -> array or ``QuantizedTensor``) of a GGUF file.
+
+    Raises ValueError naming the file (see ``read_metadata``; shapes are checked against the config)."""
+    import gguf
+
+    from rawpaged.model_executor.model_loader import ModelConfig
+    from rawpaged.tokenizer import Tokenizer
+
+    source = str(path)
+    try:
+        reader = gguf.GGUFReader(source)
+    except Exception as e:  # the reader raises ValueError, struct.error, ...
+        raise ValueError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    config, tok, tok_config = read_metadata(reader, source)
+    model_config = ModelConfig.from_dict(config, source)
+    tensors = read_tensors(reader, config, source, native)
+    expected = model_config.expected_shapes()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{source}: missing tensors {missing[:5]}")
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape)
+        if got != shape:
+            raise ValueError(f"{source}: tensor {name!r} has shape {got}, the metadata implies {shape}")
+    return model_config, Tokenizer.from_objects(tok, tok_config), {n: tensors[n] for n in expected}

@@ -1,0 +1,76 @@
+"""GGUF block formats on the CPU: products and lookups on the blocks against float64 products with the
+``gguf`` package's own dequantization, on every path (GEMV, small batch, tiled SGEMM)."""
+
+import gguf
+import numpy as np
+import pytest
+
+from rawpaged.kernels import cpu_quant
+from rawpaged.kernels.cpu import CPUBackend
+from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
+
+# M = 1 (GEMV), 3 and 8 (dequantized in registers), 9 and 300 (tiles through SGEMM; 300 rows > one tile)
+BATCHES = [1, 3, 8, 9, 300]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((300, 96)).astype(np.float32)  # 300 rows: a partial second tile of 256
+    w[5] = 0.0  # an all-zero row: zero scales
+    w[7, :32] *= 1e-3  # a block with tiny values next to large ones
+    return w
+
+
+@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("M", BATCHES)
+def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
+    q = QuantizedTensor.quantize(weights, qtype)
+    ref_w = gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    assert ref_w.shape == weights.shape and np.abs(ref_w - weights).max() < (0.05 if qtype == "Q8_0" else 0.5)
+    x = np.random.default_rng(M).standard_normal((M, 96)).astype(np.float32)
+    got = cpu_quant.quant_linear(x, q)
+    want = x.astype(np.float64) @ ref_w.T
+    assert got.dtype == np.float32 and got.shape == (M, 300)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(got[:, 5], 0.0)
+
+
+@pytest.mark.parametrize("qtype", NATIVE)
+def test_embedding_rows_are_dequantized_on_lookup(weights, qtype):
+    q = QuantizedTensor.quantize(weights, qtype)
+    ids = np.array([299, 0, 5, 7, 7], np.int64)
+    np.testing.assert_array_equal(cpu_quant.quant_embedding(ids, q), q.dequantize()[ids])
+
+
+def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
+    be = CPUBackend()
+    a, b = QuantizedTensor.quantize(weights, "Q4_1"), QuantizedTensor.quantize(weights[:64], "Q4_1")
+    fused = be.load_linear([a, b])
+    assert isinstance(fused, QuantizedTensor) and fused.shape == (364, 96) and fused.nbytes == a.nbytes + b.nbytes
+    x = np.random.default_rng(1).standard_normal((2, 96)).astype(np.float32)
+    bias = np.arange(364, dtype=np.float32)
+    np.testing.assert_allclose(
+        be.linear(x, fused, bias),
+        np.concatenate([x @ a.dequantize().T, x @ b.dequantize().T], 1) + bias,
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    mixed = be.load_linear([a, QuantizedTensor.quantize(weights[:64], "Q8_0")])
+    assert isinstance(mixed, np.ndarray) and mixed.shape == (96, 364)
+    assert be.load_weight(a) is a
+    np.testing.assert_array_equal(be.embedding(np.array([3]), a), a.dequantize()[[3]])
+
+
+def test_invalid_quantized_tensors_raise():
+    with pytest.raises(ValueError, match="not a native format"):
+        QuantizedTensor.from_blocks("Q5_K", (1, 32), np.zeros((1, 22), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedTensor.from_blocks("Q8_0", (1, 33), np.zeros((1, 34), np.uint8))
+    with pytest.raises(ValueError, match="expected uint8"):
+        QuantizedTensor.from_blocks("Q4_0", (2, 64), np.zeros((2, 35), np.uint8))
+    q = QuantizedTensor.quantize(np.ones((4, 64), np.float32), "Q8_0")
+    with pytest.raises(ValueError, match="columns"):
+        cpu_quant.quant_linear(np.ones((1, 32), np.float32), q)
+    with pytest.raises(ValueError, match="share format"):
+        QuantizedTensor.concat([q, QuantizedTensor.quantize(np.ones((4, 64), np.float32), "Q4_0")])

@@ -1,0 +1,153 @@
+"""GGUF files loaded directly, their Q8_0/Q4_0/Q4_1 tensors kept in blocks: the shipped Q4_1 default
+model against the recorded HF reference, and GGUF files written here with the ``gguf`` package against
+their own dequantized float32 conversion."""
+
+import gguf
+import numpy as np
+import pytest
+
+from rawpaged import LLM, SamplingParams
+from rawpaged import weights as W
+from rawpaged.kernels.quantization import QuantizedTensor
+from rawpaged.model_executor.gguf_loader import LAYER_NAMES
+from tests.test_weights import MERGES, TEMPLATE, TOKEN_TYPES, TOKENS, llama_cpp_permute
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)  # as the reference was recorded
+
+
+def test_shipped_q4_1_gguf_natively_matches_hf_reference(reference_greedy):
+    """The default model's own file: Q4_1 linears and a Q8_0 embedding / tied head computed on their
+    blocks give the recorded HF ids (the float32 model is exactly this file dequantized)."""
+    llm = LLM(model=str(W.default_gguf_path(progress=False)), device="cpu", num_kv_blocks=256, max_model_len=1024)
+    model = llm.engine.model
+    assert isinstance(model.layers[0]["qkv_proj"], QuantizedTensor) and model.layers[0]["qkv_proj"].qtype == "Q4_1"
+    assert isinstance(model.embed_tokens, QuantizedTensor) and model.embed_tokens.qtype == "Q8_0"
+    assert model.lm_head is model.embed_tokens, "the tied head is the embedding table's blocks"
+    refs = reference_greedy["prompts"]
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in refs], GREEDY)
+    for ref, out in zip(refs, outs):
+        assert out.outputs[0].token_ids == ref["output_token_ids"], ref["name"]
+    alone = llm.generate({"prompt_token_ids": refs[0]["prompt_token_ids"]}, GREEDY)[0]
+    assert alone.outputs[0].token_ids == refs[0]["output_token_ids"]
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)[0].outputs[0]
+    assert chat.text == "The capital of France is Paris."
+    st = llm.stats()
+    assert st["num_free_blocks"] == st["num_total_blocks"]
+
+
+HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, N_LAYERS = 64, 2, 1, 32, 96, 2
+
+
+def _write_gguf(path, qtype, seed=0):
+    """A tiny Llama GGUF with every 2-D tensor in ``qtype`` (Q/K rows permuted as llama.cpp does)."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(N_LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(TOKENS))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(TOKENS)
+    w.add_token_types(TOKEN_TYPES)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    inv = {v: k for k, v in LAYER_NAMES.items()}
+
+    def add(name, arr):
+        arr = np.ascontiguousarray(arr, np.float32)
+        if arr.ndim == 2:
+            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType[qtype])
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            w.add_tensor(name, arr)
+
+    add("token_embd.weight", rng.standard_normal((len(TOKENS), HIDDEN)))
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    shapes = {
+        "self_attn.q_proj": (N_HEAD * HEAD_DIM, HIDDEN),
+        "self_attn.k_proj": (N_KV * HEAD_DIM, HIDDEN),
+        "self_attn.v_proj": (N_KV * HEAD_DIM, HIDDEN),
+        "self_attn.o_proj": (HIDDEN, N_HEAD * HEAD_DIM),
+        "mlp.gate_proj": (FFN, HIDDEN),
+        "mlp.up_proj": (FFN, HIDDEN),
+        "mlp.down_proj": (HIDDEN, FFN),
+    }
+    for i in range(N_LAYERS):
+        for kind, shape in shapes.items():
+            arr = rng.standard_normal(shape) * 0.3
+            if kind == "self_attn.q_proj":
+                arr = llama_cpp_permute(arr, N_HEAD)
+            elif kind == "self_attn.k_proj":
+                arr = llama_cpp_permute(arr, N_KV)
+            add(f"blk.{i}.{inv[kind]}.weight", arr)
+        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_written_gguf_matches_its_dequantized_float32_model(tmp_path, qtype):
+    path = _write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    hf = W.convert_gguf_to_hf(path, tmp_path / "hf", progress=False)
+    prompts = [{"prompt_token_ids": [1, 3, 4, 5, 5, 6] * k} for k in (1, 3, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    native = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
+    assert native.engine.model.layers[1]["gate_up_proj"].qtype == qtype
+    dense = LLM(model=str(hf), device="cpu", num_kv_blocks=64, max_model_len=256)
+    got = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+    assert got == want
+    first = native.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))[0]
+    ref = dense.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))[0]
+    for tid, lp in ref.outputs[0].logprobs[0].items():
+        assert first.outputs[0].logprobs[0][tid] == pytest.approx(lp, abs=1e-4)
+
+
+def test_q8_0_on_load_of_a_safetensors_checkpoint(tmp_path, tiny_dir):
+    from tests.model_reference import ROPES, decisive_prefix, greedy_reference, write_checkpoint
+
+    cfg, w = write_checkpoint(tmp_path / "m", "qwen2", ROPES["default"])
+    llm = LLM(model=str(tmp_path / "m"), device="cpu", num_kv_blocks=64, quantization="q8_0")
+    layer = llm.engine.model.layers[0]
+    assert layer["qkv_proj"].qtype == "Q8_0" and isinstance(layer["qkv_bias"], np.ndarray)
+    # the reference on the Q8_0-rounded weights
+    rounded = {
+        n: QuantizedTensor.quantize(a, "Q8_0").dequantize().astype(np.float64) if a.ndim == 2 else a
+        for n, a in w.items()
+    }
+    prompt = [5, 9, 14, 200, 31, 7, 7, 80]
+    ids, margins = greedy_reference(cfg, rounded, prompt, 8, llm.engine.max_model_len)
+    k = decisive_prefix(ids, margins)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert k >= 6 and list(out[0].outputs[0].token_ids)[:k] == ids[:k]
+    with pytest.raises(ValueError, match="'gguf' keeps a GGUF file's formats"):
+        LLM(model=str(tiny_dir), device="cpu", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(model=str(tiny_dir), device="cpu", quantization="q4_k")
+
+
+def test_unsupported_gguf_is_refused_by_name(tmp_path):
+    path = tmp_path / "x.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        LLM(model=str(path), device="cpu")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        LLM(model=str(bad), device="cpu")
