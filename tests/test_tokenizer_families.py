@@ -60,3 +60,42 @@ def test_mistral_nemo_inst_template_and_add_bos_token(tok):
     text, ids = t.encode_chat(QUESTION)
     assert text == "<s>[INST]2+2?[/INST]"
     assert ids[:2] == [1, 3] and ids[-1] == 4 and ids.count(1) == 1  # <s> [INST] ... [/INST]
+
+
+TEXTS = [
+    "Hello, world! 12345 and 1234567",
+    "  spaces\t\ttabs\n\nnewlines\r\n",
+    "Ünïcödé café naïve e\u0301",
+    "中文字符和日本語のテキスト",
+    "I'm you'RE they've WE'LL",
+    "code: def f(x):\n    return x**2  # ok",
+    "emoji 🤖🚀 and ₿ ∑ ∞",
+]
+
+
+@pytest.mark.parametrize("family,pre", [("qwen2_5", "qwen2"), ("qwen3", "qwen2"), ("llama3_1", "llama-bpe")])
+def test_gguf_tokenizer_rebuilt_from_lists_equals_the_real_one(family, pre):
+    """What a GGUF stores (tokens in id order, merges, token types) rebuilds each family's tokenizer with
+    the pre-tokenizer named by ``tokenizer.ggml.pre``: the same ids on texts that exercise its regex
+    (contractions, digit runs, whitespace, CJK, NFC)."""
+    import json
+
+    from tokenizers import Tokenizer as HF
+
+    from rawpaged.model_executor.gguf_loader import build_tokenizer
+
+    path = tokenizer_dir(family) / "tokenizer.json"
+    real = HF.from_file(str(path))
+    spec = json.loads(path.read_text())
+    size = real.get_vocab_size(with_added_tokens=True)
+    tokens, types = [f"[UNUSED{i}]" for i in range(size)], [1] * size
+    for t, i in spec["model"]["vocab"].items():
+        tokens[i] = t
+    for a in spec["added_tokens"]:
+        tokens[a["id"]], types[a["id"]] = a["content"], 3 if a["special"] else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    built = build_tokenizer(tokens, merges, types, pre)
+    for text in TEXTS:
+        assert built.encode(text, add_special_tokens=False).ids == real.encode(text, add_special_tokens=False).ids
+    with pytest.raises(ValueError, match="pre-tokenizer 'gpt-4o' is not supported"):
+        build_tokenizer(tokens[:10], [], None, "gpt-4o")

@@ -10,8 +10,10 @@ formats and their planes), dequantized in registers.
   block, in the order the nibble bytes hold them) and its per-block sums, so Q4_1's minimum costs one
   ``m * sum(x)`` per block, as in llama.cpp's dot products.
 - 1 < M <= ``SMALL_BATCH``: each row is dequantized once into a scratch row and applied to every x row.
-- larger M (prefill, big batches): ``TILE_ROWS`` rows at a time are dequantized into a float32 scratch
-  tile that goes through SGEMM, so compute-bound products run at BLAS speed.
+- larger M (prefill, big batches): up to ``TILE_BYTES`` of rows at a time are dequantized (on one
+  thread, see ``_dequant_tile``; one long vectorized loop per row, the 4-bit formats into their low- and
+  high-nibble halves) into float32 scratch tiles that go through SGEMM (two, against x's halves, for the
+  4-bit formats), so compute-bound products run at BLAS speed.
 
 Rows are split across threads in chunks (each chunk converts its rows' fp16 scales through a
 65536-entry float32 table, exact for every fp16 value, into its own scratch).
@@ -27,7 +29,9 @@ from rawpaged.kernels.quantization import QK, QuantizedTensor
 _JIT = dict(cache=True, nogil=True, fastmath=True)
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 SMALL_BATCH = 8
-TILE_ROWS = 256
+#: float32 bytes of one dequantized tile: whole weights of the default model's layers fit in one, so a
+#: product is one dequantization and one SGEMM (the 49152-row head takes 12).
+TILE_BYTES = 8 << 20
 _FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 
 
@@ -107,7 +111,33 @@ def _gemm_small(fmt, x, qs, scales, mins, lut, out, nchunks):
                 out[mi, n] = s
 
 
-@nb.njit(**_JIT)  # serial: it alternates with SGEMM, whose spinning threads a parallel region would fight
+@nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (4x slower)
+def _dequant_tile(fmt, qs, scales, mins, r0, lut, out_lo, out_hi):
+    """Rows ``r0 ..`` of the weight, dequantized as one long loop per row: Q8_0 into ``out_lo [rows, K]``;
+    a 4-bit format into ``out_lo``/``out_hi [rows, K / 2]`` (the low and high nibbles: elements 0-15 and
+    16-31 of each block, in the order of x's ``xlo``/``xhi`` halves)."""
+    nblk = scales.shape[1]
+    d = np.empty(nblk, np.float32)
+    m = np.empty(nblk, np.float32)
+    for i in range(out_lo.shape[0]):
+        n = r0 + i
+        for b in range(nblk):
+            d[b] = lut[scales[n, b]]
+            m[b] = lut[mins[n, b]] if fmt == 2 else np.float32(-8.0) * d[b]
+        row = qs[n]
+        lo = out_lo[i]
+        if fmt == 0:
+            for k in range(lo.shape[0]):
+                lo[k] = d[k >> 5] * np.float32(row[k])
+        else:
+            hi = out_hi[i]
+            for k in range(lo.shape[0]):
+                qi = np.int32(row[k])
+                lo[k] = d[k >> 4] * np.float32(qi & 15) + m[k >> 4]
+                hi[k] = d[k >> 4] * np.float32(qi >> 4) + m[k >> 4]
+
+
+@nb.njit(**_JIT)
 def _dequant_rows(fmt, qs, scales, mins, rows, lut, out):
     """out[i] = row ``rows[i]``, dequantized (float32)."""
     for i in range(rows.shape[0]):
@@ -132,23 +162,31 @@ def quant_linear(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
     fmt = _FMT[w.qtype]
     qs, scales, mins = _planes(w)
     out = np.empty((M, N), np.float32)
+    if fmt != 0:  # x's halves in the nibbles' order: elements 0-15 / 16-31 of each block
+        blocks = x.reshape(M, -1, QK)
+        xlo = np.ascontiguousarray(blocks[:, :, :16]).reshape(M, -1)
+        xhi = np.ascontiguousarray(blocks[:, :, 16:]).reshape(M, -1)
     if M == 1:
         if fmt == 0:
             _gemv_q8_0(x[0], qs, scales, F16_TO_F32, out[0], _num_chunks(N))
         else:
-            blocks = x[0].reshape(-1, QK)
-            xlo = np.ascontiguousarray(blocks[:, :16]).reshape(-1)
-            xhi = np.ascontiguousarray(blocks[:, 16:]).reshape(-1)
-            xsum = blocks.sum(axis=1, dtype=np.float32)
-            _gemv_q4(xlo, xhi, xsum, qs, scales, mins, fmt == 2, F16_TO_F32, out[0], _num_chunks(N))
+            xsum = blocks[0].sum(axis=1, dtype=np.float32)
+            _gemv_q4(xlo[0], xhi[0], xsum, qs, scales, mins, fmt == 2, F16_TO_F32, out[0], _num_chunks(N))
     elif M <= SMALL_BATCH:
         _gemm_small(fmt, x, qs, scales, mins, F16_TO_F32, out, _num_chunks(N))
     else:
-        tile = np.empty((min(TILE_ROWS, N), K), np.float32)
-        for r0 in range(0, N, TILE_ROWS):
-            rows = np.arange(r0, min(r0 + TILE_ROWS, N), dtype=np.int64)
-            _dequant_rows(fmt, qs, scales, mins, rows, F16_TO_F32, tile[: len(rows)])
-            np.matmul(x, tile[: len(rows)].T, out=out[:, r0 : r0 + len(rows)])
+        width = K if fmt == 0 else K // 2
+        tile_rows = max(1, TILE_BYTES // (4 * K))
+        lo = np.empty((min(tile_rows, N), width), np.float32)
+        hi = np.empty_like(lo) if fmt != 0 else lo
+        for r0 in range(0, N, tile_rows):
+            n = min(tile_rows, N - r0)
+            _dequant_tile(fmt, qs, scales, mins, r0, F16_TO_F32, lo[:n], hi[:n])
+            if fmt == 0:
+                np.matmul(x, lo[:n].T, out=out[:, r0 : r0 + n])
+            else:
+                np.matmul(xlo, lo[:n].T, out=out[:, r0 : r0 + n])
+                out[:, r0 : r0 + n] += xhi @ hi[:n].T
     return out
 
 

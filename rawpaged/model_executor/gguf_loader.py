@@ -34,8 +34,16 @@ GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
 _TOKEN_TYPE_USER_DEFINED = 4
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-#: ``tokenizer.ggml.pre`` values whose pre-tokenizer ``build_tokenizer`` reproduces.
-PRE_TOKENIZERS = ("smollm",)
+#: ``tokenizer.ggml.pre`` -> the split regex of HF's pre-tokenizer for it (None: GPT-2's, after splitting
+#: digits one by one), as the families' tokenizer.json files give them.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
+    "smollm": None,
+    "qwen2": _QWEN2_SPLIT,
+    "llama-bpe": _QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"),
+}
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
@@ -90,24 +98,32 @@ def shortest_f32(x: float) -> float:
     return float(repr(np.float32(x)).removeprefix("np.float32(").removesuffix(")"))
 
 
-def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None) -> Any:
-    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` metadata.
+def build_tokenizer(
+    tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str = "smollm", bos: str | None = None
+) -> Any:
+    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` metadata, with the
+    pre-tokenizer HF's tokenizer.json of that family has.
 
     Args:
         tokens: the vocabulary in id order.
         merges: merge rules as ``"left right"`` strings, in priority order.
         token_types: llama.cpp token types per id; type 3 (control) tokens become special tokens,
             type 4 (user-defined) tokens become added (non-special) tokens, both keeping their ids.
+        pre: ``tokenizer.ggml.pre``: ``smollm`` (digits one by one, then GPT-2's byte-level regex),
+            ``qwen2`` (Qwen2's split regex, NFC normalization) or ``llama-bpe`` (Llama 3's regex, whole
+            words in the vocabulary taken before merges).
+        bos: a BOS token the post-processor adds to raw prompts (Llama 3), or None.
 
     Returns:
-        A ``tokenizers.Tokenizer``: no normalizer; pre-tokenizer digits-split-individually then
-        byte-level (GPT-2 regex, no prefix space: llama.cpp's ``smollm``); byte-level decoder and
-        post-processor.
+        A ``tokenizers.Tokenizer`` with byte-level decoder.
 
     Raises:
-        ValueError: duplicate tokens or a malformed merge.
+        ValueError: duplicate tokens, a malformed merge, or an unknown ``pre``.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"pre-tokenizer {pre!r} is not supported (supported: {sorted(PRE_TOKENIZERS)})")
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
@@ -119,17 +135,37 @@ def build_tokenizer(tokens: list[str], merges: list[str], token_types: list[int]
             raise ValueError(f"malformed merge {m!r}")
         pairs.append((parts[0], parts[1]))
     tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False)
+        models.BPE(
+            vocab=vocab,
+            merges=pairs,
+            dropout=None,
+            unk_token=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre == "llama-bpe",
+        )
     )
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    split = PRE_TOKENIZERS[pre]
+    tok.normalizer = normalizers.NFC() if pre == "qwen2" else None
+    if split is None:
+        steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    else:
+        steps = [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    if bos is not None:
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+                ),
+            ]
+        )
     if token_types is not None:
         special = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
         user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
@@ -170,7 +206,7 @@ def read_metadata(reader: Any, source: str) -> tuple:
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise ValueError(
             f"{source}: tokenizer.ggml.model {model!r} / tokenizer.ggml.pre {pre!r} is not supported "
-            f"(supported: 'gpt2' with {PRE_TOKENIZERS}); convert the model to safetensors instead"
+            f"(supported: 'gpt2' with {sorted(PRE_TOKENIZERS)}); convert the model to safetensors instead"
         )
     hidden = int(need(f"{arch}.embedding_length"))
     n_head = int(need(f"{arch}.attention.head_count"))
@@ -178,6 +214,11 @@ def read_metadata(reader: Any, source: str) -> tuple:
     token_types = field(reader, "tokenizer.ggml.token_type")
     token_types = [int(t) for t in token_types] if token_types is not None else None
     names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"{source}: rope_freqs.weight (Llama 3.1 RoPE scaling in GGUF form) is not supported; "
+            "load the safetensors checkpoint, whose rope_scaling is"
+        )
     bos_id = int(field(reader, "tokenizer.ggml.bos_token_id", 1))
     eos_id = int(field(reader, "tokenizer.ggml.eos_token_id", 2))
     pad_id = field(reader, "tokenizer.ggml.padding_token_id")
@@ -205,13 +246,15 @@ def read_metadata(reader: Any, source: str) -> tuple:
     }
     if pad_id is not None:
         config["pad_token_id"] = int(pad_id)
-    tok = build_tokenizer(tokens, list(need("tokenizer.ggml.merges")), token_types)
+    # Llama 3's BOS comes from its tokenizer's post-processor; the others' from add_bos_token (below).
+    bos = tokens[bos_id] if pre == "llama-bpe" and field(reader, "tokenizer.ggml.add_bos_token", False) else None
+    tok = build_tokenizer(tokens, list(need("tokenizer.ggml.merges")), token_types, pre, bos)
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokens[bos_id],
         "eos_token": tokens[eos_id],
         "pad_token": tokens[int(pad_id)] if pad_id is not None else tokens[eos_id],
-        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is None,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],

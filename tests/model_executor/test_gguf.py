@@ -38,10 +38,11 @@ def test_shipped_q4_1_gguf_natively_matches_hf_reference(reference_greedy):
 HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, N_LAYERS = 64, 2, 1, 32, 96, 2
 
 
-def _write_gguf(path, qtype, seed=0):
-    """A tiny Llama GGUF with every 2-D tensor in ``qtype`` (Q/K rows permuted as llama.cpp does)."""
+def _write_gguf(path, qtype, seed=0, arch="llama"):
+    """A tiny Llama (Q/K rows permuted as llama.cpp does) or Qwen2 (q/k/v biases, not permuted) GGUF with
+    every 2-D tensor in ``qtype``."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(N_LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -83,11 +84,13 @@ def _write_gguf(path, qtype, seed=0):
     for i in range(N_LAYERS):
         for kind, shape in shapes.items():
             arr = rng.standard_normal(shape) * 0.3
-            if kind == "self_attn.q_proj":
+            if arch == "llama" and kind == "self_attn.q_proj":
                 arr = llama_cpp_permute(arr, N_HEAD)
-            elif kind == "self_attn.k_proj":
+            elif arch == "llama" and kind == "self_attn.k_proj":
                 arr = llama_cpp_permute(arr, N_KV)
             add(f"blk.{i}.{inv[kind]}.weight", arr)
+            if arch == "qwen2" and kind in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                add(f"blk.{i}.{inv[kind]}.bias", rng.standard_normal(shape[0]) * 0.3)
         add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
         add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
     w.write_header_to_file()
@@ -97,14 +100,15 @@ def _write_gguf(path, qtype, seed=0):
     return path
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_written_gguf_matches_its_dequantized_float32_model(tmp_path, qtype):
-    path = _write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+@pytest.mark.parametrize("qtype,arch", [("Q8_0", "llama"), ("Q4_0", "llama"), ("Q4_1", "llama"), ("Q4_1", "qwen2")])
+def test_written_gguf_matches_its_dequantized_float32_model(tmp_path, qtype, arch):
+    path = _write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, arch=arch)
     hf = W.convert_gguf_to_hf(path, tmp_path / "hf", progress=False)
     prompts = [{"prompt_token_ids": [1, 3, 4, 5, 5, 6] * k} for k in (1, 3, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     native = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
     assert native.engine.model.layers[1]["gate_up_proj"].qtype == qtype
+    assert (native.engine.model.layers[0]["qkv_bias"] is not None) == (arch == "qwen2")
     dense = LLM(model=str(hf), device="cpu", num_kv_blocks=64, max_model_len=256)
     got = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
