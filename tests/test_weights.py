@@ -81,16 +81,16 @@ def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return t
 
 
-def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    w = gguf.GGUFWriter(str(path), "llama")
+def gguf_writer(path, arch="llama", hidden=HIDDEN, ffn=FFN, n_head=N_HEAD, ctx=CTX, theta=100000.0):
+    """A ``gguf.GGUFWriter`` with a tiny model's hyperparameters and the tiny tokenizer's metadata."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(N_LAYERS)
-    w.add_context_length(CTX)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(N_HEAD)
+    w.add_context_length(ctx)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_head)
     w.add_head_count_kv(N_KV)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(100000.0)
+    w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(TOKENS))
     w.add_tokenizer_model("gpt2")
@@ -100,9 +100,15 @@ def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    return w
+
+
+def write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    w = gguf_writer(path)
+    w.add_rope_dimension_count(HEAD_DIM)
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
     inv = {v: k for k, v in LAYER_NAMES.items()}
     for name, arr in tensors.items():
         if name == "model.embed_tokens.weight":

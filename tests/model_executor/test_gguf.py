@@ -10,7 +10,7 @@ from rawpaged import LLM, SamplingParams
 from rawpaged import weights as W
 from rawpaged.kernels.quantization import QuantizedTensor
 from rawpaged.model_executor.gguf_loader import LAYER_NAMES
-from tests.test_weights import MERGES, TEMPLATE, TOKEN_TYPES, TOKENS, llama_cpp_permute
+from tests.test_weights import TOKENS, gguf_writer, llama_cpp_permute
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)  # as the reference was recorded
 
@@ -35,31 +35,15 @@ def test_shipped_q4_1_gguf_natively_matches_hf_reference(reference_greedy):
     assert st["num_free_blocks"] == st["num_total_blocks"]
 
 
-HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, N_LAYERS = 64, 2, 1, 32, 96, 2
+HIDDEN, N_HEAD, HEAD_DIM, FFN = 64, 2, 32, 96
+N_KV, N_LAYERS = 1, 2  # as tests.test_weights' writer sets them
 
 
 def _write_gguf(path, qtype, seed=0, arch="llama"):
     """A tiny Llama (Q/K rows permuted as llama.cpp does) or Qwen2 (q/k/v biases, not permuted) GGUF with
     every 2-D tensor in ``qtype``."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(N_LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_KV)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(len(TOKENS))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TOKEN_TYPES)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(TEMPLATE)
+    w = gguf_writer(path, arch, hidden=HIDDEN, ffn=FFN, n_head=N_HEAD, ctx=256, theta=10000.0)
     inv = {v: k for k, v in LAYER_NAMES.items()}
 
     def add(name, arr):
