@@ -92,12 +92,14 @@ async def _middleware(request: web.Request, handler):
 
 
 def model_name_of(config: EngineConfig) -> str:
-    """The name clients use for ``config.model``: the default model's name, or the directory's."""
+    """The name clients use for ``config.model``: the default model's name, the directory's, or a GGUF
+    file's without ``.gguf``."""
     from rawpaged import weights
 
     if config.model is None:
         return weights.DEFAULT_MODEL
-    return Path(config.model).expanduser().name or str(config.model)
+    path = Path(config.model).expanduser()
+    return (path.stem if path.suffix == ".gguf" else path.name) or str(config.model)
 
 
 def create_app(

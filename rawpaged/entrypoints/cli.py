@@ -128,14 +128,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _check_model_arg(model: str | None) -> str | None:
-    """An error line for a ``--model`` that is neither a directory, a .gguf file nor the default model's name."""
+def _check_model_arg(model: str | None, quantization: str | None = None) -> str | None:
+    """An error line for a ``--model`` that is neither a directory, a .gguf file nor the default model's
+    name, or a ``--quantization`` that does not fit it (caught before the server binds its port)."""
     from rawpaged import weights
 
     path = Path(model).expanduser() if model is not None else None
+    is_gguf = path is not None and path.suffix == ".gguf"
     if path is not None and not path.is_dir() and model != weights.DEFAULT_MODEL:
-        if not (path.is_file() and path.suffix == ".gguf"):
+        if is_gguf and not path.exists():
+            return f"error: --model {model!r} does not exist"
+        if not (path.is_file() and is_gguf):
             return f"error: --model {model!r} is neither a directory nor a .gguf file"
+    if quantization == "gguf" and not is_gguf:
+        return "error: --quantization gguf keeps a .gguf file's formats; --model is not a .gguf file"
+    if quantization == "q8_0" and is_gguf:
+        return "error: --quantization q8_0 quantizes safetensors checkpoints; --model is a .gguf file"
     return None
 
 
@@ -202,7 +210,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    error = _check_model_arg(config.model)
+    error = _check_model_arg(config.model, config.quantization)
     if error:
         print(error, file=sys.stderr)
         return 1

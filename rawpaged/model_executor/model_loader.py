@@ -232,6 +232,8 @@ def resolve_model_dir(model: str | None) -> Path:
             weights.prepare() if not weights.is_prepared(weights.default_model_dir()) else weights.default_model_dir()
         )
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and not path.exists():
+        raise ValueError(f"model file {model!r} does not exist")
     if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
         raise ValueError(f"model {model!r} is neither {weights.DEFAULT_MODEL!r}, a directory nor a .gguf file")
     return path
@@ -240,7 +242,9 @@ def resolve_model_dir(model: str | None) -> Path:
 def load_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.exists():
-        raise ValueError(f"{model_dir}: no config.json")
+        ggufs = sorted(p.name for p in Path(model_dir).glob("*.gguf"))
+        hint = f" (it holds {ggufs[0]}: pass that file as the model)" if ggufs else ""
+        raise ValueError(f"{model_dir}: no config.json{hint}")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -123,6 +123,20 @@ def test_invalid_engine_option_is_one_error_line():
     ]
     r = _cli("--model", "/no/such/dir")
     assert r.returncode == 1 and "is neither a directory nor a .gguf file" in r.stderr
+    r = _cli("--model", "/no/such/model.gguf")
+    assert r.returncode == 1 and "error: --model '/no/such/model.gguf' does not exist" in r.stderr
+
+
+def test_quantization_that_does_not_fit_the_model_fails_before_listening(tmp_path, tiny_dir):
+    from rawpaged.entrypoints.cli import _check_model_arg
+
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert "--model is not a .gguf file" in _check_model_arg(str(tiny_dir), "gguf")
+    assert "--model is a .gguf file" in _check_model_arg(str(gguf_file), "q8_0")
+    assert _check_model_arg(str(gguf_file), "gguf") is None and _check_model_arg(str(tiny_dir), "q8_0") is None
+    r = _cli("--model", str(tiny_dir), "--quantization", "gguf", "--device", "cpu")
+    assert r.returncode == 1 and "listening" not in r.stderr and "--quantization gguf" in r.stderr
 
 
 def test_rawpaged_command_dispatches():

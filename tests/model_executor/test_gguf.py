@@ -135,6 +135,17 @@ def test_unsupported_gguf_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         LLM(model=str(path), device="cpu")
+    with pytest.raises(ValueError, match="model file '.*missing.gguf' does not exist"):
+        LLM(model=str(tmp_path / "missing.gguf"), device="cpu")
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    (holder / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="no config.json \\(it holds model.gguf: pass that file as the model\\)"):
+        LLM(model=str(holder), device="cpu")
+    from rawpaged.config import EngineConfig
+    from rawpaged.entrypoints.app import model_name_of
+
+    assert model_name_of(EngineConfig(model=str(path))) == "x"
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
