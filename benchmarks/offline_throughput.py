@@ -10,7 +10,9 @@ Measures, in one run:
     count and vocabulary but tiny hidden sizes (hidden 72, 9/3 heads of dim 8, intermediate 64), where
     the math costs almost nothing, so the step time is the engine's and model code's own overhead.
 
-``--model`` takes several models, measured one after another in the same run: ``default`` (the prepared
+``--llama-cpp`` adds llama.cpp (the ``llama-cpp-python`` package, benchmark-only) on every ``.gguf`` model:
+the same file, prompt lengths and 2 threads, batch 1. ``--model`` takes several models, measured one
+after another in the same run: ``default`` (the prepared
 float32 model), ``default-gguf`` (its original Q4_1 GGUF file, computed on its blocks), or a path to a
 model directory or ``.gguf`` file; ``--quantization q8_0`` quantizes the safetensors ones on load.
 
@@ -132,6 +134,41 @@ def step_overhead(model_dir, rng, batches=(1, 32), steps=64):
     return rows
 
 
+def bench_llama_cpp(gguf_path, prompt_len, output_len, prefill_len, rng, threads=2):
+    """llama.cpp on the same GGUF file (``llama-cpp-python``, benchmark-only, never a dependency): prefill
+    of ``prefill_len`` tokens and batch-1 greedy decode, ``threads`` threads."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path), n_ctx=max(1024, prefill_len + 8), n_threads=threads, verbose=False)
+    name = f"llama.cpp {Path(gguf_path).stem}"
+    prompt = rng.integers(100, 49152, prefill_len).tolist()
+    llm.reset()
+    llm.eval(prompt[:16])  # warm-up
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    rows = [
+        dict(engine=name, case=f"prefill {prefill_len}", batch=1, tok_per_s=prefill_len / (time.perf_counter() - t0))
+    ]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(rng.integers(100, 49152, prompt_len).tolist())
+    t1 = time.perf_counter()
+    for _ in range(output_len):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    t2 = time.perf_counter()
+    rows.append(
+        dict(
+            engine=name,
+            case=f"generate {prompt_len}+{output_len}",
+            batch=1,
+            tok_per_s=output_len / (t2 - t0),
+            decode_tok_per_s=output_len / (t2 - t1),
+        )
+    )
+    return rows
+
+
 def bench_hf(model_dir, batches, prompt_len, output_len, prefill_len, rng):
     import torch
     from transformers import AutoModelForCausalLM
@@ -174,6 +211,14 @@ def bench_hf(model_dir, batches, prompt_len, output_len, prefill_len, rng):
     return rows
 
 
+def _llama_cpp_version() -> str:
+    try:
+        import llama_cpp
+    except ImportError as e:
+        return f"not importable ({e.name})"
+    return f"llama-cpp-python {llama_cpp.__version__}"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -183,6 +228,9 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers even if importable")
     ap.add_argument("--model", nargs="+", default=["default"], help="default, default-gguf, or paths")
     ap.add_argument("--quantization", default=None, choices=["gguf", "q8_0"])
+    ap.add_argument(
+        "--llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on each .gguf model, batch 1"
+    )
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     model_dir = rp_weights.prepare(progress=True)
@@ -195,6 +243,11 @@ def main(argv=None):
         rows += bench_rawpaged(
             path, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng, label, quant
         )
+        if args.llama_cpp and path.suffix == ".gguf":
+            try:
+                rows += bench_llama_cpp(path, args.prompt_len, args.output_len, args.prefill_len, rng)
+            except ImportError as e:
+                print(f"llama.cpp: not importable ({e.name}); pip install llama-cpp-python to compare")
     hf_note = "skipped (--no-hf)" if args.no_hf else None
     if not args.no_hf:
         try:
@@ -222,6 +275,7 @@ def main(argv=None):
                 prefill_len=args.prefill_len,
                 sampling="greedy, ignore_eos",
                 hf_transformers=hf_note or "measured side by side",
+                llama_cpp=_llama_cpp_version() if args.llama_cpp else "not run (--llama-cpp)",
             ),
             "rows": rows,
             "step_overhead": overhead,
