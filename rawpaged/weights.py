@@ -329,21 +329,14 @@ def convert_gguf_to_hf(
     import gguf
     from safetensors.numpy import save_file
 
-    from rawpaged.model_executor.gguf_loader import read_metadata, read_tensors
+    from rawpaged.model_executor.gguf_loader import check_tensors, read_metadata, read_tensors
+    from rawpaged.model_executor.model_loader import ModelConfig
 
     source = str(gguf_path)
     reader = gguf.GGUFReader(source)
     config, tok, tok_config = read_metadata(reader, source)
     tensors = read_tensors(reader, config, source, native=False, progress=progress)
-    emb = tensors.get("model.embed_tokens.weight")
-    if emb is None or emb.shape != (config["vocab_size"], config["hidden_size"]):
-        raise ValueError(
-            f"{source}: token_embd has shape {None if emb is None else emb.shape}, "
-            f"expected {(config['vocab_size'], config['hidden_size'])}"
-        )
-    q0 = tensors.get("model.layers.0.self_attn.q_proj.weight")
-    if q0 is None or q0.shape != (config["num_attention_heads"] * config["head_dim"], config["hidden_size"]):
-        raise ValueError(f"{source}: attn_q has shape {None if q0 is None else q0.shape}")
+    tensors = check_tensors(tensors, ModelConfig.from_dict(config, source), source)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -11,6 +11,16 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 
+def sliding_window_arg(sliding_window) -> int:
+    """The attention kernels' ``sliding_window`` argument: 0 for None (no window), else W. Raises
+    ValueError for a window below 1."""
+    if sliding_window is None:
+        return 0
+    if int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return int(sliding_window)
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str

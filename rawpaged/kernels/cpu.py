@@ -25,6 +25,7 @@ import numba as nb
 import numpy as np
 
 from rawpaged.dtypes import BFLOAT16
+from rawpaged.kernels.backend import sliding_window_arg
 from rawpaged.kernels.cpu_quant import quant_embedding, quant_linear
 from rawpaged.kernels.quantization import QuantizedTensor
 
@@ -271,17 +272,8 @@ def paged_attention(
         * (int(max_context_len) if max_context_len else block_tables.shape[1] * key_cache.shape[1])
     )
     kernel = _paged_attention_parallel if work >= PARALLEL_MIN_WORK else _paged_attention_serial
-    window = _check_window(sliding_window)
+    window = sliding_window_arg(sliding_window)
     kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), is_bf16, nkv, window)
-
-
-def _check_window(sliding_window) -> int:
-    """0 for no window, else the window (raises ValueError for one below 1)."""
-    if sliding_window is None:
-        return 0
-    if int(sliding_window) < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    return int(sliding_window)
 
 
 def _prefill_attention_kernel(
@@ -363,7 +355,7 @@ def prefill_attention(
     with a window.
     """
     _check_attention_args(out, query, key_cache, value_cache, block_tables)
-    window = _check_window(sliding_window)
+    window = sliding_window_arg(sliding_window)
     kc, is_bf16 = _cache_view(key_cache)
     vc, _ = _cache_view(value_cache)
     qsl = np.asarray(query_start_loc, dtype=np.int64)

@@ -29,6 +29,7 @@ import numpy as np
 
 from rawpaged.dtypes import BFLOAT16, FLOAT32, FLOAT_TYPES, float_type, float_type_of
 from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.backend import sliding_window_arg
 from rawpaged.kernels.quantization import QuantizedTensor
 
 _BF16 = BFLOAT16.numpy
@@ -67,15 +68,6 @@ def _i64(v) -> np.int64:
 def _dequantized(host):
     """Host float array of a weight: ``QuantizedTensor``s are expanded (no CUDA kernels on blocks yet)."""
     return host.dequantize() if isinstance(host, QuantizedTensor) else host
-
-
-def _window(sliding_window) -> int:
-    """The kernels' ``sliding_window`` argument: 0 for none (raises ValueError for one below 1)."""
-    if sliding_window is None:
-        return 0
-    if int(sliding_window) < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    return int(sliding_window)
 
 
 def _row_stride(a, what: str, inner_dims: int) -> int:
@@ -339,7 +331,7 @@ class CudaBackend:
         With ``sliding_window`` W, each query sees its last W positions; partitions cover only those.
         """
         self._check_attention(out, query, key_cache, value_cache, block_tables)
-        window = _window(sliding_window)
+        window = sliding_window_arg(sliding_window)
         act, cache = _ctype(query, "query"), _ctype(key_cache, "key_cache")
         num_seqs, num_heads, head_dim = query.shape
         if num_seqs == 0:
@@ -428,7 +420,7 @@ class CudaBackend:
         query_start_loc/seq_lens are validated like on the CPU; device arrays are trusted.
         """
         self._check_attention(out, query, key_cache, value_cache, block_tables)
-        window = _window(sliding_window)
+        window = sliding_window_arg(sliding_window)
         act, cache = _ctype(query, "query"), _ctype(key_cache, "key_cache")
         num_tokens, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape

@@ -320,7 +320,13 @@ def load_gguf(path, native: bool = True) -> tuple:
         raise ValueError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     config, tok, tok_config = read_metadata(reader, source)
     model_config = ModelConfig.from_dict(config, source)
-    tensors = read_tensors(reader, config, source, native)
+    tensors = check_tensors(read_tensors(reader, config, source, native), model_config, source)
+    return model_config, Tokenizer.from_objects(tok, tok_config), tensors
+
+
+def check_tensors(tensors: dict, model_config, source: str) -> dict:
+    """The tensors ``model_config`` needs, in its order. Raises ValueError naming the file for a missing
+    tensor or a shape the metadata does not imply."""
     expected = model_config.expected_shapes()
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -329,4 +335,4 @@ def load_gguf(path, native: bool = True) -> tuple:
         got = tuple(tensors[name].shape)
         if got != shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {got}, the metadata implies {shape}")
-    return model_config, Tokenizer.from_objects(tok, tok_config), {n: tensors[n] for n in expected}
+    return {n: tensors[n] for n in expected}

@@ -328,9 +328,6 @@ def load_weights(model_dir: Path, config: ModelConfig) -> dict:
     return {n: tensors[n] for n in expected}
 
 
-QUANTIZATION_CHOICES = ("gguf", "q8_0")
-
-
 def load_model(path: Path, quantization: str | None = None) -> tuple:
     """(``ModelConfig``, ``Tokenizer``, ``GenerationConfig``, weights) of a model directory or GGUF file.
 
@@ -342,14 +339,12 @@ def load_model(path: Path, quantization: str | None = None) -> tuple:
 
     Raises:
         ValueError naming the option or file: "gguf" for a safetensors checkpoint, "q8_0" for a GGUF
-        file, an unknown ``quantization``, or any loading error.
+        file, or any loading error (``EngineConfig`` checks ``quantization``'s value).
     """
     from rawpaged.kernels.quantization import QuantizedTensor
     from rawpaged.model_executor.gguf_loader import load_gguf
     from rawpaged.tokenizer import Tokenizer
 
-    if quantization not in (None, *QUANTIZATION_CHOICES):
-        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES} or None, got {quantization!r}")
     path = Path(path)
     if path.is_file():
         if quantization == "q8_0":
