@@ -11,8 +11,9 @@ Measures, in one run:
     the math costs almost nothing, so the step time is the engine's and model code's own overhead.
 
 ``--llama-cpp`` adds llama.cpp (the ``llama-cpp-python`` package, benchmark-only) on every ``.gguf`` model:
-the same file, prompt lengths and 2 threads, batch 1. ``--model`` takes several models, measured one
-after another in the same run: ``default`` (the prepared
+the same file, prompt lengths and 2 threads, batch 1; for ``default`` it runs on an F32 GGUF of the same
+weights (the Q4_1 file dequantized, written once beside the model; equal to the float32 safetensors).
+``--model`` takes several models, measured one after another in the same run: ``default`` (the prepared
 float32 model), ``default-gguf`` (its original Q4_1 GGUF file, computed on its blocks), or a path to a
 model directory or ``.gguf`` file; ``--quantization q8_0`` quantizes the safetensors ones on load.
 
@@ -69,6 +70,14 @@ def resolve_model(name: str) -> Path:
     if name == "default-gguf":
         return rp_weights.default_gguf_path(progress=True)
     return Path(name)
+
+
+def default_f32_gguf() -> Path:
+    """The default model's weights as an F32 GGUF (for llama.cpp), written once beside the model."""
+    dest = rp_weights.default_model_dir() / "SmolLM2-135M-Instruct.F32.gguf"
+    if not dest.is_file():
+        rp_weights.write_f32_gguf(rp_weights.default_gguf_path(progress=True), dest)
+    return dest
 
 
 def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng, label="rawpaged", quantization=None):
@@ -243,9 +252,10 @@ def main(argv=None):
         rows += bench_rawpaged(
             path, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng, label, quant
         )
-        if args.llama_cpp and path.suffix == ".gguf":
+        peer = path if path.suffix == ".gguf" else default_f32_gguf() if name == "default" else None
+        if args.llama_cpp and peer is not None:
             try:
-                rows += bench_llama_cpp(path, args.prompt_len, args.output_len, args.prefill_len, rng)
+                rows += bench_llama_cpp(peer, args.prompt_len, args.output_len, args.prefill_len, rng)
             except ImportError as e:
                 print(f"llama.cpp: not importable ({e.name}); pip install llama-cpp-python to compare")
     hf_note = "skipped (--no-hf)" if args.no_hf else None

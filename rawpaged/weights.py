@@ -97,6 +97,40 @@ def default_gguf_path(progress: bool = True) -> Path:
     return dest
 
 
+def write_f32_gguf(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
+    """Write ``dest``: the GGUF ``src`` with every tensor dequantized to F32 (same names, shapes and
+    llama.cpp layouts, every metadata key copied), e.g. to run llama.cpp on the very float32 weights
+    our float32 model holds. Dequantization is the ``gguf`` package's reference one.
+
+    Raises ValueError if ``src`` is not a readable GGUF file."""
+    import gguf
+    import numpy as np
+
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except Exception as e:  # the reader raises ValueError, struct.error, ...
+        raise ValueError(f"{src}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    dest = Path(dest)
+    arch = reader.fields["general.architecture"].contents()
+    part = dest.with_name(dest.name + ".part")
+    writer = gguf.GGUFWriter(str(part), arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by the writer itself
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), vtype, sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, data.reshape([int(n) for n in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(part, dest)
+    return dest
+
+
 def is_prepared(path: str | os.PathLike[str]) -> bool:
     """Tell whether ``path`` holds a complete HF-style model directory.
 

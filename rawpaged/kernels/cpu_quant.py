@@ -29,53 +29,93 @@ from rawpaged.kernels.quantization import QK, QuantizedTensor
 _JIT = dict(cache=True, nogil=True, fastmath=True)
 F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 SMALL_BATCH = 8
+#: the products' rows are split into this many chunks (or fewer), each with its own scratch, which
+#: numba's prange deals out to the threads: enough to balance dozens of threads.
+CHUNKS = 128
 #: float32 bytes of one dequantized tile: whole weights of the default model's layers fit in one, so a
 #: product is one dequantization and one SGEMM (the 49152-row head takes 12).
 TILE_BYTES = 8 << 20
 _FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 
 
-def _num_chunks(rows: int) -> int:
-    return max(1, min(rows, 8 * nb.get_num_threads()))
-
-
 @nb.njit(parallel=True, **_JIT)
-def _gemv_q8_0(x, qs, scales, lut, out, nchunks):
+def _gemv_q8_0(x, qs, scales, lut, out):
     N, K = qs.shape
     nblk = scales.shape[1]
+    npairs = (N + 1) // 2
+    nchunks = min(npairs, CHUNKS)
+    scratch = np.empty((nchunks, 2, nblk), np.float32)
     for c in nb.prange(nchunks):
-        d = np.empty(nblk, np.float32)
-        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+        d0 = scratch[c, 0]
+        d1 = scratch[c, 1]
+        for p in range(c * npairs // nchunks, (c + 1) * npairs // nchunks):
+            n0 = 2 * p
+            n1 = min(n0 + 1, N - 1)  # an odd last row is computed twice
             for b in range(nblk):
-                d[b] = lut[scales[n, b]]
-            row = qs[n]
-            acc = np.float32(0.0)
+                d0[b] = lut[scales[n0, b]]
+                d1[b] = lut[scales[n1, b]]
+            r0 = qs[n0]
+            r1 = qs[n1]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
             for k in range(K):
-                acc += d[k >> 5] * (np.float32(row[k]) * x[k])
-            out[n] = acc
+                xk = x[k]
+                a0 += d0[k >> 5] * (np.float32(r0[k]) * xk)
+                a1 += d1[k >> 5] * (np.float32(r1[k]) * xk)
+            out[n0] = a0
+            out[n1] = a1
 
 
 @nb.njit(parallel=True, **_JIT)
-def _gemv_q4(xlo, xhi, xsum, qs, scales, mins, has_min, lut, out, nchunks):
+def _gemv_q4(x, qs, scales, mins, has_min, lut, out):
     N, K2 = qs.shape
     nblk = scales.shape[1]
+    xlo = np.empty(K2, np.float32)
+    xhi = np.empty(K2, np.float32)
+    xsum = np.empty(nblk, np.float32)
+    for b in range(nblk):
+        s = np.float32(0.0)
+        for j in range(16):
+            xlo[b * 16 + j] = x[b * QK + j]
+            xhi[b * 16 + j] = x[b * QK + 16 + j]
+            s += x[b * QK + j] + x[b * QK + 16 + j]
+        xsum[b] = s
+    npairs = (N + 1) // 2
+    nchunks = min(npairs, CHUNKS)
+    scratch = np.empty((nchunks, 4, nblk), np.float32)
+    sixteenth = np.float32(0.0625)
+    sixteen = np.float32(16.0)
     for c in nb.prange(nchunks):
-        d = np.empty(nblk, np.float32)
-        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+        d0 = scratch[c, 0]
+        d1 = scratch[c, 1]
+        m0 = scratch[c, 2]
+        m1 = scratch[c, 3]
+        for p in range(c * npairs // nchunks, (c + 1) * npairs // nchunks):
+            n0 = 2 * p
+            n1 = min(n0 + 1, N - 1)  # an odd last row is computed twice
             for b in range(nblk):
-                d[b] = lut[scales[n, b]]
-            row = qs[n]
-            acc = np.float32(0.0)
+                d0[b] = lut[scales[n0, b]]
+                d1[b] = lut[scales[n1, b]]
+                m0[b] = lut[mins[n0, b]] if has_min else np.float32(-8.0) * d0[b]
+                m1[b] = lut[mins[n1, b]] if has_min else np.float32(-8.0) * d1[b]
+            r0 = qs[n0]
+            r1 = qs[n1]
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
             for k in range(K2):
-                qi = np.int32(row[k])
-                acc += d[k >> 4] * (np.float32(qi & 15) * xlo[k] + np.float32(qi >> 4) * xhi[k])
-            if has_min:
-                for b in range(nblk):
-                    acc += lut[mins[n, b]] * xsum[b]
-            else:
-                for b in range(nblk):
-                    acc -= np.float32(8.0) * d[b] * xsum[b]
-            out[n] = acc
+                xl = xlo[k]
+                xh = xhi[k]
+                q = np.float32(r0[k])
+                hi = np.floor(q * sixteenth)
+                a0 += d0[k >> 4] * ((q - sixteen * hi) * xl + hi * xh)
+                q = np.float32(r1[k])
+                hi = np.floor(q * sixteenth)
+                a1 += d1[k >> 4] * ((q - sixteen * hi) * xl + hi * xh)
+            for b in range(nblk):
+                a0 += m0[b] * xsum[b]
+                a1 += m1[b] * xsum[b]
+            out[n0] = a0
+            out[n1] = a1
 
 
 @nb.njit(inline="always")
@@ -97,11 +137,13 @@ def _dequant_row(fmt, qs, scales, mins, n, lut, dst):
 
 
 @nb.njit(parallel=True, **_JIT)
-def _gemm_small(fmt, x, qs, scales, mins, lut, out, nchunks):
+def _gemm_small(fmt, x, qs, scales, mins, lut, out):
     M, K = x.shape
     N = qs.shape[0]
+    nchunks = min(N, CHUNKS)
+    scratch = np.empty((nchunks, K), np.float32)
     for c in nb.prange(nchunks):
-        w = np.empty(K, np.float32)
+        w = scratch[c]
         for n in range(c * N // nchunks, (c + 1) * N // nchunks):
             _dequant_row(fmt, qs, scales, mins, n, lut, w)
             for mi in range(M):
@@ -162,19 +204,19 @@ def quant_linear(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
     fmt = _FMT[w.qtype]
     qs, scales, mins = _planes(w)
     out = np.empty((M, N), np.float32)
-    if fmt != 0:  # x's halves in the nibbles' order: elements 0-15 / 16-31 of each block
-        blocks = x.reshape(M, -1, QK)
-        xlo = np.ascontiguousarray(blocks[:, :, :16]).reshape(M, -1)
-        xhi = np.ascontiguousarray(blocks[:, :, 16:]).reshape(M, -1)
     if M == 1:
         if fmt == 0:
-            _gemv_q8_0(x[0], qs, scales, F16_TO_F32, out[0], _num_chunks(N))
+            _gemv_q8_0(x[0], qs, scales, F16_TO_F32, out[0])
         else:
-            xsum = blocks[0].sum(axis=1, dtype=np.float32)
-            _gemv_q4(xlo[0], xhi[0], xsum, qs, scales, mins, fmt == 2, F16_TO_F32, out[0], _num_chunks(N))
-    elif M <= SMALL_BATCH:
-        _gemm_small(fmt, x, qs, scales, mins, F16_TO_F32, out, _num_chunks(N))
+            _gemv_q4(x[0], qs, scales, mins, fmt == 2, F16_TO_F32, out[0])
+        return out
+    if M <= SMALL_BATCH:
+        _gemm_small(fmt, x, qs, scales, mins, F16_TO_F32, out)
     else:
+        if fmt != 0:  # x's halves in the nibbles' order: elements 0-15 / 16-31 of each block
+            blocks = x.reshape(M, -1, QK)
+            xlo = np.ascontiguousarray(blocks[:, :, :16]).reshape(M, -1)
+            xhi = np.ascontiguousarray(blocks[:, :, 16:]).reshape(M, -1)
         width = K if fmt == 0 else K // 2
         tile_rows = max(1, TILE_BYTES // (4 * K))
         lo = np.empty((min(tile_rows, N), width), np.float32)
