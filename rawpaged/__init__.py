@@ -1,5 +1,10 @@
 """rawpaged: LLM inference with a paged KV cache, no PyTorch."""
 
+from rawpaged.kernels.numba_target import configure as _configure_numba
+
+_configure_numba()  # before anything imports numba: 512-bit vectors on AVX-512 hosts
+
+
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import CompletionOutput, RequestOutput
 from rawpaged.entrypoints.llm import LLM

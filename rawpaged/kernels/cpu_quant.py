@@ -4,19 +4,21 @@ formats and their planes), dequantized in registers.
 ``quant_linear(x, w)`` computes ``x @ dequantize(w).T`` for x float32 ``[M, K]`` and a
 ``QuantizedTensor`` ``[N, K]``:
 
-- M = 1 (decode at batch 1, memory-bound): each row is one long loop over its quant bytes, with the
-  block's scale picked as ``d[k >> 4]`` (``k >> 5`` for Q8_0) so the loop vectorizes. x is split once
-  per call into its low-nibble and high-nibble halves (``xlo``, ``xhi``: elements 0-15 and 16-31 of each
-  block, in the order the nibble bytes hold them) and its per-block sums, so Q4_1's minimum costs one
-  ``m * sum(x)`` per block, as in llama.cpp's dot products.
+- M = 1 (decode at batch 1, memory-bound): two weight rows per pass, each one long loop over its quant
+  bytes with the block's scale picked as ``d[k >> 4]`` (``k >> 5`` for Q8_0), so the loop vectorizes and
+  every x element loaded serves both rows. A nibble byte ``q`` is split in float32 (``hi = floor(q / 16)``,
+  ``lo = q - 16 hi``, both exact): Numba widens integer ``&``/``>>`` to 64 bits, which halves the vector
+  width. x is split once per call into its low-nibble and high-nibble halves (elements 0-15 and 16-31 of
+  each block, in the order the nibble bytes hold them) and its per-block sums, so Q4_1's minimum (Q4_0's
+  -8 d) costs one multiply per block, as in llama.cpp's dot products.
 - 1 < M <= ``SMALL_BATCH``: each row is dequantized once into a scratch row and applied to every x row.
 - larger M (prefill, big batches): up to ``TILE_BYTES`` of rows at a time are dequantized (on one
-  thread, see ``_dequant_tile``; one long vectorized loop per row, the 4-bit formats into their low- and
-  high-nibble halves) into float32 scratch tiles that go through SGEMM (two, against x's halves, for the
-  4-bit formats), so compute-bound products run at BLAS speed.
+  thread, see ``_dequant_tile``) into float32 scratch tiles that go through SGEMM as ``tile @ x.T`` (two,
+  against x's halves, for the 4-bit formats), so compute-bound products run at BLAS speed.
 
-Rows are split across threads in chunks (each chunk converts its rows' fp16 scales through a
-65536-entry float32 table, exact for every fp16 value, into its own scratch).
+Rows are split across threads in up to ``CHUNKS`` chunks, each with its own scratch (fp16 scales are
+converted through a 65536-entry float32 table, exact for every fp16 value). On AVX-512 hosts these loops
+get 512-bit vectors (``rawpaged.kernels.numba_target``).
 """
 
 from __future__ import annotations
@@ -155,28 +157,30 @@ def _gemm_small(fmt, x, qs, scales, mins, lut, out):
 
 @nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (4x slower)
 def _dequant_tile(fmt, qs, scales, mins, r0, lut, out_lo, out_hi):
-    """Rows ``r0 ..`` of the weight, dequantized as one long loop per row: Q8_0 into ``out_lo [rows, K]``;
-    a 4-bit format into ``out_lo``/``out_hi [rows, K / 2]`` (the low and high nibbles: elements 0-15 and
-    16-31 of each block, in the order of x's ``xlo``/``xhi`` halves)."""
+    """Rows ``r0 ..`` of the weight, dequantized: Q8_0 into ``out_lo [rows, K]``; a 4-bit format into
+    ``out_lo``/``out_hi [rows, K / 2]`` (the low and high nibbles: elements 0-15 and 16-31 of each block,
+    in the order of x's ``xlo``/``xhi`` halves). One block's scale is a scalar in its loop (a scale
+    gathered per element, ``d[k >> 4]``, keeps LLVM from vectorizing the stores)."""
     nblk = scales.shape[1]
-    d = np.empty(nblk, np.float32)
-    m = np.empty(nblk, np.float32)
+    sixteenth = np.float32(0.0625)
+    sixteen = np.float32(16.0)
     for i in range(out_lo.shape[0]):
         n = r0 + i
-        for b in range(nblk):
-            d[b] = lut[scales[n, b]]
-            m[b] = lut[mins[n, b]] if fmt == 2 else np.float32(-8.0) * d[b]
         row = qs[n]
         lo = out_lo[i]
-        if fmt == 0:
-            for k in range(lo.shape[0]):
-                lo[k] = d[k >> 5] * np.float32(row[k])
-        else:
-            hi = out_hi[i]
-            for k in range(lo.shape[0]):
-                qi = np.int32(row[k])
-                lo[k] = d[k >> 4] * np.float32(qi & 15) + m[k >> 4]
-                hi[k] = d[k >> 4] * np.float32(qi >> 4) + m[k >> 4]
+        hi = out_hi[i]
+        for b in range(nblk):
+            d = lut[scales[n, b]]
+            if fmt == 0:
+                for k in range(b * QK, (b + 1) * QK):
+                    lo[k] = d * np.float32(row[k])
+            else:
+                m = lut[mins[n, b]] if fmt == 2 else np.float32(-8.0) * d
+                for k in range(b * 16, (b + 1) * 16):
+                    q = np.float32(row[k])
+                    h = np.floor(q * sixteenth)
+                    lo[k] = d * (q - sixteen * h) + m
+                    hi[k] = d * h + m
 
 
 @nb.njit(**_JIT)
@@ -212,23 +216,27 @@ def quant_linear(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
         return out
     if M <= SMALL_BATCH:
         _gemm_small(fmt, x, qs, scales, mins, F16_TO_F32, out)
-    else:
-        if fmt != 0:  # x's halves in the nibbles' order: elements 0-15 / 16-31 of each block
+    else:  # out.T [N, M] tile by tile = tile [n, K] @ x.T: SGEMM's fastest form here (1.6x x @ tile.T)
+        if fmt == 0:
+            xt_lo = np.ascontiguousarray(x.T)
+        else:  # x's halves in the nibbles' order: elements 0-15 / 16-31 of each block
             blocks = x.reshape(M, -1, QK)
-            xlo = np.ascontiguousarray(blocks[:, :, :16]).reshape(M, -1)
-            xhi = np.ascontiguousarray(blocks[:, :, 16:]).reshape(M, -1)
+            xt_lo = np.ascontiguousarray(blocks[:, :, :16].reshape(M, -1).T)
+            xt_hi = np.ascontiguousarray(blocks[:, :, 16:].reshape(M, -1).T)
         width = K if fmt == 0 else K // 2
-        tile_rows = max(1, TILE_BYTES // (4 * K))
-        lo = np.empty((min(tile_rows, N), width), np.float32)
+        tile_rows = min(N, max(1, TILE_BYTES // (4 * K)))
+        lo = np.empty((tile_rows, width), np.float32)
         hi = np.empty_like(lo) if fmt != 0 else lo
+        part = np.empty((tile_rows, M), np.float32) if fmt != 0 else None
+        out_t = np.empty((N, M), np.float32)
         for r0 in range(0, N, tile_rows):
             n = min(tile_rows, N - r0)
             _dequant_tile(fmt, qs, scales, mins, r0, F16_TO_F32, lo[:n], hi[:n])
-            if fmt == 0:
-                np.matmul(x, lo[:n].T, out=out[:, r0 : r0 + n])
-            else:
-                np.matmul(xlo, lo[:n].T, out=out[:, r0 : r0 + n])
-                out[:, r0 : r0 + n] += xhi @ hi[:n].T
+            np.matmul(lo[:n], xt_lo, out=out_t[r0 : r0 + n])
+            if fmt != 0:
+                np.matmul(hi[:n], xt_hi, out=part[:n])
+                out_t[r0 : r0 + n] += part[:n]
+        out[:] = out_t.T
     return out
 
 

@@ -16,7 +16,7 @@ BATCHES = [1, 3, 8, 9, 300]
 @pytest.fixture(scope="module")
 def weights():
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((300, 96)).astype(np.float32)  # 300 rows: a partial second tile of 256
+    w = rng.standard_normal((300, 96)).astype(np.float32)
     w[5] = 0.0  # an all-zero row: zero scales
     w[7, :32] *= 1e-3  # a block with tiny values next to large ones
     return w
@@ -34,6 +34,19 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
     assert got.dtype == np.float32 and got.shape == (M, 300)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
     np.testing.assert_array_equal(got[:, 5], 0.0)
+
+
+@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("M", [1, 5, 12])
+def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
+    """GEMVs compute rows in pairs (an odd last row alone); tiles of 64 rows leave a partial last tile."""
+    monkeypatch.setattr(cpu_quant, "TILE_BYTES", 64 * 96 * 4)
+    q = QuantizedTensor.quantize(weights[:233], qtype)
+    ref_w = q.dequantize().astype(np.float64)
+    x = np.random.default_rng(M).standard_normal((M, 96)).astype(np.float32)
+    got = cpu_quant.quant_linear(x, q)
+    assert got.shape == (M, 233)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-4 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("qtype", NATIVE)
