@@ -90,7 +90,8 @@ def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng,
         enable_prefix_caching=False,
         max_num_batched_tokens=max(2048, prefill_len),
     )
-    llm.generate(random_prompts(rng, 2, 16), SamplingParams(max_tokens=2))  # JIT warm-up
+    for n in (2, 1):  # JIT warm-up: prefill and decode paths at batch > 1 and at batch 1 (the GEMVs)
+        llm.generate(random_prompts(rng, n, 16), SamplingParams(max_tokens=3))
     rows = []
     prompt = random_prompts(rng, 1, prefill_len)
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
-from rawpaged.model_executor.model_loader import load_model, resolve_model_dir
+from rawpaged.model_executor.model_loader import load_model, release_free_heap, resolve_model_dir
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
@@ -62,6 +62,7 @@ class LLMEngine:
         )
         self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
         del weights
+        release_free_heap()
         kv_dtype = numpy_dtype(self.kv_cache_dtype)
         self.kv_block_bytes = kv_block_bytes(
             mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype

@@ -291,7 +291,8 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if permute and kind in heads:
             w = unpermute_qk(w, heads[kind])
-        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
+        # a copy even when already float32: a view would keep the whole file mapped and resident
+        tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
     return tensors
 
 

@@ -9,7 +9,7 @@ import pytest
 from rawpaged import LLM, SamplingParams
 from rawpaged import weights as W
 from rawpaged.kernels.quantization import QuantizedTensor
-from rawpaged.model_executor.gguf_loader import LAYER_NAMES
+from rawpaged.model_executor.gguf_loader import LAYER_NAMES, load_gguf
 from tests.test_weights import TOKENS, gguf_writer, llama_cpp_permute
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)  # as the reference was recorded
@@ -150,3 +150,27 @@ def test_unsupported_gguf_is_refused_by_name(tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         LLM(model=str(bad), device="cpu")
+
+
+def test_f32_gguf_copy_holds_the_dequantized_weights_and_every_key(tmp_path):
+    """``write_f32_gguf`` (llama.cpp's float32 peer in the benchmarks): same keys and names, F32 data equal
+    to the ``gguf`` package's dequantization; loading it owns its arrays (no view keeps the file mapped)."""
+    src = _write_gguf(tmp_path / "q.gguf", "Q4_1")
+    dst = W.write_f32_gguf(src, tmp_path / "f32.gguf")
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dst))
+    assert [f for f in a.fields if not f.startswith("GGUF.")] == [f for f in b.fields if not f.startswith("GGUF.")]
+    for name, f in a.fields.items():
+        if not name.startswith("GGUF."):
+            assert b.fields[name].contents() == f.contents(), name
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert tb.tensor_type == gguf.GGMLQuantizationType.F32
+        np.testing.assert_array_equal(gguf.quants.dequantize(ta.data, ta.tensor_type), np.asarray(tb.data))
+    _, _, dense = load_gguf(dst)
+    _, _, native = load_gguf(src, native=False)
+    assert dense.keys() == native.keys()
+    for name, arr in dense.items():
+        assert arr.flags.owndata and arr.dtype == np.float32, name
+        np.testing.assert_array_equal(arr, native[name])
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        W.write_f32_gguf(tmp_path / "f32.gguf.missing", tmp_path / "x.gguf")
