@@ -34,6 +34,39 @@ def blas_kernel() -> str:
     return (", ".join(names) or "unknown") + (f" ({env})" if env else " (OPENBLAS_CORETYPE/L2_SIZE unset)")
 
 
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
+    """Read-only memory bandwidth in bytes/s: the best of ``repeats`` parallel float32 sums over
+    ``nbytes`` (beyond any cache), on all Numba threads, eight running sums per thread so the adds never
+    wait on each other. The ceiling a memory-bound decode step streams its weights against."""
+    import numba as nb
+    import numpy as np
+
+    @nb.njit(parallel=True, fastmath=True, cache=False)
+    def total(a):
+        n = a.shape[0] // 8
+        chunks = 64
+        out = np.zeros(chunks, np.float32)
+        for c in nb.prange(chunks):
+            acc = np.zeros(8, np.float32)
+            for i in range(c * n // chunks, (c + 1) * n // chunks):
+                for j in range(8):
+                    acc[j] += a[8 * i + j]
+            out[c] = acc.sum()
+        return out.sum()
+
+    a = np.ones(nbytes // 4, np.float32)
+    total(a)
+    best = min(timed(lambda: total(a)) for _ in range(repeats))
+    return a.nbytes / best
+
+
+def timed(fn) -> float:
+    """Seconds one call of ``fn()`` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def conditions(**extra) -> dict:
     """What a reader needs to interpret the numbers: machine, software, and the run's own settings."""
     import numba
@@ -51,6 +84,9 @@ def conditions(**extra) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "numba_threads": numba.config.NUMBA_NUM_THREADS,
+        "numba_vectors": "512-bit preferred"
+        if (numba.config.CPU_FEATURES or "").endswith("-prefer-256-bit")
+        else "LLVM default width",
         "blas": blas_kernel(),
         "python": platform.python_version(),
         "numpy": np.__version__,

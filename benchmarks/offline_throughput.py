@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import conditions, print_table, write_json  # noqa: E402
+from benchmarks.common import conditions, print_table, read_bandwidth, write_json  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
 from rawpaged import weights as rp_weights  # noqa: E402
 from rawpaged.random_model import write_random_model  # noqa: E402
@@ -117,7 +117,17 @@ def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng,
             )
         )
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    weight_bytes = decode_weight_bytes(llm.engine.model)
+    for row in rows:
+        row["weight_bytes"] = weight_bytes
     return rows
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step streams: every layer's weights, the final norm and the LM head
+    (the embedding table is read one row per token, so it counts only when it is the tied head)."""
+    arrays = [v for layer in model.layers for v in layer.values() if v is not None]
+    return sum(int(a.nbytes) for a in arrays + [model.norm, model.lm_head])
 
 
 def step_overhead(model_dir, rng, batches=(1, 32), steps=64):
@@ -256,7 +266,8 @@ def main(argv=None):
         peer = path if path.suffix == ".gguf" else default_f32_gguf() if name == "default" else None
         if args.llama_cpp and peer is not None:
             try:
-                rows += bench_llama_cpp(peer, args.prompt_len, args.output_len, args.prefill_len, rng)
+                peer_rows = bench_llama_cpp(peer, args.prompt_len, args.output_len, args.prefill_len, rng)
+                rows += [dict(r, weight_bytes=rows[-1]["weight_bytes"]) for r in peer_rows]  # the same weights
             except ImportError as e:
                 print(f"llama.cpp: not importable ({e.name}); pip install llama-cpp-python to compare")
     hf_note = "skipped (--no-hf)" if args.no_hf else None
@@ -265,7 +276,13 @@ def main(argv=None):
             rows += bench_hf(model_dir, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng)
         except ImportError as e:
             hf_note = f"not importable ({e.name})"
-    print_table(rows, ["engine", "case", "batch", "tok_per_s", "decode_tok_per_s"])
+    ceiling = read_bandwidth()
+    for r in rows:  # batch-1 decode streams every weight once per token
+        if r["batch"] == 1 and r.get("decode_tok_per_s") and r.get("weight_bytes"):
+            r["weights_GBps"] = r["weight_bytes"] * r["decode_tok_per_s"] / 1e9
+            r["of_read_ceiling"] = r["weights_GBps"] / (ceiling / 1e9)
+    print_table(rows, ["engine", "case", "batch", "tok_per_s", "decode_tok_per_s", "weights_GBps", "of_read_ceiling"])
+    print(f"read-only memory bandwidth (parallel sum of 512 MiB, best of 10): {ceiling / 1e9:.1f} GB/s")
     if hf_note:
         print(f"HF transformers: {hf_note}")
     overhead = step_overhead(model_dir, rng)
@@ -277,6 +294,7 @@ def main(argv=None):
             "conditions": conditions(
                 model="SmolLM2-135M-Instruct",
                 models=args.model,
+                read_bandwidth_GBps=ceiling / 1e9,
                 quantization=args.quantization,
                 dtype="float32 activations",
                 kv_cache_dtype="float32",
