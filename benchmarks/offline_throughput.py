@@ -72,14 +72,6 @@ def resolve_model(name: str) -> Path:
     return Path(name)
 
 
-def default_f32_gguf() -> Path:
-    """The default model's weights as an F32 GGUF (for llama.cpp), written once beside the model."""
-    dest = rp_weights.default_model_dir() / "SmolLM2-135M-Instruct.F32.gguf"
-    if not dest.is_file():
-        rp_weights.write_f32_gguf(rp_weights.default_gguf_path(progress=True), dest)
-    return dest
-
-
 def bench_rawpaged(model_dir, batches, prompt_len, output_len, prefill_len, rng, label="rawpaged", quantization=None):
     llm = LLM(
         model=str(model_dir),
@@ -263,7 +255,7 @@ def main(argv=None):
         rows += bench_rawpaged(
             path, args.batches, args.prompt_len, args.output_len, args.prefill_len, rng, label, quant
         )
-        peer = path if path.suffix == ".gguf" else default_f32_gguf() if name == "default" else None
+        peer = path if path.suffix == ".gguf" else rp_weights.default_f32_gguf_path() if name == "default" else None
         if args.llama_cpp and peer is not None:
             try:
                 peer_rows = bench_llama_cpp(peer, args.prompt_len, args.output_len, args.prefill_len, rng)

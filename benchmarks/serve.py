@@ -41,6 +41,8 @@ class Result:
     itl: list = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    dropped_early: bool = False
+    retries: int = 0
 
 
 def _ints(text: str) -> list:
@@ -56,7 +58,22 @@ def make_prompts(num: int, input_len: int, seed: int, low: int, high: int) -> li
     return [rng.integers(low, high, size=input_len).tolist() for _ in range(num)]
 
 
-async def one_request(session, url, model, prompt, output_len, headers) -> Result:
+#: Errors that mean the peer closed a kept-alive connection before answering: retried on a fresh one.
+_DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+async def one_request(session, url, model, prompt, output_len, headers, retries: int = 2) -> Result:
+    """One streaming request; when the peer drops a kept-alive connection before the first byte, it is
+    retried (up to ``retries`` times) on a fresh connection."""
+    for attempt in range(retries + 1):
+        res = await _stream_once(session, url, model, prompt, output_len, headers, fresh=attempt > 0)
+        if res.ok or not res.dropped_early:
+            break
+    res.retries = attempt
+    return res
+
+
+async def _stream_once(session, url, model, prompt, output_len, headers, fresh: bool) -> Result:
     body = {
         "model": model,
         "prompt": prompt,
@@ -69,8 +86,10 @@ async def one_request(session, url, model, prompt, output_len, headers) -> Resul
     res = Result()
     t0 = time.perf_counter()
     last = None
+    chunks = 0
+    fresh_session = aiohttp.ClientSession(timeout=session.timeout) if fresh else None
     try:
-        async with session.post(url, json=body, headers=headers) as r:
+        async with (fresh_session or session).post(url, json=body, headers=headers) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res
@@ -87,17 +106,25 @@ async def one_request(session, url, model, prompt, output_len, headers) -> Resul
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 if any(c.get("text") for c in chunk.get("choices", [])):
+                    chunks += 1
                     if last is None:
                         res.ttft = now - t0
                     else:
                         res.itl.append(now - last)
                     last = now
         res.e2e = time.perf_counter() - t0
+        res.output_tokens = res.output_tokens or chunks  # a server without stream usage: one token a chunk
         res.ok = last is not None
         if not res.ok:
             res.error = "no tokens streamed"
+    except _DROPPED as e:
+        res.error = f"{type(e).__name__}: {e}"
+        res.dropped_early = last is None
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        if fresh_session is not None:
+            await fresh_session.close()
     return res
 
 
@@ -140,6 +167,7 @@ def summarize(results: list, duration: float, concurrency: int, request_rate: fl
         "num_prompts": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "retries": sum(r.retries for r in results),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
         "total_input_tokens": sum(r.prompt_tokens for r in ok),
@@ -187,27 +215,185 @@ async def _get(url, headers=None, timeout=5.0):
             return r.status, await r.text()
 
 
-def start_server(extra_args: list, timeout: float):
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="rawpaged-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, str(ROOT / "server.py"), "--port", str(port), *extra_args]
-    print(f"starting: {' '.join(cmd)} (log: {log.name})", file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+def _wait_healthy(proc, url: str, log, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read()[-2000:]}")
+            raise SystemExit(f"{what} exited with {proc.returncode}:\n{log.read()[-2000:]}")
         try:
             status, _ = asyncio.run(_get(url + "/health", timeout=2.0))
             if status == 200:
-                return proc, url, log.name
+                return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         time.sleep(0.25)
     proc.terminate()
-    raise SystemExit(f"server did not become healthy within {timeout:.0f}s (log: {log.name})")
+    raise SystemExit(f"{what} did not become healthy within {timeout:.0f}s (log: {log.name})")
+
+
+def _launch(cmd: list, what: str, timeout: float, url: str, env=None):
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{what}-", suffix=".log", delete=False)
+    print(f"starting: {' '.join(cmd)} (log: {log.name})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    _wait_healthy(proc, url, log, timeout, what)
+    return proc, log.name
+
+
+def start_server(extra_args: list, timeout: float, env=None):
+    """``python server.py`` on a free port; returns (process, base URL, log path) once /health is 200."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, str(ROOT / "server.py"), "--port", str(port), *extra_args]
+    proc, log = _launch(cmd, "rawpaged-serve", timeout, url, env)
+    return proc, url, log
+
+
+def start_llama_server(binary: str, gguf: Path, parallel: int, ctx_per_slot: int, threads: int, timeout: float):
+    """llama.cpp's ``llama-server`` on ``gguf`` with ``parallel`` slots (continuous batching) of
+    ``ctx_per_slot`` tokens each; returns (process, base URL, log path) once /health is 200."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel)]
+    cmd += ["-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui"]
+    proc, log = _launch(cmd, "llama-server", timeout, url)
+    return proc, url, log
+
+
+def stop(proc) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench_env() -> dict:
+    """The environment for a server under benchmark: OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE removed (this
+    host's settings slow current OpenBLAS; a user's machine does not set them)."""
+    return {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+
+
+def run_levels(base_url: str, args, headers: dict, model: str | None = None) -> tuple:
+    """(model name, model card, one summary per level) of the levels in ``args`` against ``base_url``."""
+    status, text = asyncio.run(_get(base_url + "/v1/models", headers=headers))
+    if status != 200:
+        raise SystemExit(f"GET /v1/models: HTTP {status}: {text[:200]}")
+    card = json.loads(text)["data"][0]
+    model = model or args.model or card["id"]
+    if args.request_rate:
+        levels = [(args.concurrency[min(i, len(args.concurrency) - 1)], r) for i, r in enumerate(args.request_rate)]
+    else:
+        levels = [(c, float("inf")) for c in args.concurrency]
+    nums = args.num_prompts or [4 * c for c, _ in levels]
+    if len(nums) == 1:
+        nums = nums * len(levels)
+    if len(nums) != len(levels):
+        raise SystemExit(f"--num-prompts has {len(nums)} values for {len(levels)} levels")
+    low, high = args.token_id_range
+    if not args.no_warmup:
+        warm = make_prompts(1, args.input_len, args.seed + 999, low, high)
+        asyncio.run(run_level(base_url, model, warm, min(args.output_len, 4), 1, float("inf"), 0, headers))
+    runs = []
+    for i, ((conc, rate), num) in enumerate(zip(levels, nums)):
+        prompts = make_prompts(num, args.input_len, args.seed + i, low, high)
+        print(f"running concurrency={conc} rate={rate:g} num_prompts={num} ...", file=sys.stderr)
+        runs.append(asyncio.run(run_level(base_url, model, prompts, args.output_len, conc, rate, args.seed, headers)))
+    return model, card, runs
+
+
+def compare_rows(ours: list, theirs: list) -> list:
+    """Side-by-side rows per level; speed ratios > 1 mean rawpaged is faster (per-stream speed = 1 / TPOT)."""
+    rows = []
+    for a, b in zip(ours, theirs):
+        row = {"concurrency": a["concurrency"]}
+        for key, ra, rb in (
+            ("tpot_p50_ms", a["tpot_ms"]["p50"], b["tpot_ms"]["p50"]),
+            ("ttft_p50_ms", a["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
+            ("itl_p50_ms", a["itl_ms"]["p50"], b["itl_ms"]["p50"]),
+            ("itl_p99_ms", a["itl_ms"]["p99"], b["itl_ms"]["p99"]),
+        ):
+            row[key] = {"rawpaged": ra, "llama_server": rb, "ratio": (rb / ra) if ra and rb else None}
+        ta, tb = a["output_throughput_tok_s"], b["output_throughput_tok_s"]
+        row["output_tok_s"] = {"rawpaged": ta, "llama_server": tb, "ratio": ta / tb if tb else None}
+        row["completed"] = {"rawpaged": a["completed"], "llama_server": b["completed"]}
+        row["failed"] = {"rawpaged": a["failed"], "llama_server": b["failed"]}
+        rows.append(row)
+    return rows
+
+
+def print_compare(rows: list) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+    cols = ("tpot_p50_ms", "output_tok_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
+    head = f"{'conc':>5} " + " ".join(f"{c + ' ours/llama (x)':>30}" for c in cols) + f" {'failed':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = [f"{f(r[c]['rawpaged'])}/{f(r[c]['llama_server'])} ({f(r[c]['ratio'])}x)" for c in cols]
+        failed = f"{r['failed']['rawpaged']}/{r['failed']['llama_server']}"
+        lines.append(f"{r['concurrency']:>5} " + " ".join(f"{c:>30}" for c in cells) + f" {failed:>9}")
+    lines.append("ratio: > 1 means rawpaged is better (time ratios are llama-server / rawpaged)")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def compare_with_llama_server(args) -> int:
+    """Both servers on the same weights, one after the other, the same client and levels."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common import blas_kernel, conditions
+    from rawpaged import weights as rp_weights
+
+    if args.compare_format == "f32":
+        gguf, ours_model = rp_weights.default_f32_gguf_path(), str(rp_weights.prepare(progress=True))
+    else:
+        gguf = rp_weights.default_gguf_path()
+        ours_model = str(gguf)
+    parallel = max(args.concurrency)
+    env = bench_env()
+    ours_args = ["--model", ours_model, "--device", "cpu", "--max-num-seqs", str(max(64, parallel))]
+    results = {}
+    for name in ("rawpaged", "llama_server"):
+        if name == "rawpaged":
+            proc, url, log = start_server(ours_args, timeout=600, env=env)
+        else:
+            proc, url, log = start_llama_server(args.compare_llama_server, gguf, parallel, 1024, 2, timeout=600)
+        try:
+            _, _, runs = run_levels(url, args, {})
+        finally:
+            stop(proc)
+        print(f"{name}:", file=sys.stderr)
+        results[name] = {"runs": runs, "table": print_table(runs), "log": log}
+    rows = compare_rows(results["rawpaged"]["runs"], results["llama_server"]["runs"])
+    table = print_compare(rows)
+    out = {
+        "benchmark": "serve --compare-llama-server",
+        "conditions": conditions(
+            weights=args.compare_format,
+            gguf=str(gguf),
+            rawpaged_model=ours_model,
+            rawpaged_args=ours_args,
+            llama_server=f"{args.compare_llama_server} -np {parallel} -c {parallel * 1024} -t 2 -tb 2",
+            input_len=args.input_len,
+            output_len=args.output_len,
+            endpoint="/v1/completions (stream, token-id prompts, ignore_eos, temperature 0)",
+            blas=blas_kernel(),
+            env_unset=["OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"],
+        ),
+        **results,
+        "comparison": rows,
+        "table": table,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.out}", file=sys.stderr)
+    failed = sum(r["failed"] for res in results.values() for r in res["runs"])
+    return 0 if failed == 0 else 1
 
 
 def main(argv=None) -> int:
@@ -248,7 +434,23 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     p.add_argument("--out", default="benchmarks/out/serve.json", help="write the results as JSON here")
+    p.add_argument(
+        "--compare-llama-server",
+        metavar="PATH",
+        default=None,
+        help="a llama-server binary: serve the default model's weights with both servers, one after the "
+        "other, and print them side by side (see docs/benchmarks.md for building it)",
+    )
+    p.add_argument(
+        "--compare-format",
+        choices=["f32", "q4_1"],
+        default="f32",
+        help="weights for --compare-llama-server: the float32 model (llama-server gets an F32 GGUF of it) "
+        "or the Q4_1 GGUF file (both servers)",
+    )
     args = p.parse_args(argv)
+    if args.compare_llama_server:
+        return compare_with_llama_server(args)
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     proc = None
@@ -261,39 +463,11 @@ def main(argv=None) -> int:
     else:
         base_url = args.base_url
     try:
-        status, text = asyncio.run(_get(base_url + "/v1/models", headers=headers))
-        if status != 200:
-            raise SystemExit(f"GET /v1/models: HTTP {status}: {text[:200]}")
-        card = json.loads(text)["data"][0]
-        model = args.model or card["id"]
-        if args.request_rate:
-            levels = [(args.concurrency[min(i, len(args.concurrency) - 1)], r) for i, r in enumerate(args.request_rate)]
-        else:
-            levels = [(c, float("inf")) for c in args.concurrency]
-        nums = args.num_prompts or [4 * c for c, _ in levels]
-        if len(nums) == 1:
-            nums = nums * len(levels)
-        if len(nums) != len(levels):
-            raise SystemExit(f"--num-prompts has {len(nums)} values for {len(levels)} levels")
-        low, high = args.token_id_range
-        if not args.no_warmup:
-            warm = make_prompts(1, args.input_len, args.seed + 999, low, high)
-            asyncio.run(run_level(base_url, model, warm, min(args.output_len, 4), 1, float("inf"), 0, headers))
-        runs = []
-        for i, ((conc, rate), num) in enumerate(zip(levels, nums)):
-            prompts = make_prompts(num, args.input_len, args.seed + i, low, high)
-            print(f"running concurrency={conc} rate={rate:g} num_prompts={num} ...", file=sys.stderr)
-            runs.append(
-                asyncio.run(run_level(base_url, model, prompts, args.output_len, conc, rate, args.seed, headers))
-            )
+        model, card, runs = run_levels(base_url, args, headers)
         table = print_table(runs)
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(proc)
+    low, high = args.token_id_range
     result = {
         "benchmark": "serve",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -4,7 +4,8 @@ For the default model's shapes and a larger Llama-like shape (head_dim 128), run
 requests on ``device="cpu"`` and on ``device="cuda"`` in float32 and in bfloat16 (the CUDA default),
 compares first-step logits (max abs difference) and generated ids, runs seeded top-p sampling on the
 device, then times CUDA decode at batch 1 and 32. ``FEATURE_SHAPES`` add the families' features (a
-Mistral sliding window with YaRN, Qwen3 q/k norms with Llama 3 RoPE), checked the same way without timings.
+Mistral sliding window with YaRN, Qwen3 q/k norms with Llama 3 RoPE, Q8_0 weights quantized on load: the
+blocks stay quantized on both backends), checked the same way without timings.
 Writes ``engine_check.json`` to ``--out``.
 
 Usage: ``python -m rawpaged.check_cuda_engine --out DIR`` (exit code 1 if a check fails).
@@ -46,6 +47,16 @@ SHAPES = {
 #: Family features on the device, checked without timings: a window shorter than the longest prompts
 #: with YaRN (Mistral), q/k norms with head_dim 128 unlike hidden / heads and Llama 3 RoPE (Qwen3).
 FEATURE_SHAPES = {
+    "q8_0-on-load": dict(  # the weights in Q8_0 blocks on both backends: cuda/quant.cu on the device
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        quantization="q8_0",
+    ),
     "mistral-window256-yarn": dict(
         architecture="MistralForCausalLM",
         num_layers=4,
@@ -118,15 +129,18 @@ def check_shape(
     from rawpaged import LLM, SamplingParams
     from rawpaged.random_model import write_random_model
 
+    shape = dict(shape)
+    quantization = shape.pop("quantization", None)
     model = write_random_model(Path(tmp) / name, seed=0, **shape)
     prompts = [rng.integers(3, 259, int(n)).tolist() for n in prompt_lens]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=16, ignore_eos=True)
     kw = dict(model=str(model), num_kv_blocks=1024, max_model_len=2048, enable_prefix_caching=False)
+    kw["quantization"] = quantization
     cpu = LLM(device="cpu", **kw)
     cpu_logits = [_first_logits(cpu, p) for p in prompts]
     cpu_ids = [o.outputs[0].token_ids for o in cpu.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    result = {"shape": shape, "num_prompts": len(prompts), "ok": True}
+    result = {"shape": shape, "quantization": quantization, "num_prompts": len(prompts), "ok": True}
     for dtype in ("float32", "bfloat16"):
         gpu = LLM(device="cuda", dtype=dtype, **kw)
         diffs = [float(np.max(np.abs(c - _first_logits(gpu, p)))) for c, p in zip(cpu_logits, prompts)]

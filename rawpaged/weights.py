@@ -97,6 +97,15 @@ def default_gguf_path(progress: bool = True) -> Path:
     return dest
 
 
+def default_f32_gguf_path(progress: bool = True) -> Path:
+    """The default model's weights as an F32 GGUF (its Q4_1 file dequantized: the very float32 weights the
+    prepared model holds), written once beside the model; for running llama.cpp on equal weights."""
+    dest = default_model_dir() / GGUF_NAME.replace(".Q4_1.gguf", ".F32.gguf")
+    if not dest.is_file():
+        write_f32_gguf(default_gguf_path(progress=progress), dest)
+    return dest
+
+
 def write_f32_gguf(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
     """Write ``dest``: the GGUF ``src`` with every tensor dequantized to F32 (same names, shapes and
     llama.cpp layouts, every metadata key copied), e.g. to run llama.cpp on the very float32 weights

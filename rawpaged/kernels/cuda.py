@@ -15,6 +15,9 @@ its sources); the kernels themselves are documented in ``cuda/attention.cu``, ``
 * ``linear``: float32/float16 through ``x @ weight.T`` (cuBLAS via CuPy); bfloat16 (``uint16`` storage)
   through ``cublasGemmEx`` with CUDA_R_16BF inputs/outputs and float32 accumulation (CUBLAS_COMPUTE_32F).
 * ``embedding`` returns rows in the table's dtype (float32 tables give float32, as on the CPU).
+* GGUF Q8_0/Q4_0/Q4_1 weights stay in their blocks (:class:`DeviceQuantized`): ``linear`` runs
+  ``quant_gemv_kernel`` (up to 8 rows of x) or ``quant_gemm_kernel`` (tiles), ``embedding`` dequantizes
+  rows on lookup (``cuda/quant.cu``).
 
 Only this module imports CuPy, and only when a :class:`CudaBackend` is created: a CPU-only install never
 imports it. Compile options and template instantiations come from :mod:`rawpaged.kernels.cuda_sources`,
@@ -24,6 +27,8 @@ shared with the NVRTC compile test and the CPU emulation tests.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,9 +70,24 @@ def _i64(v) -> np.int64:
     return np.int64(v)
 
 
-def _dequantized(host):
-    """Host float array of a weight: ``QuantizedTensor``s are expanded (no CUDA kernels on blocks yet)."""
-    return host.dequantize() if isinstance(host, QuantizedTensor) else host
+@dataclass(frozen=True)
+class DeviceQuantized:
+    """A GGUF block-quantized ``[rows, cols]`` weight on the device: the planes of a ``QuantizedTensor``
+    (``qs`` uint8, ``scales``/``mins`` uint16 fp16 bits; ``mins`` is ``scales`` for formats without a
+    minimum, never read), computed on by the kernels of ``cuda/quant.cu``. ``dtype`` is the activation
+    storage dtype its products take and give."""
+
+    qtype: str
+    shape: tuple
+    qs: Any
+    scales: Any
+    mins: Any
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.mins.nbytes if self.mins is not self.scales else 0
+        return int(self.qs.nbytes + self.scales.nbytes + extra)
 
 
 def _row_stride(a, what: str, inner_dims: int) -> int:
@@ -674,18 +694,22 @@ class CudaBackend:
         """A host tensor (e.g. a memory-mapped safetensors view; float32, float16 or bfloat16) -> a new
         contiguous device array of ``dtype`` ("float32", "float16", "bfloat16" = uint16 bits). The bytes
         go through the pinned staging buffers in the checkpoint's dtype and are converted on the device
-        (``convert_kernel``), so no host copy of the model is made. A ``QuantizedTensor`` is dequantized
-        first: the CUDA backend has no kernels on quantized blocks yet."""
-        host = _dequantized(host)
+        (``convert_kernel``), so no host copy of the model is made. A ``QuantizedTensor`` (an embedding
+        table) stays in its blocks: a :class:`DeviceQuantized`."""
+        if isinstance(host, QuantizedTensor):
+            return self._upload_quantized(host, dtype)
         out = self.xp.empty(host.shape, dtype=float_type(dtype).device)
         self._upload_into(out, host, dtype)
         return out
 
     def load_linear(self, parts: list, dtype: str):
         """HF ``[out_i, in]`` host weights -> one device weight ``[sum out_i, in]`` of ``dtype`` (fused
-        projections such as QKV or gate/up are uploaded part by part into their rows; ``QuantizedTensor``
-        parts are dequantized first)."""
-        parts = [_dequantized(p) for p in parts]
+        projections such as QKV or gate/up are uploaded part by part into their rows). ``QuantizedTensor``
+        parts of one format stay in their blocks (rows concatenated, a :class:`DeviceQuantized`); mixed
+        formats are dequantized."""
+        if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
+            return self._upload_quantized(QuantizedTensor.concat(parts), dtype)
+        parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         storage = float_type(dtype).device
         cols = parts[0].shape[1]
         if any(p.ndim != 2 or p.shape[1] != cols for p in parts):
@@ -696,6 +720,15 @@ class CudaBackend:
             self._upload_into(out[row : row + p.shape[0]], p, dtype)
             row += p.shape[0]
         return out
+
+    def _upload_quantized(self, q: QuantizedTensor, dtype: str) -> DeviceQuantized:
+        planes = []
+        for host in (q.qs, q.scales) + ((q.mins,) if q.mins is not None else ()):
+            dev = self.xp.empty(host.shape, dtype=host.dtype)
+            self._copy_to_device(dev, np.ascontiguousarray(host))
+            planes.append(dev)
+        mins = planes[2] if len(planes) == 3 else planes[1]
+        return DeviceQuantized(q.qtype, tuple(q.shape), planes[0], planes[1], mins, np.dtype(float_type(dtype).device))
 
     def finish_loading(self) -> None:
         """Wait for the weight uploads and free the pinned staging buffers."""
@@ -750,6 +783,8 @@ class CudaBackend:
         """
         if x.dtype != weight.dtype:
             raise ValueError(f"x {x.dtype} and weight {weight.dtype} must have the same dtype")
+        if isinstance(weight, DeviceQuantized):
+            return self._quant_linear(x, weight, bias)
         if x.dtype != np.uint16:
             y = x @ weight.T
             if bias is not None:
@@ -803,7 +838,48 @@ class CudaBackend:
         )
         return y
 
+    def _quant_linear(self, x, w: DeviceQuantized, bias):
+        """``x [M, K] @ dequantize(w).T (+ bias)`` on the blocks: ``quant_gemv_kernel`` for M up to
+        ``QUANT_GEMV_MAX_M`` (decode), ``quant_gemm_kernel`` tiles above."""
+        act = _ctype(x, "x")
+        if x.ndim != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x {x.shape} and the {w.qtype} weight {w.shape} do not chain")
+        M, K = x.shape
+        N = w.shape[0]
+        out = self.xp.empty((M, N), dtype=x.dtype)
+        if M == 0 or N == 0:
+            return out
+        x_stride = _row_stride(x, "x", 1)
+        has_bias = bias is not None
+        if has_bias and (bias.dtype != x.dtype or bias.shape != (N,)):
+            raise ValueError(f"bias {bias.shape} {bias.dtype} must be [{N}] of {x.dtype}")
+        fmt = src.QUANT_FORMATS[w.qtype]
+        args = (out, x, _i64(x_stride), w.qs, w.scales, w.mins, bias if has_bias else out, _i32(has_bias))
+        args += (_i32(M), _i32(N), _i32(K))
+        if M <= src.QUANT_GEMV_MAX_M:
+            threads = 128
+            grid = (-(-N // (threads // 32)), 1, 1)
+            self._kernel(act, act, f"quant_gemv_kernel<{act}, {fmt}>", grid, (threads, 1, 1), args)
+        else:
+            grid = (-(-N // src.QG_BN), -(-M // src.QG_BM), 1)
+            self._kernel(act, act, f"quant_gemm_kernel<{act}, {fmt}>", grid, (src.QG_THREADS, 1, 1), args)
+        return out
+
     def embedding(self, token_ids, table):
-        """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, in the table's dtype."""
+        """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, in the table's dtype (a
+        :class:`DeviceQuantized` table's rows are dequantized on lookup, into its activation dtype)."""
         ids = self._dev(token_ids, np.int64)
-        return self.xp.take(table, ids, axis=0)
+        if not isinstance(table, DeviceQuantized):
+            return self.xp.take(table, ids, axis=0)
+        act = _CTYPES[table.dtype]
+        out = self.xp.empty((ids.shape[0], table.shape[1]), dtype=table.dtype)
+        if ids.shape[0]:
+            self._kernel(
+                act,
+                act,
+                f"quant_embedding_kernel<{act}, {src.QUANT_FORMATS[table.qtype]}>",
+                (ids.shape[0], 1, 1),
+                (128, 1, 1),
+                (out, ids, table.qs, table.scales, table.mins, _i32(table.shape[1])),
+            )
+        return out

@@ -32,7 +32,7 @@ def _find_cuda_dir() -> Path:
 
 #: Directory of the ``.cu`` sources (see :func:`_find_cuda_dir`).
 CUDA_DIR = _find_cuda_dir()
-SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu")
+SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu", "quant.cu")
 
 #: NVRTC options the runtime passes to ``cupy.RawModule`` (plus :func:`include_options`).
 RUNTIME_OPTIONS = ("--std=c++17",)
@@ -59,6 +59,12 @@ COPY_WORD_BYTES = (16, 8, 4, 2)
 # Kernel geometry (mirrors the constants in cuda/attention.cu).
 DEC_THREADS, DEC_WARPS, DEC_CHUNK = 128, 4, 128
 PF_THREADS, PF_KT = 128, 32
+#: GGUF block formats of cuda/quant.cu (its FMT template argument) and its kernels; the GEMV serves up to
+#: QUANT_GEMV_MAX_M rows of x, the tiled GEMM (QG_BM x QG_BN tiles, QG_THREADS threads) any number.
+QUANT_FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+QUANT_KERNELS = ("quant_gemv_kernel", "quant_gemm_kernel", "quant_embedding_kernel")
+QUANT_GEMV_MAX_M = 8
+QG_BM, QG_BN, QG_THREADS = 32, 64, 256
 #: Shortest context a decode partition gets (shorter partitions cost more in the merge than they save).
 MIN_SPLIT_TOKENS = 128
 
@@ -90,6 +96,7 @@ def layer_names(act: str) -> list[str]:
     weight_types = [act] if act == F32 else [act, F32]
     names = [f"rms_norm_kernel<{act}, {w}>" for w in weight_types]
     names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>", f"sample_kernel<{act}>"]
+    names += [f"{k}<{act}, {f}>" for f in QUANT_FORMATS.values() for k in QUANT_KERNELS]
     return names
 
 

@@ -265,6 +265,11 @@ inline unsigned __float_as_uint(float x) {
     std::memcpy(&u, &x, sizeof u);
     return u;
 }
+inline float __uint_as_float(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
 
 // C entry points for ctypes (defined in exactly one translation unit of the library).
 #ifdef EMU_DEFINE_API

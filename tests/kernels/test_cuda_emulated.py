@@ -477,6 +477,71 @@ def test_load_weight_and_fused_linear_from_any_checkpoint_dtype(emu, target):
         be.load_weight(parts[0], "int8")
 
 
+# ------------------------------------------------------------------------------------------ quantized weights
+class _PoisonedNumpy:
+    """NumPy whose ``empty`` is NaN-filled (bf16/fp16 bits: a NaN pattern), so any output element a kernel
+    leaves unwritten shows."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=np.float32):
+        a = np.empty(shape, dtype=dtype)
+        if a.dtype == np.uint16:
+            a.fill(0x7FC0)
+        elif a.dtype.kind == "f":
+            a.fill(np.nan)
+        return a
+
+
+QUANT_ACTS = {"float32": np.dtype(np.float32), "float16": F16, "bfloat16": BF16}
+
+
+@pytest.mark.parametrize("act", list(QUANT_ACTS))
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quant_linear_and_embedding_on_blocks(emu, qtype, act):
+    """cuda/quant.cu against float64 products with the gguf package's dequantization: the GEMV (M <= 8)
+    and the tiled GEMM (M > 8, partial tiles), fused parts, a bias, x with a row stride, the lookup."""
+    from rawpaged.kernels.cuda import DeviceQuantized
+    from rawpaged.kernels.quantization import QuantizedTensor
+
+    be = backend(emu)
+    be.xp = _PoisonedNumpy()
+    a_np = QUANT_ACTS[act]
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((70, 96)).astype(np.float32)
+    w[5] = 0.0  # zero scales
+    w[7, :32] *= 1e-3
+    parts = [QuantizedTensor.quantize(w[:40], qtype), QuantizedTensor.quantize(w[40:], qtype)]
+    ref_w = np.concatenate([p.dequantize() for p in parts]).astype(np.float64)
+    dw = be.load_linear(parts, act)
+    assert isinstance(dw, DeviceQuantized) and dw.qtype == qtype and dw.dtype == (np.uint16 if a_np == BF16 else a_np)
+    bias = rng.standard_normal(70).astype(np.float32).astype(a_np)
+    for M in (1, 3, 8, 9, 40):
+        wide = rng.standard_normal((M, 128)).astype(np.float32).astype(a_np)
+        x = wide[:, :96]  # rows 128 elements apart
+        want = x.astype(np.float64) @ ref_w.T
+        for b in (None, bias):
+            got = be.linear(dev(x), dw, None if b is None else dev(b))
+            expect = want if b is None else want + b.astype(np.float64)
+            got = host(got, a_np).astype(np.float64)
+            assert got.shape == (M, 70) and not np.isnan(got).any()
+            scale = np.abs(expect).max()
+            if a_np == np.float32:
+                np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5 * scale)
+            else:
+                np.testing.assert_allclose(got, expect, rtol=1e-2, atol=1e-2 * scale)
+    table = be.load_weight(parts[0], act)
+    ids = np.array([39, 0, 5, 7, 7], np.int64)
+    rows = host(be.embedding(ids, table), a_np)
+    np.testing.assert_allclose(
+        rows.astype(np.float64), ref_w[ids].astype(np.float32).astype(a_np).astype(np.float64), rtol=1e-6, atol=0
+    )
+    with pytest.raises(ValueError, match="do not chain"):
+        be.linear(dev(np.zeros((2, 64), a_np)), dw)
+
+
 # ------------------------------------------------------------------------------------------ the engine
 def _numpy_linear_bf16(self, x, weight, bias):
     """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, one rounding to bf16)."""
@@ -553,6 +618,32 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
 
 
+@pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q8_0", "qwen2")])
+def test_gguf_engine_on_emulated_cuda_runs_on_blocks_and_matches_the_cpu_engine(
+    emu, tmp_path, monkeypatch, qtype, arch
+):
+    """A GGUF model on the CUDA path keeps its blocks on the device (every linear and the embedding through
+    cuda/quant.cu) and gives the CPU engine's greedy ids, float32 activations."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.kernels.cuda import DeviceQuantized
+    from tests.model_executor.test_gguf import _write_gguf
+
+    path = _write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, arch=arch, hidden=128, n_head=2)  # head_dim 64
+    kw = dict(model=str(path), num_kv_blocks=64, max_model_len=256)
+    prompts = [{"prompt_token_ids": [1, 3, 4, 5, 5, 6] * k} for k in (1, 3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(device="cpu", **kw).generate(prompts, greedy)]
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    llm = LLM(device="cuda", dtype="float32", **kw)
+    assert isinstance(llm.engine.model.layers[0]["gate_up_proj"], DeviceQuantized)
+    assert isinstance(llm.engine.model.embed_tokens, DeviceQuantized)
+    emu.launches.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    launched = {n.split("<")[0] for n, *_ in emu.launches}
+    assert {"quant_gemv_kernel", "quant_gemm_kernel", "quant_embedding_kernel"} <= launched
+
+
 def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, monkeypatch):
     """rawpaged/check_cuda_engine.py (run by scripts/gpu_check.sh on a GPU) end to end on a tiny shape, so
     a device session is never spent on a broken script."""
@@ -581,6 +672,10 @@ def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, mon
     assert r["ok"], r
     assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
     assert r["bfloat16"]["sampled_ids_valid"] and r["bfloat16"]["batch2_tok_per_s"] > 0
+    q = check_cuda_engine.check_shape(
+        "tiny-q8", {**shape, "quantization": "q8_0"}, tmp_path, np.random.default_rng(0), (3, 17), 3, ()
+    )
+    assert q["ok"] and q["quantization"] == "q8_0", q
 
 
 def test_kernel_benchmark_script_dry_run(tmp_path, capsys):

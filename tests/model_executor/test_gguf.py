@@ -39,11 +39,12 @@ HIDDEN, N_HEAD, HEAD_DIM, FFN = 64, 2, 32, 96
 N_KV, N_LAYERS = 1, 2  # as tests.test_weights' writer sets them
 
 
-def _write_gguf(path, qtype, seed=0, arch="llama"):
+def _write_gguf(path, qtype, seed=0, arch="llama", hidden=HIDDEN, n_head=N_HEAD, ffn=FFN):
     """A tiny Llama (Q/K rows permuted as llama.cpp does) or Qwen2 (q/k/v biases, not permuted) GGUF with
-    every 2-D tensor in ``qtype``."""
+    every 2-D tensor in ``qtype`` (head_dim = hidden / n_head)."""
     rng = np.random.default_rng(seed)
-    w = gguf_writer(path, arch, hidden=HIDDEN, ffn=FFN, n_head=N_HEAD, ctx=256, theta=10000.0)
+    head_dim = hidden // n_head
+    w = gguf_writer(path, arch, hidden=hidden, ffn=ffn, n_head=n_head, ctx=256, theta=10000.0)
     inv = {v: k for k, v in LAYER_NAMES.items()}
 
     def add(name, arr):
@@ -54,29 +55,29 @@ def _write_gguf(path, qtype, seed=0, arch="llama"):
         else:
             w.add_tensor(name, arr)
 
-    add("token_embd.weight", rng.standard_normal((len(TOKENS), HIDDEN)))
-    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+    add("token_embd.weight", rng.standard_normal((len(TOKENS), hidden)))
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
     shapes = {
-        "self_attn.q_proj": (N_HEAD * HEAD_DIM, HIDDEN),
-        "self_attn.k_proj": (N_KV * HEAD_DIM, HIDDEN),
-        "self_attn.v_proj": (N_KV * HEAD_DIM, HIDDEN),
-        "self_attn.o_proj": (HIDDEN, N_HEAD * HEAD_DIM),
-        "mlp.gate_proj": (FFN, HIDDEN),
-        "mlp.up_proj": (FFN, HIDDEN),
-        "mlp.down_proj": (HIDDEN, FFN),
+        "self_attn.q_proj": (n_head * head_dim, hidden),
+        "self_attn.k_proj": (N_KV * head_dim, hidden),
+        "self_attn.v_proj": (N_KV * head_dim, hidden),
+        "self_attn.o_proj": (hidden, n_head * head_dim),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
     }
     for i in range(N_LAYERS):
         for kind, shape in shapes.items():
             arr = rng.standard_normal(shape) * 0.3
             if arch == "llama" and kind == "self_attn.q_proj":
-                arr = llama_cpp_permute(arr, N_HEAD)
+                arr = llama_cpp_permute(arr, n_head)
             elif arch == "llama" and kind == "self_attn.k_proj":
                 arr = llama_cpp_permute(arr, N_KV)
             add(f"blk.{i}.{inv[kind]}.weight", arr)
             if arch == "qwen2" and kind in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 add(f"blk.{i}.{inv[kind]}.bias", rng.standard_normal(shape[0]) * 0.3)
-        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
-        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
+        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
+        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(hidden))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
