@@ -345,7 +345,7 @@ def compare_with_llama_server(args) -> int:
     """Both servers on the same weights, one after the other, the same client and levels."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks.common import blas_kernel, conditions
+    from benchmarks.common import conditions, write_json
     from rawpaged import weights as rp_weights
 
     if args.compare_format == "f32":
@@ -381,7 +381,6 @@ def compare_with_llama_server(args) -> int:
             input_len=args.input_len,
             output_len=args.output_len,
             endpoint="/v1/completions (stream, token-id prompts, ignore_eos, temperature 0)",
-            blas=blas_kernel(),
             env_unset=["OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"],
         ),
         **results,
@@ -389,9 +388,7 @@ def compare_with_llama_server(args) -> int:
         "table": table,
     }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2))
-        print(f"wrote {args.out}", file=sys.stderr)
+        write_json(args.out, out)
     failed = sum(r["failed"] for res in results.values() for r in res["runs"])
     return 0 if failed == 0 else 1
 

@@ -115,10 +115,9 @@ def write_f32_gguf(src: str | os.PathLike[str], dest: str | os.PathLike[str]) ->
     import gguf
     import numpy as np
 
-    try:
-        reader = gguf.GGUFReader(str(src))
-    except Exception as e:  # the reader raises ValueError, struct.error, ...
-        raise ValueError(f"{src}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    from rawpaged.model_executor.gguf_loader import open_reader
+
+    reader = open_reader(src)
     dest = Path(dest)
     arch = reader.fields["general.architecture"].contents()
     part = dest.with_name(dest.name + ".part")
@@ -369,14 +368,13 @@ def convert_gguf_to_hf(
     Raises:
         ValueError: the GGUF is not a supported model, misses needed metadata, or holds unexpected tensors.
     """
-    import gguf
     from safetensors.numpy import save_file
 
-    from rawpaged.model_executor.gguf_loader import check_tensors, read_metadata, read_tensors
+    from rawpaged.model_executor.gguf_loader import check_tensors, open_reader, read_metadata, read_tensors
     from rawpaged.model_executor.model_loader import ModelConfig
 
     source = str(gguf_path)
-    reader = gguf.GGUFReader(source)
+    reader = open_reader(source)
     config, tok, tok_config = read_metadata(reader, source)
     tensors = read_tensors(reader, config, source, native=False, progress=progress)
     tensors = check_tensors(tensors, ModelConfig.from_dict(config, source), source)

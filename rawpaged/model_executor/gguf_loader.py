@@ -305,20 +305,25 @@ def is_gguf(path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def open_reader(path) -> Any:
+    """A ``gguf.GGUFReader`` of ``path``. Raises ValueError naming the file when it cannot be read as GGUF."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct.error, FileNotFoundError, ...
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
 def load_gguf(path, native: bool = True) -> tuple:
     """(``ModelConfig``, ``Tokenizer``, weights: HF name -> array or ``QuantizedTensor``) of a GGUF file.
 
     Raises ValueError naming the file (see ``read_metadata``; shapes are checked against the config)."""
-    import gguf
-
     from rawpaged.model_executor.model_loader import ModelConfig
     from rawpaged.tokenizer import Tokenizer
 
     source = str(path)
-    try:
-        reader = gguf.GGUFReader(source)
-    except Exception as e:  # the reader raises ValueError, struct.error, ...
-        raise ValueError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    reader = open_reader(source)
     config, tok, tok_config = read_metadata(reader, source)
     model_config = ModelConfig.from_dict(config, source)
     tensors = check_tensors(read_tensors(reader, config, source, native), model_config, source)
