@@ -1,205 +1,309 @@
 """CPU (Numba) products with GGUF block-quantized weights (``rawpaged.kernels.quantization``: the
 formats and their planes), dequantized in registers.
 
-``quant_linear(x, w)`` computes ``x @ dequantize(w).T`` for x float32 ``[M, K]`` and a
-``QuantizedTensor`` ``[N, K]``:
+Layout. On load the CPU backend repacks a ``QuantizedTensor`` into a ``RepackedQuantized``: ``R`` = 16
+rows interleaved (llama.cpp's CPU backend repacks its Q4_0 the same way, ``block_q4_0x8``). For group g
+of 16 rows and block b, the quant bytes of position j of all 16 rows are adjacent (``qs[g, b, j, :]``),
+and so are their fp16 scales (``scales[g, b, :]``) and Q4_1 minimums. Nothing is expanded: the bytes are
+the GGUF ones in another order (rows padded to a multiple of 16 with zero blocks).
 
-- M = 1 (decode at batch 1, memory-bound): two weight rows per pass, each one long loop over its quant
-  bytes with the block's scale picked as ``d[k >> 4]`` (``k >> 5`` for Q8_0), so the loop vectorizes and
-  every x element loaded serves both rows. A nibble byte ``q`` is split in float32 (``hi = floor(q / 16)``,
-  ``lo = q - 16 hi``, both exact): Numba widens integer ``&``/``>>`` to 64 bits, which halves the vector
-  width. x is split once per call into its low-nibble and high-nibble halves (elements 0-15 and 16-31 of
-  each block, in the order the nibble bytes hold them) and its per-block sums, so Q4_1's minimum (Q4_0's
-  -8 d) costs one multiply per block, as in llama.cpp's dot products.
-- 1 < M <= ``SMALL_BATCH``: each row is dequantized once into a scratch row and applied to every x row.
-- larger M (prefill, big batches): up to ``TILE_BYTES`` of rows at a time are dequantized (on one
-  thread, see ``_dequant_tile``) into float32 scratch tiles that go through SGEMM as ``tile @ x.T`` (two,
-  against x's halves, for the 4-bit formats), so compute-bound products run at BLAS speed.
+``quant_linear(x, w)`` computes ``x @ dequantize(w).T`` for x float32 ``[M, K]``:
 
-Rows are split across threads in up to ``CHUNKS`` chunks, each with its own scratch (fp16 scales are
-converted through a 65536-entry float32 table, exact for every fp16 value). On AVX-512 hosts these loops
-get 512-bit vectors (``rawpaged.kernels.numba_target``).
+- M = 1 (decode at batch 1, where every weight byte is read once per token): one pass over each group.
+  The loop over the 16 rows is the vector (a 512-bit register on AVX-512 hosts, two 256-bit ones
+  elsewhere); the loop over a block's positions is unrolled with four running sums, so no horizontal
+  reduction is ever needed and the scale and minimum are applied once per block per row:
+  ``out[n] += d * sum_j q_j x_j + m * sum_j x_j`` (Q4_1's minimum, and Q4_0's ``-8 d``, cost one
+  multiply per block, as in llama.cpp's dot products). The bytes a few kilobytes ahead are prefetched.
+- 1 < M <= ``SMALL_BATCH``: each block of a group is dequantized once into a ``[32, 16]`` float32
+  scratch (L1) and applied to every x row.
+- larger M (prefill, big batches): the transposed weight is dequantized ``TILE_BYTES`` at a time (on one
+  thread, see ``_dequant_tile_t``) into a float32 ``[K, n]`` tile and goes through SGEMM (``x @ tile``),
+  so compute-bound products run at BLAS speed.
+
+Groups are split across threads in up to ``CHUNKS`` chunks, each with its own scratch. The vectorized
+loops are compiled without floating-point reassociation, so LLVM keeps the independent running sums.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba as nb
 import numpy as np
 
+from rawpaged.kernels.cpu_intrinsics import half_to_float, high_nibble, low_nibble, prefetch, signed_byte
 from rawpaged.kernels.quantization import QK, QuantizedTensor
 
-_JIT = dict(cache=True, nogil=True, fastmath=True)
-F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-SMALL_BATCH = 8
-#: the products' rows are split into this many chunks (or fewer), each with its own scratch, which
+#: rows interleaved in a repacked weight: one 512-bit vector of float32
+R = 16
+#: fast-math without ``reassoc``: the kernels' vectors run across rows (no reductions to reassociate),
+#: and reassociation would let LLVM fold the independent running sums back into one dependency chain
+_FAST = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
+_JIT = dict(cache=True, nogil=True, fastmath=_FAST)
+#: up to this many x rows a product dequantizes each block once into L1 and applies it to every row;
+#: beyond it, tiles go through SGEMM (measured on the default model's shapes: the block kernel wins
+#: through M = 24 on a 2-core AVX-512 host, SGEMM from 32)
+SMALL_BATCH = 24
+#: the products' groups are split into this many chunks (or fewer), each with its own scratch, which
 #: numba's prange deals out to the threads: enough to balance dozens of threads.
 CHUNKS = 128
 #: float32 bytes of one dequantized tile: whole weights of the default model's layers fit in one, so a
-#: product is one dequantization and one SGEMM (the 49152-row head takes 12).
+#: product is one dequantization and one SGEMM (the 49152-row head takes 14).
 TILE_BYTES = 8 << 20
+#: how far ahead of the block being computed the GEMVs prefetch (bytes; 2-8 KiB measured alike)
+PREFETCH_BYTES = 4096
 _FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 
 
-@nb.njit(parallel=True, **_JIT)
-def _gemv_q8_0(x, qs, scales, lut, out):
-    N, K = qs.shape
-    nblk = scales.shape[1]
-    npairs = (N + 1) // 2
-    nchunks = min(npairs, CHUNKS)
-    scratch = np.empty((nchunks, 2, nblk), np.float32)
-    for c in nb.prange(nchunks):
-        d0 = scratch[c, 0]
-        d1 = scratch[c, 1]
-        for p in range(c * npairs // nchunks, (c + 1) * npairs // nchunks):
-            n0 = 2 * p
-            n1 = min(n0 + 1, N - 1)  # an odd last row is computed twice
-            for b in range(nblk):
-                d0[b] = lut[scales[n0, b]]
-                d1[b] = lut[scales[n1, b]]
-            r0 = qs[n0]
-            r1 = qs[n1]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            for k in range(K):
-                xk = x[k]
-                a0 += d0[k >> 5] * (np.float32(r0[k]) * xk)
-                a1 += d1[k >> 5] * (np.float32(r1[k]) * xk)
-            out[n0] = a0
-            out[n1] = a1
+@dataclass(frozen=True)
+class RepackedQuantized:
+    """A ``[rows, cols]`` GGUF block-quantized weight with ``R`` rows interleaved (module docstring).
+
+    ``qs`` uint8 ``[groups, cols / 32, L, R]`` (L = 32 bytes per block for Q8_0, whose bytes are int8;
+    16 nibble bytes for Q4_0/Q4_1: byte j holds position j in its low and 16 + j in its high nibble);
+    ``scales`` and ``mins`` (Q4_1 only) the fp16 bit patterns, uint16 ``[groups, cols / 32, R]``.
+    """
+
+    qtype: str
+    shape: tuple
+    qs: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None = None
+
+    @classmethod
+    def from_quantized(cls, q: QuantizedTensor) -> RepackedQuantized:
+        """Repack a ``QuantizedTensor`` (rows padded with zero blocks to a multiple of ``R``)."""
+        rows, cols = q.shape
+        nblk = cols // QK
+        groups = -(-rows // R)
+        pad = ((0, groups * R - rows), (0, 0))
+
+        def interleave(plane, inner):  # [rows, nblk * inner] -> [groups, nblk, inner, R]
+            p = np.pad(plane, pad).reshape(groups, R, nblk, inner)
+            return np.ascontiguousarray(p.transpose(0, 2, 3, 1))
+
+        qs = interleave(q.qs, q.qs.shape[1] // nblk)
+        scales = interleave(q.scales, 1)[:, :, 0, :].copy()
+        mins = interleave(q.mins, 1)[:, :, 0, :].copy() if q.mins is not None else None
+        return cls(q.qtype, (rows, cols), qs, scales, mins)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
+
+    def to_quantized(self) -> QuantizedTensor:
+        """The GGUF row-major planes back (padding dropped)."""
+        rows, cols = self.shape
+
+        def rowmajor(p):  # [groups, nblk, inner, R] -> [rows, nblk * inner]
+            groups, nblk, inner, _ = p.shape
+            return np.ascontiguousarray(p.transpose(0, 3, 1, 2).reshape(groups * R, nblk * inner)[:rows])
+
+        qs = rowmajor(self.qs)
+        scales = rowmajor(self.scales[:, :, None, :])
+        mins = rowmajor(self.mins[:, :, None, :]) if self.mins is not None else None
+        return QuantizedTensor(self.qtype, self.shape, qs, scales, mins)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]`` through the ``gguf`` package's reference dequantizer."""
+        return self.to_quantized().dequantize()
 
 
-@nb.njit(parallel=True, **_JIT)
-def _gemv_q4(x, qs, scales, mins, has_min, lut, out):
-    N, K2 = qs.shape
-    nblk = scales.shape[1]
-    xlo = np.empty(K2, np.float32)
-    xhi = np.empty(K2, np.float32)
-    xsum = np.empty(nblk, np.float32)
-    for b in range(nblk):
-        s = np.float32(0.0)
-        for j in range(16):
-            xlo[b * 16 + j] = x[b * QK + j]
-            xhi[b * 16 + j] = x[b * QK + 16 + j]
-            s += x[b * QK + j] + x[b * QK + 16 + j]
-        xsum[b] = s
-    npairs = (N + 1) // 2
-    nchunks = min(npairs, CHUNKS)
-    scratch = np.empty((nchunks, 4, nblk), np.float32)
-    sixteenth = np.float32(0.0625)
-    sixteen = np.float32(16.0)
-    for c in nb.prange(nchunks):
-        d0 = scratch[c, 0]
-        d1 = scratch[c, 1]
-        m0 = scratch[c, 2]
-        m1 = scratch[c, 3]
-        for p in range(c * npairs // nchunks, (c + 1) * npairs // nchunks):
-            n0 = 2 * p
-            n1 = min(n0 + 1, N - 1)  # an odd last row is computed twice
-            for b in range(nblk):
-                d0[b] = lut[scales[n0, b]]
-                d1[b] = lut[scales[n1, b]]
-                m0[b] = lut[mins[n0, b]] if has_min else np.float32(-8.0) * d0[b]
-                m1[b] = lut[mins[n1, b]] if has_min else np.float32(-8.0) * d1[b]
-            r0 = qs[n0]
-            r1 = qs[n1]
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            for k in range(K2):
-                xl = xlo[k]
-                xh = xhi[k]
-                q = np.float32(r0[k])
-                hi = np.floor(q * sixteenth)
-                a0 += d0[k >> 4] * ((q - sixteen * hi) * xl + hi * xh)
-                q = np.float32(r1[k])
-                hi = np.floor(q * sixteenth)
-                a1 += d1[k >> 4] * ((q - sixteen * hi) * xl + hi * xh)
-            for b in range(nblk):
-                a0 += m0[b] * xsum[b]
-                a1 += m1[b] * xsum[b]
-            out[n0] = a0
-            out[n1] = a1
+def repack(q: QuantizedTensor | RepackedQuantized) -> RepackedQuantized:
+    """``q`` in the CPU kernels' layout (a ``RepackedQuantized`` is returned as it is)."""
+    return q if isinstance(q, RepackedQuantized) else RepackedQuantized.from_quantized(q)
 
 
 @nb.njit(inline="always")
-def _dequant_row(fmt, qs, scales, mins, n, lut, dst):
-    """dst[0:K] = row n, dequantized."""
-    nblk = scales.shape[1]
+def _prefetch_ahead(qs, offset, nbytes):
+    """Prefetch ``nbytes`` (a multiple of 64) of ``qs`` from ``offset`` + ``PREFETCH_BYTES``."""
+    start = offset + PREFETCH_BYTES
+    if start + nbytes <= qs.size:
+        for line in range(0, nbytes, 64):
+            prefetch(qs, start + line)
+
+
+@nb.njit(inline="always")
+def _block_sums(x, nblk):
+    xsum = np.empty(nblk, np.float32)
     for b in range(nblk):
-        d = lut[scales[n, b]]
-        base = b * QK
-        if fmt == 0:
-            for j in range(QK):
-                dst[base + j] = d * np.float32(qs[n, base + j])
-        else:
-            m = lut[mins[n, b]] if fmt == 2 else np.float32(-8.0) * d
-            for j in range(16):
-                qi = np.int32(qs[n, b * 16 + j])
-                dst[base + j] = d * np.float32(qi & 15) + m
-                dst[base + 16 + j] = d * np.float32(qi >> 4) + m
+        s = np.float32(0.0)
+        for j in range(QK):
+            s += x[b * QK + j]
+        xsum[b] = s
+    return xsum
 
 
 @nb.njit(parallel=True, **_JIT)
-def _gemm_small(fmt, x, qs, scales, mins, lut, out):
-    M, K = x.shape
-    N = qs.shape[0]
-    nchunks = min(N, CHUNKS)
-    scratch = np.empty((nchunks, K), np.float32)
+def _gemv_q8_0(x, qs, scales, out):
+    groups, nblk = qs.shape[0], qs.shape[1]
+    N = out.shape[0]
+    nchunks = min(groups, CHUNKS)
+    scratch = np.empty((nchunks, R), np.float32)
     for c in nb.prange(nchunks):
-        w = scratch[c]
-        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
-            _dequant_row(fmt, qs, scales, mins, n, lut, w)
+        acc = scratch[c]
+        for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
+            for r in range(R):
+                acc[r] = 0.0
+            for b in range(nblk):
+                _prefetch_ahead(qs, (g * nblk + b) * QK * R, QK * R)
+                for r in range(R):
+                    s0 = np.float32(0.0)
+                    s1 = np.float32(0.0)
+                    s2 = np.float32(0.0)
+                    s3 = np.float32(0.0)
+                    for j in range(0, QK, 4):
+                        s0 += signed_byte(qs[g, b, j, r]) * x[b * QK + j]
+                        s1 += signed_byte(qs[g, b, j + 1, r]) * x[b * QK + j + 1]
+                        s2 += signed_byte(qs[g, b, j + 2, r]) * x[b * QK + j + 2]
+                        s3 += signed_byte(qs[g, b, j + 3, r]) * x[b * QK + j + 3]
+                    acc[r] += half_to_float(scales[g, b, r]) * ((s0 + s1) + (s2 + s3))
+            for r in range(R):
+                n = g * R + r
+                if n < N:
+                    out[n] = acc[r]
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemv_q4(x, qs, scales, mins, has_min, out):
+    groups, nblk = qs.shape[0], qs.shape[1]
+    N = out.shape[0]
+    xsum = _block_sums(x, nblk)
+    nchunks = min(groups, CHUNKS)
+    scratch = np.empty((nchunks, R), np.float32)
+    for c in nb.prange(nchunks):
+        acc = scratch[c]
+        for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
+            for r in range(R):
+                acc[r] = 0.0
+            for b in range(nblk):
+                _prefetch_ahead(qs, (g * nblk + b) * 16 * R, 16 * R)
+                xs = xsum[b]
+                for r in range(R):
+                    s0 = np.float32(0.0)
+                    s1 = np.float32(0.0)
+                    s2 = np.float32(0.0)
+                    s3 = np.float32(0.0)
+                    for j in range(0, 16, 2):
+                        q = qs[g, b, j, r]
+                        s0 += low_nibble(q) * x[b * QK + j]
+                        s1 += high_nibble(q) * x[b * QK + 16 + j]
+                        q = qs[g, b, j + 1, r]
+                        s2 += low_nibble(q) * x[b * QK + j + 1]
+                        s3 += high_nibble(q) * x[b * QK + 17 + j]
+                    d = half_to_float(scales[g, b, r])
+                    m = half_to_float(mins[g, b, r]) if has_min else np.float32(-8.0) * d
+                    acc[r] += d * ((s0 + s1) + (s2 + s3)) + m * xs
+            for r in range(R):
+                n = g * R + r
+                if n < N:
+                    out[n] = acc[r]
+
+
+@nb.njit(inline="always")
+def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
+    """``w[0:32, col + r]`` = position 0-31 of block b of row r of group g, as float32 (``dm [2, R]``:
+    scratch for the rows' scales and minimums). The rows are the innermost loop, with few streams in
+    and out, so LLVM vectorizes it (with rows outermost it gives up on its alias checks)."""
+    nr = qs.shape[3]  # R, as a run-time count: LLVM then vectorizes these loops instead of unrolling them
+    for r in range(nr):
+        d = half_to_float(scales[g, b, r])
+        dm[0, r] = d
+        dm[1, r] = half_to_float(mins[g, b, r]) if fmt == 2 else np.float32(-8.0) * d
+    if fmt == 0:
+        for j in range(QK):
+            for r in range(nr):
+                w[j, col + r] = dm[0, r] * signed_byte(qs[g, b, j, r])
+    else:
+        for j in range(16):
+            for r in range(nr):
+                q = qs[g, b, j, r]
+                w[j, col + r] = dm[0, r] * low_nibble(q) + dm[1, r]
+                w[16 + j, col + r] = dm[0, r] * high_nibble(q) + dm[1, r]
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemm_small(fmt, x, qs, scales, mins, out):
+    M = x.shape[0]
+    groups, nblk, nr = qs.shape[0], qs.shape[1], qs.shape[3]
+    N = out.shape[1]
+    block_bytes = qs.shape[2] * R
+    nchunks = min(groups, CHUNKS)
+    blocks = np.empty((nchunks, QK, R), np.float32)  # a dequantized block
+    sums = np.empty((nchunks, 2 + M, R), np.float32)  # its scales, then the M running sums
+    for c in nb.prange(nchunks):
+        w = blocks[c]
+        dm = sums[c, :2]
+        acc = sums[c, 2:]
+        for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
             for mi in range(M):
-                s = np.float32(0.0)
-                for k in range(K):
-                    s += w[k] * x[mi, k]
-                out[mi, n] = s
+                for r in range(nr):
+                    acc[mi, r] = 0.0
+            for b in range(nblk):
+                _prefetch_ahead(qs, (g * nblk + b) * block_bytes, block_bytes)
+                _dequant_block(fmt, qs, scales, mins, g, b, dm, w, 0)
+                for mi in range(M):
+                    for r in range(nr):
+                        s0 = np.float32(0.0)
+                        s1 = np.float32(0.0)
+                        s2 = np.float32(0.0)
+                        s3 = np.float32(0.0)
+                        for j in range(0, QK, 4):
+                            s0 += w[j, r] * x[mi, b * QK + j]
+                            s1 += w[j + 1, r] * x[mi, b * QK + j + 1]
+                            s2 += w[j + 2, r] * x[mi, b * QK + j + 2]
+                            s3 += w[j + 3, r] * x[mi, b * QK + j + 3]
+                        acc[mi, r] += (s0 + s1) + (s2 + s3)
+            for mi in range(M):
+                for r in range(nr):
+                    n = g * R + r
+                    if n < N:
+                        out[mi, n] = acc[mi, r]
 
 
-@nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (4x slower)
-def _dequant_tile(fmt, qs, scales, mins, r0, lut, out_lo, out_hi):
-    """Rows ``r0 ..`` of the weight, dequantized: Q8_0 into ``out_lo [rows, K]``; a 4-bit format into
-    ``out_lo``/``out_hi [rows, K / 2]`` (the low and high nibbles: elements 0-15 and 16-31 of each block,
-    in the order of x's ``xlo``/``xhi`` halves). One block's scale is a scalar in its loop (a scale
-    gathered per element, ``d[k >> 4]``, keeps LLVM from vectorizing the stores)."""
-    nblk = scales.shape[1]
-    sixteenth = np.float32(0.0625)
-    sixteen = np.float32(16.0)
-    for i in range(out_lo.shape[0]):
-        n = r0 + i
-        row = qs[n]
-        lo = out_lo[i]
-        hi = out_hi[i]
+@nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (~7 ms)
+def _dequant_tile_t(fmt, qs, scales, mins, g0, out):
+    """``out [K, n]`` = rows ``g0 * R ..`` of the weight dequantized and transposed (n a multiple of R):
+    each block's 16 rows land in one contiguous run of ``out``'s row, a vector store."""
+    nblk = qs.shape[1]
+    dm = np.empty((2, R), np.float32)
+    for gi in range(out.shape[1] // R):
         for b in range(nblk):
-            d = lut[scales[n, b]]
-            if fmt == 0:
-                for k in range(b * QK, (b + 1) * QK):
-                    lo[k] = d * np.float32(row[k])
-            else:
-                m = lut[mins[n, b]] if fmt == 2 else np.float32(-8.0) * d
-                for k in range(b * 16, (b + 1) * 16):
-                    q = np.float32(row[k])
-                    h = np.floor(q * sixteenth)
-                    lo[k] = d * (q - sixteen * h) + m
-                    hi[k] = d * h + m
+            _dequant_block(fmt, qs, scales, mins, g0 + gi, b, dm, out[b * QK : (b + 1) * QK], gi * R)
 
 
 @nb.njit(**_JIT)
-def _dequant_rows(fmt, qs, scales, mins, rows, lut, out):
+def _dequant_rows(fmt, qs, scales, mins, rows, out):
     """out[i] = row ``rows[i]``, dequantized (float32)."""
+    nblk = qs.shape[1]
     for i in range(rows.shape[0]):
-        _dequant_row(fmt, qs, scales, mins, rows[i], lut, out[i])
+        g = rows[i] // R
+        r = rows[i] % R
+        for b in range(nblk):
+            d = half_to_float(scales[g, b, r])
+            if fmt == 0:
+                for j in range(QK):
+                    out[i, b * QK + j] = d * signed_byte(qs[g, b, j, r])
+            else:
+                m = half_to_float(mins[g, b, r]) if fmt == 2 else np.float32(-8.0) * d
+                for j in range(16):
+                    q = qs[g, b, j, r]
+                    out[i, b * QK + j] = d * low_nibble(q) + m
+                    out[i, b * QK + 16 + j] = d * high_nibble(q) + m
 
 
-def _planes(w: QuantizedTensor):
-    qs = w.qs.view(np.int8) if w.qtype == "Q8_0" else w.qs
+def _planes(w: RepackedQuantized):
     mins = w.mins if w.mins is not None else w.scales  # unread for Q8_0/Q4_0
-    return qs, w.scales, mins
+    return w.qs, w.scales, mins
 
 
-def quant_linear(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
+def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
     """float32 ``x [M, K] @ dequantize(w).T`` -> ``[M, N]`` (see the module docstring for the paths).
 
-    Raises ValueError when K differs from the weight's columns."""
+    Raises ValueError when K differs from the weight's columns, or for a weight not repacked."""
+    if not isinstance(w, RepackedQuantized):
+        raise ValueError(f"quant_linear takes a RepackedQuantized weight (cpu_quant.repack), not {type(w).__name__}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, K = x.shape
     N, cols = w.shape
@@ -210,40 +314,32 @@ def quant_linear(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
     out = np.empty((M, N), np.float32)
     if M == 1:
         if fmt == 0:
-            _gemv_q8_0(x[0], qs, scales, F16_TO_F32, out[0])
+            _gemv_q8_0(x[0], qs, scales, out[0])
         else:
-            _gemv_q4(x[0], qs, scales, mins, fmt == 2, F16_TO_F32, out[0])
+            _gemv_q4(x[0], qs, scales, mins, fmt == 2, out[0])
         return out
     if M <= SMALL_BATCH:
-        _gemm_small(fmt, x, qs, scales, mins, F16_TO_F32, out)
-    else:  # out.T [N, M] tile by tile = tile [n, K] @ x.T: SGEMM's fastest form here (1.6x x @ tile.T)
-        if fmt == 0:
-            xt_lo = np.ascontiguousarray(x.T)
-        else:  # x's halves in the nibbles' order: elements 0-15 / 16-31 of each block
-            blocks = x.reshape(M, -1, QK)
-            xt_lo = np.ascontiguousarray(blocks[:, :, :16].reshape(M, -1).T)
-            xt_hi = np.ascontiguousarray(blocks[:, :, 16:].reshape(M, -1).T)
-        width = K if fmt == 0 else K // 2
-        tile_rows = min(N, max(1, TILE_BYTES // (4 * K)))
-        lo = np.empty((tile_rows, width), np.float32)
-        hi = np.empty_like(lo) if fmt != 0 else lo
-        part = np.empty((tile_rows, M), np.float32) if fmt != 0 else None
-        out_t = np.empty((N, M), np.float32)
-        for r0 in range(0, N, tile_rows):
-            n = min(tile_rows, N - r0)
-            _dequant_tile(fmt, qs, scales, mins, r0, F16_TO_F32, lo[:n], hi[:n])
-            np.matmul(lo[:n], xt_lo, out=out_t[r0 : r0 + n])
-            if fmt != 0:
-                np.matmul(hi[:n], xt_hi, out=part[:n])
-                out_t[r0 : r0 + n] += part[:n]
-        out[:] = out_t.T
+        _gemm_small(fmt, x, qs, scales, mins, out)
+        return out
+    groups = qs.shape[0]
+    tile_groups = max(1, min(groups, TILE_BYTES // (4 * K * R)))
+    buf = np.empty(K * tile_groups * R, np.float32)
+    for g0 in range(0, groups, tile_groups):
+        g1 = min(groups, g0 + tile_groups)
+        tile = buf[: K * (g1 - g0) * R].reshape(K, (g1 - g0) * R)
+        _dequant_tile_t(fmt, qs, scales, mins, g0, tile)
+        n0, n1 = g0 * R, min(N, g1 * R)
+        if n0 == 0 and n1 == N and tile.shape[1] == N:
+            np.matmul(x, tile, out=out)
+        else:
+            out[:, n0:n1] = (x @ tile)[:, : n1 - n0]
     return out
 
 
-def quant_embedding(token_ids: np.ndarray, w: QuantizedTensor) -> np.ndarray:
+def quant_embedding(token_ids: np.ndarray, w: RepackedQuantized) -> np.ndarray:
     """float32 rows ``token_ids`` of a quantized ``[vocab, hidden]`` table, dequantized on lookup."""
     ids = np.asarray(token_ids, dtype=np.int64)
     out = np.empty((ids.shape[0], w.shape[1]), np.float32)
     qs, scales, mins = _planes(w)
-    _dequant_rows(_FMT[w.qtype], qs, scales, mins, ids, F16_TO_F32, out)
+    _dequant_rows(_FMT[w.qtype], qs, scales, mins, ids, out)
     return out

@@ -1,5 +1,5 @@
-"""GGUF block formats on the CPU: products and lookups on the blocks against float64 products with the
-``gguf`` package's own dequantization, on every path (GEMV, small batch, tiled SGEMM)."""
+"""GGUF block formats on the CPU: products and lookups on the (repacked) blocks against float64 products
+with the ``gguf`` package's own dequantization, on every path (GEMV, small batch, tiled SGEMM)."""
 
 import gguf
 import numpy as np
@@ -9,8 +9,9 @@ from rawpaged.kernels import cpu_quant
 from rawpaged.kernels.cpu import CPUBackend
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
 
-# M = 1 (GEMV), 3 and 8 (dequantized in registers), 9 and 300 (tiles through SGEMM; 300 rows > one tile)
-BATCHES = [1, 3, 8, 9, 300]
+# M = 1 (GEMV), 3 and SMALL_BATCH (blocks dequantized once per group), SMALL_BATCH + 1 and 300 (tiles
+# through SGEMM; 300 rows > one tile)
+BATCHES = [1, 3, cpu_quant.SMALL_BATCH, cpu_quant.SMALL_BATCH + 1, 300]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
     ref_w = gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[qtype]).astype(np.float64)
     assert ref_w.shape == weights.shape and np.abs(ref_w - weights).max() < (0.05 if qtype == "Q8_0" else 0.5)
     x = np.random.default_rng(M).standard_normal((M, 96)).astype(np.float32)
-    got = cpu_quant.quant_linear(x, q)
+    got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
     want = x.astype(np.float64) @ ref_w.T
     assert got.dtype == np.float32 and got.shape == (M, 300)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
@@ -37,14 +38,14 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
 
 
 @pytest.mark.parametrize("qtype", NATIVE)
-@pytest.mark.parametrize("M", [1, 5, 12])
+@pytest.mark.parametrize("M", [1, 5, cpu_quant.SMALL_BATCH + 6])
 def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
-    """GEMVs compute rows in pairs (an odd last row alone); tiles of 64 rows leave a partial last tile."""
+    """233 rows: a last group of 9 real rows and 7 padding rows; tiles of 64 rows leave a partial last tile."""
     monkeypatch.setattr(cpu_quant, "TILE_BYTES", 64 * 96 * 4)
     q = QuantizedTensor.quantize(weights[:233], qtype)
     ref_w = q.dequantize().astype(np.float64)
     x = np.random.default_rng(M).standard_normal((M, 96)).astype(np.float32)
-    got = cpu_quant.quant_linear(x, q)
+    got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
     assert got.shape == (M, 233)
     np.testing.assert_allclose(got, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-4 * np.abs(got).max())
 
@@ -53,14 +54,15 @@ def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
 def test_embedding_rows_are_dequantized_on_lookup(weights, qtype):
     q = QuantizedTensor.quantize(weights, qtype)
     ids = np.array([299, 0, 5, 7, 7], np.int64)
-    np.testing.assert_array_equal(cpu_quant.quant_embedding(ids, q), q.dequantize()[ids])
+    np.testing.assert_array_equal(cpu_quant.quant_embedding(ids, cpu_quant.repack(q)), q.dequantize()[ids])
 
 
 def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
     be = CPUBackend()
     a, b = QuantizedTensor.quantize(weights, "Q4_1"), QuantizedTensor.quantize(weights[:64], "Q4_1")
     fused = be.load_linear([a, b])
-    assert isinstance(fused, QuantizedTensor) and fused.shape == (364, 96) and fused.nbytes == a.nbytes + b.nbytes
+    assert isinstance(fused, cpu_quant.RepackedQuantized) and fused.shape == (364, 96)
+    assert fused.nbytes == (a.nbytes + b.nbytes) * 368 // 364  # 364 rows padded to 23 groups of 16
     x = np.random.default_rng(1).standard_normal((2, 96)).astype(np.float32)
     bias = np.arange(364, dtype=np.float32)
     np.testing.assert_allclose(
@@ -71,8 +73,11 @@ def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
     )
     mixed = be.load_linear([a, QuantizedTensor.quantize(weights[:64], "Q8_0")])
     assert isinstance(mixed, np.ndarray) and mixed.shape == (96, 364)
-    assert be.load_weight(a) is a
-    np.testing.assert_array_equal(be.embedding(np.array([3]), a), a.dequantize()[[3]])
+    table = be.load_weight(a)
+    assert be.load_linear([a]) is table  # a tied embedding and LM head: one repacked copy
+    np.testing.assert_array_equal(be.embedding(np.array([3]), table), a.dequantize()[[3]])
+    be.finish_loading()
+    assert be.load_weight(a) is not table
 
 
 def test_invalid_quantized_tensors_raise():
@@ -84,6 +89,35 @@ def test_invalid_quantized_tensors_raise():
         QuantizedTensor.from_blocks("Q4_0", (2, 64), np.zeros((2, 35), np.uint8))
     q = QuantizedTensor.quantize(np.ones((4, 64), np.float32), "Q8_0")
     with pytest.raises(ValueError, match="columns"):
-        cpu_quant.quant_linear(np.ones((1, 32), np.float32), q)
+        cpu_quant.quant_linear(np.ones((1, 32), np.float32), cpu_quant.repack(q))
+    with pytest.raises(ValueError, match="RepackedQuantized"):
+        cpu_quant.quant_linear(np.ones((1, 64), np.float32), q)
     with pytest.raises(ValueError, match="share format"):
         QuantizedTensor.concat([q, QuantizedTensor.quantize(np.ones((4, 64), np.float32), "Q4_0")])
+
+
+@pytest.mark.parametrize("qtype", NATIVE)
+def test_repacking_round_trips_the_gguf_bytes(weights, qtype):
+    q = QuantizedTensor.quantize(weights[:233], qtype)
+    packed = cpu_quant.repack(q)
+    assert packed.qs.shape[0] == 15 and packed.qs.shape[3] == cpu_quant.R
+    assert cpu_quant.repack(packed) is packed
+    np.testing.assert_array_equal(packed.to_quantized().blocks(), q.blocks())
+
+
+def test_half_to_float_is_exact_for_every_finite_fp16():
+    import numba as nb
+
+    from rawpaged.kernels.cpu_intrinsics import half_to_float
+
+    @nb.njit
+    def convert(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = half_to_float(bits[i])
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    finite = np.isfinite(bits.view(np.float16))
+    out = np.full(65536, np.nan, np.float32)
+    convert(bits, out)
+    np.testing.assert_array_equal(out[finite], bits.view(np.float16)[finite].astype(np.float32))
+    assert np.signbit(out[0x8000]) and not np.signbit(out[0])
