@@ -26,6 +26,7 @@ import numpy as np
 
 from rawpaged.dtypes import BFLOAT16
 from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.cpu_gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu_quant import RepackedQuantized, quant_embedding, quant_linear, repack
 from rawpaged.kernels.quantization import QuantizedTensor
 
@@ -619,6 +620,12 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     return out
 
 
+def _mixed(parts: list) -> bool:
+    """Whether quantized ``parts`` cannot stay in blocks: a float part among them, or several formats."""
+    quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+    return bool(quantized) and (len(quantized) < len(parts) or len({p.qtype for p in quantized}) > 1)
+
+
 def _check_cpu_dtype(dtype: str) -> None:
     if dtype != "float32":
         raise ValueError(f"dtype {dtype!r} is not supported on the CPU backend (float32 only)")
@@ -627,7 +634,9 @@ def _check_cpu_dtype(dtype: str) -> None:
 class CPUBackend:
     """The CPU kernels behind the backend interface the model calls (same names as ``CudaBackend``).
 
-    Arrays are NumPy; activations float32; matmuls through NumPy's BLAS.
+    Arrays are NumPy; activations float32; linear weights ``[out, in]`` as checkpoints store them;
+    matmuls through NumPy's BLAS, or Numba kernels for few rows (``cpu_gemm``) and for quantized weights
+    (``cpu_quant``).
     """
 
     name = "cpu"
@@ -671,49 +680,54 @@ class CPUBackend:
     def to_numpy(x):
         return np.asarray(x)
 
-    @staticmethod
-    def prepare_linear(weight):
-        """HF ``[out, in]`` weight -> the ``[in, out]`` contiguous layout ``linear`` takes: OpenBLAS
-        SGEMM is up to 1.8x faster on it at batch 32 (``x @ W`` rather than ``x @ W.T``)."""
-        return np.ascontiguousarray(np.asarray(weight).T)
-
     def __init__(self):
-        self._repacked = {}  # id(QuantizedTensor) -> (it, its RepackedQuantized) while a model loads
+        # id(host tensor) -> (it, what it became) while a model loads: a tied embedding and LM head
+        # share one array (float32) or one repacked copy (quantized)
+        self._loaded = {}
 
-    def _repack(self, q: QuantizedTensor) -> RepackedQuantized:
-        """``q`` repacked for the CPU kernels, once per tensor (a tied embedding and LM head share it)."""
-        if id(q) not in self._repacked:
-            self._repacked[id(q)] = (q, repack(q))
-        return self._repacked[id(q)][1]
+    def _once(self, host, convert):
+        if id(host) not in self._loaded:
+            self._loaded[id(host)] = (host, convert(host))
+        return self._loaded[id(host)][1]
 
     def load_weight(self, host, dtype: str = "float32"):
-        """A host tensor (any float dtype, e.g. a memory-mapped safetensors view) -> contiguous float32; a
-        ``QuantizedTensor`` (an embedding table) stays in its blocks, repacked (``cpu_quant``)."""
+        """A host tensor (any float dtype, e.g. a memory-mapped safetensors view) -> C-contiguous float32
+        (the same memory when it already is); a ``QuantizedTensor`` (an embedding table) stays in its
+        blocks, repacked (``cpu_quant``)."""
         _check_cpu_dtype(dtype)
         if isinstance(host, QuantizedTensor):
-            return self._repack(host)
-        return np.ascontiguousarray(host, dtype=np.float32)
+            return self._once(host, repack)
+        return self._once(host, lambda h: np.ascontiguousarray(h, dtype=np.float32))
 
     def load_linear(self, parts: list, dtype: str = "float32"):
-        """HF ``[out_i, in]`` weights fused along ``out`` -> the ``[in, sum out_i]`` layout of ``linear``;
-        ``QuantizedTensor`` parts of one format stay in their blocks (rows concatenated, then repacked:
-        ``cpu_quant.RepackedQuantized``), mixed formats are dequantized."""
+        """HF ``[out_i, in]`` weights fused along ``out`` -> one C-contiguous float32 ``[sum out_i, in]``
+        (the layout ``linear`` takes); ``QuantizedTensor`` parts of one format stay in their blocks (rows
+        concatenated, then repacked: ``cpu_quant.RepackedQuantized``), mixed formats are dequantized. A
+        single part already loaded (a tied LM head) is the same array."""
         _check_cpu_dtype(dtype)
-        if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
-            return self._repack(QuantizedTensor.concat(parts))
+        if len(parts) == 1:
+            return self.load_weight(parts[0], dtype)
+        if all(isinstance(p, QuantizedTensor) for p in parts) and not _mixed(parts):
+            return repack(QuantizedTensor.concat(parts))
         parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
-        w = parts[0] if len(parts) == 1 else np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
-        return self.prepare_linear(np.asarray(w, dtype=np.float32))
+        return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
 
     def finish_loading(self):
-        """Forget the tensors repacked while loading (their row-major planes can be freed)."""
-        self._repacked.clear()
+        """Forget the host tensors seen while loading (their memory can be freed)."""
+        self._loaded.clear()
 
     @staticmethod
     def linear(x, weight, bias=None):
-        """``x @ weight (+ bias)``; x ``[n, in]``, weight ``[in, out]`` from ``prepare_linear``, or a
-        ``RepackedQuantized`` ``[out, in]`` (products on its blocks, ``cpu_quant.quant_linear``)."""
-        y = quant_linear(x, weight) if isinstance(weight, RepackedQuantized) else x @ weight
+        """``x [M, in] @ weight.T (+ bias)`` -> float32 ``[M, out]`` for a weight ``[out, in]`` from
+        ``load_linear``: float32 through ``cpu_gemm.gemm_nt`` for 2 <= M <= ``cpu_gemm.SMALL_M`` (decode
+        batches), through BLAS otherwise (SGEMV, SGEMM); a ``RepackedQuantized`` weight through
+        ``cpu_quant.quant_linear``."""
+        if isinstance(weight, RepackedQuantized):
+            y = quant_linear(x, weight)
+        elif 2 <= x.shape[0] <= SMALL_M:
+            y = gemm_nt(x, weight)
+        else:
+            y = x @ weight.T
         if bias is not None:
             y += bias
         return y

@@ -72,7 +72,7 @@ def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
         atol=1e-4,
     )
     mixed = be.load_linear([a, QuantizedTensor.quantize(weights[:64], "Q8_0")])
-    assert isinstance(mixed, np.ndarray) and mixed.shape == (96, 364)
+    assert isinstance(mixed, np.ndarray) and mixed.shape == (364, 96)
     table = be.load_weight(a)
     assert be.load_linear([a]) is table  # a tied embedding and LM head: one repacked copy
     np.testing.assert_array_equal(be.embedding(np.array([3]), table), a.dequantize()[[3]])

@@ -1,0 +1,160 @@
+"""CPU (Numba) float32 products with few rows: ``x [M, K] @ w.T`` for a weight ``w [N, K]`` in HF's
+``[out, in]`` layout, for the M of batched decode.
+
+OpenBLAS's SGEMM packs a panel of the weight before it multiplies, so at small M it moves every weight
+about three times where a matrix-vector product moves it once: on a 2-core AVX-512 host the 30 layers of
+the default model cost 2.2x the M = 1 time at M = 2 and 2.4x at M = 8 (benchmarks/RESULTS.md). Decode at
+those batch sizes should cost about what one pass over the weights costs.
+
+``gemm_nt`` computes tiles of 4 x rows by 6 weight rows as 24 dot products that run together along K: each
+step loads 4 vectors of x and 6 of the weight (the weight rows come from L1 for every x tile after the
+first) and does 24 fused multiply-adds into 24 vector accumulators, which are summed horizontally once, at
+the end of K (the register tiling of llamafile's tinyBLAS, ``llamafile/sgemm.cpp``, which
+llama.cpp uses for its own float matmuls). The weight is streamed from memory once per call, in order;
+the rows of x stay in L1/L2. Rows of x are padded to a multiple of 4, and weight rows past the last
+multiple of 6 go through a 4 x 1 tile. Threads split the weight rows.
+
+The tiles are compiled with floating-point reassociation so LLVM vectorizes the K loops: the sums are
+taken in another order than BLAS's (float32 rounding differs, ~1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn", "reassoc"})
+#: rows of x a tile takes (and x is padded to a multiple of)
+TILE_M = 4
+#: weight rows a tile takes (4 x 6 measured best of 4 x 4, 4 x 6, 4 x 8, 8 x 3 and 2 x 12 on a 2-core
+#: AVX-512 host: 24 vector accumulators, 10 loads per 24 multiply-adds)
+TILE_N = 6
+#: ``CPUBackend.linear`` uses ``gemm_nt`` for 2 <= M <= SMALL_M rows, BLAS otherwise (all 30 layers of
+#: the default model, 2-core AVX-512 host: 1.5-1.8x SGEMM's speed at M = 2-8, 1.3x at 32, about equal
+#: from 64 to 256, 0.8x at 512; at M = 1 SGEMV is 1.3x faster than a padded tile)
+SMALL_M = 128
+#: weight rows are split into this many chunks (or fewer) that prange deals out to the threads
+CHUNKS = 64
+
+
+@nb.njit(**_JIT)
+def _tile_4x6(x, w, out, m, n):
+    K = x.shape[1]
+    a00 = a01 = a02 = a03 = a04 = a05 = np.float32(0.0)
+    a10 = a11 = a12 = a13 = a14 = a15 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = a24 = a25 = np.float32(0.0)
+    a30 = a31 = a32 = a33 = a34 = a35 = np.float32(0.0)
+    for k in range(K):
+        w0 = w[n, k]
+        w1 = w[n + 1, k]
+        w2 = w[n + 2, k]
+        w3 = w[n + 3, k]
+        w4 = w[n + 4, k]
+        w5 = w[n + 5, k]
+        x0 = x[m, k]
+        x1 = x[m + 1, k]
+        x2 = x[m + 2, k]
+        x3 = x[m + 3, k]
+        a00 += x0 * w0
+        a01 += x0 * w1
+        a02 += x0 * w2
+        a03 += x0 * w3
+        a04 += x0 * w4
+        a05 += x0 * w5
+        a10 += x1 * w0
+        a11 += x1 * w1
+        a12 += x1 * w2
+        a13 += x1 * w3
+        a14 += x1 * w4
+        a15 += x1 * w5
+        a20 += x2 * w0
+        a21 += x2 * w1
+        a22 += x2 * w2
+        a23 += x2 * w3
+        a24 += x2 * w4
+        a25 += x2 * w5
+        a30 += x3 * w0
+        a31 += x3 * w1
+        a32 += x3 * w2
+        a33 += x3 * w3
+        a34 += x3 * w4
+        a35 += x3 * w5
+    out[m, n] = a00
+    out[m, n + 1] = a01
+    out[m, n + 2] = a02
+    out[m, n + 3] = a03
+    out[m, n + 4] = a04
+    out[m, n + 5] = a05
+    out[m + 1, n] = a10
+    out[m + 1, n + 1] = a11
+    out[m + 1, n + 2] = a12
+    out[m + 1, n + 3] = a13
+    out[m + 1, n + 4] = a14
+    out[m + 1, n + 5] = a15
+    out[m + 2, n] = a20
+    out[m + 2, n + 1] = a21
+    out[m + 2, n + 2] = a22
+    out[m + 2, n + 3] = a23
+    out[m + 2, n + 4] = a24
+    out[m + 2, n + 5] = a25
+    out[m + 3, n] = a30
+    out[m + 3, n + 1] = a31
+    out[m + 3, n + 2] = a32
+    out[m + 3, n + 3] = a33
+    out[m + 3, n + 4] = a34
+    out[m + 3, n + 5] = a35
+
+
+@nb.njit(**_JIT)
+def _tile_4x1(x, w, out, m, n):
+    K = x.shape[1]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(K):
+        wk = w[n, k]
+        a0 += x[m, k] * wk
+        a1 += x[m + 1, k] * wk
+        a2 += x[m + 2, k] * wk
+        a3 += x[m + 3, k] * wk
+    out[m, n] = a0
+    out[m + 1, n] = a1
+    out[m + 2, n] = a2
+    out[m + 3, n] = a3
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemm_nt(x, w, out):
+    """out [Mp, N] = x [Mp, K] @ w [N, K].T, Mp a multiple of TILE_M; all C-contiguous float32."""
+    Mp = x.shape[0]
+    N = w.shape[0]
+    tiles = N // TILE_N
+    nchunks = max(1, min(tiles, CHUNKS))
+    for c in nb.prange(nchunks):
+        for t in range(c * tiles // nchunks, (c + 1) * tiles // nchunks):
+            for m in range(0, Mp, TILE_M):
+                _tile_4x6(x, w, out, m, t * TILE_N)
+        if c == nchunks - 1:
+            for n in range(tiles * TILE_N, N):
+                for m in range(0, Mp, TILE_M):
+                    _tile_4x1(x, w, out, m, n)
+
+
+def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float32 ``x [M, K] @ w.T`` -> ``[M, N]`` for ``w [N, K]`` (C-contiguous float32), computed in
+    4 x 6 register tiles (module docstring). Meant for small M (decode batches); any M is correct.
+
+    Raises ValueError when ``x`` is not 2-D or its K differs from ``w``'s, or ``w`` is not a
+    C-contiguous float32 matrix."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm_nt: x {x.shape} and w {w.shape} do not share K")
+    if w.dtype != np.float32 or not w.flags.c_contiguous:
+        raise ValueError("gemm_nt: w must be a C-contiguous float32 [N, K] array")
+    M, K = x.shape
+    Mp = -(-M // TILE_M) * TILE_M
+    if Mp == M and x.dtype == np.float32 and x.flags.c_contiguous:
+        xp = x
+    else:
+        xp = np.zeros((Mp, K), np.float32)
+        xp[:M] = x
+    out = np.empty((Mp, w.shape[0]), np.float32)
+    _gemm_nt(xp, w, out)
+    return out[:M] if Mp != M else out
