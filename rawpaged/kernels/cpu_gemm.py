@@ -14,6 +14,10 @@ llama.cpp uses for its own float matmuls). The weight is streamed from memory on
 the rows of x stay in L1/L2. Rows of x are padded to a multiple of 4, and weight rows past the last
 multiple of 6 go through a 4 x 1 tile. Threads split the weight rows.
 
+One row (M = 1, decode at batch 1) takes one dot product per weight row, vectorized along K: in the
+default model's decode it ran the layers and head 1.2-1.4x faster than OpenBLAS's SGEMV on the
+transposed layout (``x @ w`` with ``w [K, N]``), and 1.5x faster than its SGEMV on this one.
+
 The tiles are compiled with floating-point reassociation so LLVM vectorizes the K loops: the sums are
 taken in another order than BLAS's (float32 rounding differs, ~1e-6 relative).
 """
@@ -29,10 +33,12 @@ TILE_M = 4
 #: weight rows a tile takes (4 x 6 measured best of 4 x 4, 4 x 6, 4 x 8, 8 x 3 and 2 x 12 on a 2-core
 #: AVX-512 host: 24 vector accumulators, 10 loads per 24 multiply-adds)
 TILE_N = 6
-#: ``CPUBackend.linear`` uses ``gemm_nt`` for 2 <= M <= SMALL_M rows, BLAS otherwise (all 30 layers of
-#: the default model, 2-core AVX-512 host: 1.5-1.8x SGEMM's speed at M = 2-8, 1.3x at 32, about equal
-#: from 64 to 256, 0.8x at 512; at M = 1 SGEMV is 1.3x faster than a padded tile)
+#: ``CPUBackend.linear`` uses ``gemm_nt`` up to SMALL_M rows, BLAS above (all 30 layers of the default
+#: model, 2-core AVX-512 host: 1.5-1.8x SGEMM's speed at M = 2-8, 1.3x at 32, about equal from 64 to
+#: 256, 0.8x at 512)
 SMALL_M = 128
+#: M = 1: weight rows split into this many chunks
+GEMV_CHUNKS = 16
 #: weight rows are split into this many chunks (or fewer) that prange deals out to the threads
 CHUNKS = 64
 
@@ -138,9 +144,23 @@ def _gemm_nt(x, w, out):
                     _tile_4x1(x, w, out, m, n)
 
 
+@nb.njit(parallel=True, **_JIT)
+def _gemv_nt(x, w, out):
+    """out [N] = w [N, K] @ x [K]: one dot product per weight row, vectorized along K."""
+    N, K = w.shape
+    nchunks = max(1, min(N, GEMV_CHUNKS))
+    for c in nb.prange(nchunks):
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            acc = np.float32(0.0)
+            for k in range(K):
+                acc += x[k] * w[n, k]
+            out[n] = acc
+
+
 def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """float32 ``x [M, K] @ w.T`` -> ``[M, N]`` for ``w [N, K]`` (C-contiguous float32), computed in
-    4 x 6 register tiles (module docstring). Meant for small M (decode batches); any M is correct.
+    4 x 6 register tiles, or dot products for M = 1 (module docstring). Meant for small M (decode
+    batches); any M is correct.
 
     Raises ValueError when ``x`` is not 2-D or its K differs from ``w``'s, or ``w`` is not a
     C-contiguous float32 matrix."""
@@ -149,6 +169,10 @@ def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if w.dtype != np.float32 or not w.flags.c_contiguous:
         raise ValueError("gemm_nt: w must be a C-contiguous float32 [N, K] array")
     M, K = x.shape
+    if M == 1:
+        out = np.empty((1, w.shape[0]), np.float32)
+        _gemv_nt(np.ascontiguousarray(x[0], dtype=np.float32), w, out[0])
+        return out
     Mp = -(-M // TILE_M) * TILE_M
     if Mp == M and x.dtype == np.float32 and x.flags.c_contiguous:
         xp = x
