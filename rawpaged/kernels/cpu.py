@@ -366,6 +366,10 @@ def prefill_attention(
     if (np.asarray(seq_lens) < counts).any():
         raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
     tiled = counts >= TILED_PREFILL_MIN_TOKENS
+    # A step whose linears run in Numba (few tokens) keeps its tile products in Numba too: an OpenBLAS
+    # call leaves its threads spinning, and the next Numba parallel region fights them (a 64-token
+    # prefill took 3.5x as long with BLAS here).
+    matmul_nt = gemm_nt if query.shape[0] <= SMALL_M else _blas_nt
     for s in np.flatnonzero(tiled):
         _prefill_tiled(
             out,
@@ -378,6 +382,7 @@ def prefill_attention(
             int(seq_lens[s]),
             np.float32(scale),
             window,
+            matmul_nt,
         )
     if tiled.all():
         return
@@ -399,7 +404,13 @@ TILED_PREFILL_MIN_TOKENS = 32
 PREFILL_KV_TILE = 256  # key positions per tile (a multiple of every supported block_size)
 
 
-def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end, seq_len, scale, window=0):
+def _blas_nt(a, b):
+    return a @ b.T
+
+
+def _prefill_tiled(
+    out, query, key_cache, value_cache, block_row, q_start, q_end, seq_len, scale, window=0, matmul_nt=_blas_nt
+):
     """FlashAttention-style prefill of one sequence in NumPy/BLAS (Dao et al. 2022, Alg. 1): K/V are
     gathered from the paged cache one tile of ``PREFILL_KV_TILE`` positions at a time (like a GPU
     kernel staging tiles in shared memory), scores for all new tokens x tile via SGEMM, online softmax
@@ -441,7 +452,7 @@ def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end
             k = key_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             v = value_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
             rows = slice(r0, r1)
-            scores = q[rows] @ k.T
+            scores = matmul_nt(q[rows], k)
             if bias is not None:
                 scores += bias
             m_new = np.maximum(m[rows], scores.max(axis=1))
@@ -450,7 +461,7 @@ def _prefill_tiled(out, query, key_cache, value_cache, block_row, q_start, q_end
             corr = np.exp(m[rows] - m_new)
             denom[rows] = denom[rows] * corr + p.sum(axis=1)
             acc[rows] *= corr[:, None]
-            acc[rows] += p @ v
+            acc[rows] += matmul_nt(p, np.ascontiguousarray(v.T))
             m[rows] = m_new
         out[q_start:q_end, kvh * group : (kvh + 1) * group] = (acc / denom[:, None]).reshape(n, group, head_dim)
 

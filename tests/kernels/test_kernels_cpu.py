@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cpu
+from rawpaged.kernels import cpu, cpu_gemm
 from tests.kv_reference import (
     BF16,
     assert_cache_rows_written,
@@ -177,13 +177,18 @@ def test_rms_norm_rotary_silu_against_float64():
     )
 
 
+# (seq_lens, new tokens): after a 220-token prefix / whole prompt / short chunk (Numba kernel); the
+# tiles' products through BLAS (605 tokens in the step), or through cpu_gemm (105 tokens <= SMALL_M)
+LONG_CASES = [([520, 300, 40], [300, 300, 5]), ([300, 40], [100, 5])]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_prefill_attention_long_sequences_cross_kv_tiles(dtype):
+@pytest.mark.parametrize("seq_lens,new_tokens", LONG_CASES, ids=["blas", "numba"])
+def test_prefill_attention_long_sequences_cross_kv_tiles(dtype, seq_lens, new_tokens):
     """Prompts longer than one KV tile, after a cached prefix, beside a short chunk: both prefill paths."""
+    assert (sum(new_tokens) <= cpu_gemm.SMALL_M) == (new_tokens[0] == 100)
     rng = np.random.default_rng(11)
     num_kv_heads, group, head_dim, block_size = 3, 3, 64, 16
-    seq_lens = [520, 300, 40]
-    new_tokens = [300, 300, 5]  # after a 220-token prefix / whole prompt / short chunk (Numba kernel)
     kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, num_kv_heads, head_dim, block_size, dtype)
     qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
