@@ -4,9 +4,11 @@ Threading model
 ---------------
 Every call into ``LLMEngine`` (``step``, ``add_request``, ``abort_request``, ``stats``) runs on one
 dedicated single-thread executor, so the engine is never touched by two threads and the event loop stays
-responsive while a step computes. The executor is FIFO: an ``abort`` submitted while step N runs is
-executed before step N+1 (the loop submits N+1 only after N returns), so an aborted request's blocks
-are back in the pool before the next step.
+responsive while a step computes. While requests run, the loop submits step N+1 as soon as step N
+returns, before it hands N's outputs to the streams, so the engine thread does not wait for the
+streams' writes (vLLM v1's async scheduling overlaps the same host work). The executor is FIFO: an
+``add`` or ``abort`` submitted while step N runs is executed before step N+1, so an aborted request's
+blocks are back in the pool before it; one submitted while N's outputs are delivered comes after N+1.
 
 Streams
 -------
@@ -219,19 +221,27 @@ class AsyncEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         busy = False
+        pending = None  # the next step, submitted before the last one's outputs were delivered
         while True:
-            if not busy:
-                await self._wake.wait()
-            self._wake.clear()
+            if pending is None:
+                if not busy:
+                    await self._wake.wait()
+                self._wake.clear()
+                pending = loop.run_in_executor(self._executor, self._step)
             try:
-                outputs, busy = await loop.run_in_executor(self._executor, self._step)
+                outputs, busy = await pending
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a failed step must not kill the server
+                pending = None
                 logger.exception("engine step failed; failing the running requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
                 busy = False
                 continue
+            pending = None
+            if busy and outputs:  # step N+1 computes while step N's outputs go out to the streams
+                self._wake.clear()
+                pending = loop.run_in_executor(self._executor, self._step)
             self._deliver(outputs)
             # Let handlers run (new requests, aborts) between steps; back off if nothing could run.
             await asyncio.sleep(0 if outputs or not busy else 0.005)

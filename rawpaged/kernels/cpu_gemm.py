@@ -44,7 +44,8 @@ CHUNKS = 64
 
 
 @nb.njit(**_JIT)
-def _tile_4x6(x, w, out, m, n):
+def _tile_4x6(x, w, out, m, n, col):
+    """``out[m : m + 4, col : col + 6] = x[m : m + 4] @ w[n : n + 6].T``."""
     K = x.shape[1]
     a00 = a01 = a02 = a03 = a04 = a05 = np.float32(0.0)
     a10 = a11 = a12 = a13 = a14 = a15 = np.float32(0.0)
@@ -85,30 +86,30 @@ def _tile_4x6(x, w, out, m, n):
         a33 += x3 * w3
         a34 += x3 * w4
         a35 += x3 * w5
-    out[m, n] = a00
-    out[m, n + 1] = a01
-    out[m, n + 2] = a02
-    out[m, n + 3] = a03
-    out[m, n + 4] = a04
-    out[m, n + 5] = a05
-    out[m + 1, n] = a10
-    out[m + 1, n + 1] = a11
-    out[m + 1, n + 2] = a12
-    out[m + 1, n + 3] = a13
-    out[m + 1, n + 4] = a14
-    out[m + 1, n + 5] = a15
-    out[m + 2, n] = a20
-    out[m + 2, n + 1] = a21
-    out[m + 2, n + 2] = a22
-    out[m + 2, n + 3] = a23
-    out[m + 2, n + 4] = a24
-    out[m + 2, n + 5] = a25
-    out[m + 3, n] = a30
-    out[m + 3, n + 1] = a31
-    out[m + 3, n + 2] = a32
-    out[m + 3, n + 3] = a33
-    out[m + 3, n + 4] = a34
-    out[m + 3, n + 5] = a35
+    out[m, col] = a00
+    out[m, col + 1] = a01
+    out[m, col + 2] = a02
+    out[m, col + 3] = a03
+    out[m, col + 4] = a04
+    out[m, col + 5] = a05
+    out[m + 1, col] = a10
+    out[m + 1, col + 1] = a11
+    out[m + 1, col + 2] = a12
+    out[m + 1, col + 3] = a13
+    out[m + 1, col + 4] = a14
+    out[m + 1, col + 5] = a15
+    out[m + 2, col] = a20
+    out[m + 2, col + 1] = a21
+    out[m + 2, col + 2] = a22
+    out[m + 2, col + 3] = a23
+    out[m + 2, col + 4] = a24
+    out[m + 2, col + 5] = a25
+    out[m + 3, col] = a30
+    out[m + 3, col + 1] = a31
+    out[m + 3, col + 2] = a32
+    out[m + 3, col + 3] = a33
+    out[m + 3, col + 4] = a34
+    out[m + 3, col + 5] = a35
 
 
 @nb.njit(**_JIT)
@@ -137,7 +138,7 @@ def _gemm_nt(x, w, out):
     for c in nb.prange(nchunks):
         for t in range(c * tiles // nchunks, (c + 1) * tiles // nchunks):
             for m in range(0, Mp, TILE_M):
-                _tile_4x6(x, w, out, m, t * TILE_N)
+                _tile_4x6(x, w, out, m, t * TILE_N, t * TILE_N)
         if c == nchunks - 1:
             for n in range(tiles * TILE_N, N):
                 for m in range(0, Mp, TILE_M):

@@ -17,6 +17,8 @@ the GGUF ones in another order (rows padded to a multiple of 16 with zero blocks
   multiply per block, as in llama.cpp's dot products). The bytes a few kilobytes ahead are prefetched.
 - 1 < M <= ``SMALL_BATCH``: each block of a group is dequantized once into a ``[32, 16]`` float32
   scratch (L1) and applied to every x row.
+- ``SMALL_BATCH`` < M <= ``ROWS_MAX_BATCH``: 48 weight rows at a time are dequantized into a row-major
+  ``[48, K]`` float32 scratch (L2) and multiplied with ``cpu_gemm``'s 4 x 6 register tiles.
 - larger M (prefill, big batches): the transposed weight is dequantized ``TILE_BYTES`` at a time (on one
   thread, see ``_dequant_tile_t``) into a float32 ``[K, n]`` tile and goes through SGEMM (``x @ tile``),
   so compute-bound products run at BLAS speed.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from rawpaged.kernels.cpu_gemm import _tile_4x6
 from rawpaged.kernels.cpu_intrinsics import half_to_float, high_nibble, low_nibble, prefetch, signed_byte
 from rawpaged.kernels.quantization import QK, QuantizedTensor
 
@@ -41,13 +44,18 @@ R = 16
 #: and reassociation would let LLVM fold the independent running sums back into one dependency chain
 _FAST = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 _JIT = dict(cache=True, nogil=True, fastmath=_FAST)
-#: up to this many x rows a product dequantizes each block once into L1 and applies it to every row;
-#: beyond it, tiles go through SGEMM (measured on the default model's shapes: the block kernel wins
-#: through M = 24 on a 2-core AVX-512 host, SGEMM from 32)
-SMALL_BATCH = 24
+#: up to this many x rows a product dequantizes each block once into L1 and applies it to every row
+#: (measured on the default model's Q4_1 layers, 2-core AVX-512 host: this kernel and ``_gemm_rows``
+#: cost the same at M = 16; at 24 ``_gemm_rows`` is 1.15x faster, at 32 1.45x, at 64 1.7x)
+SMALL_BATCH = 16
 #: the products' groups are split into this many chunks (or fewer), each with its own scratch, which
 #: numba's prange deals out to the threads: enough to balance dozens of threads.
 CHUNKS = 128
+#: up to this many x rows (above SMALL_BATCH) a product dequantizes 48 weight rows at a time into a
+#: row-major scratch and multiplies them in ``cpu_gemm``'s register tiles (``_gemm_rows``); above, tiles
+#: go through SGEMM (same host: 1.2x SGEMM's speed at M = 24-32, equal at 64-128, 0.94x at 256; and
+#: no OpenBLAS threads left spinning against the Numba kernels around it, as ``cpu_gemm.SMALL_M``)
+ROWS_MAX_BATCH = 128
 #: float32 bytes of one dequantized tile: whole weights of the default model's layers fit in one, so a
 #: product is one dequantization and one SGEMM (the 49152-row head takes 14).
 TILE_BYTES = 8 << 20
@@ -262,6 +270,44 @@ def _gemm_small(fmt, x, qs, scales, mins, out):
                         out[mi, n] = acc[mi, r]
 
 
+#: weight rows one tile pass of ``_gemm_rows`` dequantizes: 3 groups, 8 of ``cpu_gemm``'s 4 x 6 tiles
+ROWS_PER_PASS = 3 * R
+
+
+@nb.njit(parallel=True, **_JIT)
+def _gemm_rows(fmt, x, qs, scales, mins, out):
+    """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of 4) times the weight's rows, P = the groups
+    rounded up to ROWS_PER_PASS: 48 rows at a time are dequantized into an ``[48, K]`` row-major float32
+    scratch (block by block through L1, then transposed), then multiplied by ``cpu_gemm``'s 4 x 6 tiles
+    (rows past the weight's groups are zero)."""
+    Mp = x.shape[0]
+    groups, nblk = qs.shape[0], qs.shape[1]
+    K = nblk * QK
+    gpp = ROWS_PER_PASS // R
+    passes = -(-groups // gpp)
+    nchunks = min(passes, CHUNKS)
+    rows = np.empty((nchunks, ROWS_PER_PASS, K), np.float32)
+    blocks = np.empty((nchunks, QK, R), np.float32)
+    dms = np.empty((nchunks, 2, R), np.float32)
+    for c in nb.prange(nchunks):
+        w = rows[c]
+        blk = blocks[c]
+        for p in range(c * passes // nchunks, (c + 1) * passes // nchunks):
+            for gi in range(gpp):
+                g = p * gpp + gi
+                if g >= groups:
+                    w[gi * R : (gi + 1) * R, :] = 0.0
+                    continue
+                for b in range(nblk):
+                    _dequant_block(fmt, qs, scales, mins, g, b, dms[c], blk, 0)
+                    for r in range(R):
+                        for j in range(QK):
+                            w[gi * R + r, b * QK + j] = blk[j, r]
+            for m in range(0, Mp, 4):
+                for t in range(ROWS_PER_PASS // 6):
+                    _tile_4x6(x, w, out, m, t * 6, p * ROWS_PER_PASS + t * 6)
+
+
 @nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (~7 ms)
 def _dequant_tile_t(fmt, qs, scales, mins, g0, out):
     """``out [K, n]`` = rows ``g0 * R ..`` of the weight dequantized and transposed (n a multiple of R):
@@ -320,6 +366,15 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
         return out
     if M <= SMALL_BATCH:
         _gemm_small(fmt, x, qs, scales, mins, out)
+        return out
+    if M <= ROWS_MAX_BATCH:
+        Mp = -(-M // 4) * 4
+        xp = np.zeros((Mp, K), np.float32)
+        xp[:M] = x
+        passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
+        res = np.empty((Mp, passes * ROWS_PER_PASS), np.float32)
+        _gemm_rows(fmt, xp, qs, scales, mins, res)
+        out[:] = res[:M, :N]
         return out
     groups = qs.shape[0]
     tile_groups = max(1, min(groups, TILE_BYTES // (4 * K * R)))

@@ -9,9 +9,18 @@ from rawpaged.kernels import cpu_quant
 from rawpaged.kernels.cpu import CPUBackend
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
 
-# M = 1 (GEMV), 3 and SMALL_BATCH (blocks dequantized once per group), SMALL_BATCH + 1 and 300 (tiles
-# through SGEMM; 300 rows > one tile)
-BATCHES = [1, 3, cpu_quant.SMALL_BATCH, cpu_quant.SMALL_BATCH + 1, 300]
+# M = 1 (GEMV), 3 and SMALL_BATCH (blocks dequantized once per group), SMALL_BATCH + 1 and
+# ROWS_MAX_BATCH (48 rows dequantized at a time into register tiles; 300 weight rows: the last pass
+# partly beyond the weight), ROWS_MAX_BATCH + 1 and 300 (tiles through SGEMM; 300 rows > one tile)
+BATCHES = [
+    1,
+    3,
+    cpu_quant.SMALL_BATCH,
+    cpu_quant.SMALL_BATCH + 1,
+    cpu_quant.ROWS_MAX_BATCH,
+    cpu_quant.ROWS_MAX_BATCH + 1,
+    300,
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,7 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
 
 
 @pytest.mark.parametrize("qtype", NATIVE)
-@pytest.mark.parametrize("M", [1, 5, cpu_quant.SMALL_BATCH + 6])
+@pytest.mark.parametrize("M", [1, 5, cpu_quant.SMALL_BATCH + 6, cpu_quant.ROWS_MAX_BATCH + 5])
 def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
     """233 rows: a last group of 9 real rows and 7 padding rows; tiles of 64 rows leave a partial last tile."""
     monkeypatch.setattr(cpu_quant, "TILE_BYTES", 64 * 96 * 4)
