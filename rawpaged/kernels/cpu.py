@@ -631,12 +631,6 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     return out
 
 
-def _mixed(parts: list) -> bool:
-    """Whether quantized ``parts`` cannot stay in blocks: a float part among them, or several formats."""
-    quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
-    return bool(quantized) and (len(quantized) < len(parts) or len({p.qtype for p in quantized}) > 1)
-
-
 def _check_cpu_dtype(dtype: str) -> None:
     if dtype != "float32":
         raise ValueError(f"dtype {dtype!r} is not supported on the CPU backend (float32 only)")
@@ -720,7 +714,7 @@ class CPUBackend:
         _check_cpu_dtype(dtype)
         if len(parts) == 1:
             return self.load_weight(parts[0], dtype)
-        if all(isinstance(p, QuantizedTensor) for p in parts) and not _mixed(parts):
+        if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
             return repack(QuantizedTensor.concat(parts))
         parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])

@@ -275,17 +275,18 @@ ROWS_PER_PASS = 3 * R
 
 
 @nb.njit(parallel=True, **_JIT)
-def _gemm_rows(fmt, x, qs, scales, mins, out):
+def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of 4) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS: 48 rows at a time are dequantized into an ``[48, K]`` row-major float32
     scratch (block by block through L1, then transposed), then multiplied by ``cpu_gemm``'s 4 x 6 tiles
-    (rows past the weight's groups are zero)."""
+    (rows past the weight's groups are zero). ``max_chunks``: passes are split into at most this many
+    chunks, each with its own 110 KB scratch (at K = 576), so it is sized to the threads, not to CHUNKS."""
     Mp = x.shape[0]
     groups, nblk = qs.shape[0], qs.shape[1]
     K = nblk * QK
     gpp = ROWS_PER_PASS // R
     passes = -(-groups // gpp)
-    nchunks = min(passes, CHUNKS)
+    nchunks = min(passes, max_chunks)
     rows = np.empty((nchunks, ROWS_PER_PASS, K), np.float32)
     blocks = np.empty((nchunks, QK, R), np.float32)
     dms = np.empty((nchunks, 2, R), np.float32)
@@ -373,7 +374,7 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
         xp[:M] = x
         passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
         res = np.empty((Mp, passes * ROWS_PER_PASS), np.float32)
-        _gemm_rows(fmt, xp, qs, scales, mins, res)
+        _gemm_rows(fmt, xp, qs, scales, mins, res, 4 * nb.get_num_threads())
         out[:] = res[:M, :N]
         return out
     groups = qs.shape[0]
