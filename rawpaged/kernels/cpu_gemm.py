@@ -174,12 +174,19 @@ def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         out = np.empty((1, w.shape[0]), np.float32)
         _gemv_nt(np.ascontiguousarray(x[0], dtype=np.float32), w, out[0])
         return out
+    xp = pad_rows(x)
+    out = np.empty((xp.shape[0], w.shape[0]), np.float32)
+    _gemm_nt(xp, w, out)
+    return out[:M] if xp.shape[0] != M else out
+
+
+def pad_rows(x: np.ndarray) -> np.ndarray:
+    """``x [M, K]`` as C-contiguous float32 with its rows zero-padded to a multiple of TILE_M (``x``
+    itself when it already is one)."""
+    M, K = x.shape
     Mp = -(-M // TILE_M) * TILE_M
     if Mp == M and x.dtype == np.float32 and x.flags.c_contiguous:
-        xp = x
-    else:
-        xp = np.zeros((Mp, K), np.float32)
-        xp[:M] = x
-    out = np.empty((Mp, w.shape[0]), np.float32)
-    _gemm_nt(xp, w, out)
-    return out[:M] if Mp != M else out
+        return x
+    xp = np.zeros((Mp, K), np.float32)
+    xp[:M] = x
+    return xp

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu_gemm import _tile_4x6
+from rawpaged.kernels.cpu_gemm import TILE_M, TILE_N, _tile_4x6, pad_rows
 from rawpaged.kernels.cpu_intrinsics import half_to_float, high_nibble, low_nibble, prefetch, signed_byte
 from rawpaged.kernels.quantization import QK, QuantizedTensor
 
@@ -276,7 +276,7 @@ ROWS_PER_PASS = 3 * R
 
 @nb.njit(parallel=True, **_JIT)
 def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
-    """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of 4) times the weight's rows, P = the groups
+    """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS: 48 rows at a time are dequantized into an ``[48, K]`` row-major float32
     scratch (block by block through L1, then transposed), then multiplied by ``cpu_gemm``'s 4 x 6 tiles
     (rows past the weight's groups are zero). ``max_chunks``: passes are split into at most this many
@@ -304,9 +304,9 @@ def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
                     for r in range(R):
                         for j in range(QK):
                             w[gi * R + r, b * QK + j] = blk[j, r]
-            for m in range(0, Mp, 4):
-                for t in range(ROWS_PER_PASS // 6):
-                    _tile_4x6(x, w, out, m, t * 6, p * ROWS_PER_PASS + t * 6)
+            for m in range(0, Mp, TILE_M):
+                for t in range(ROWS_PER_PASS // TILE_N):
+                    _tile_4x6(x, w, out, m, t * TILE_N, p * ROWS_PER_PASS + t * TILE_N)
 
 
 @nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (~7 ms)
@@ -369,11 +369,9 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
         _gemm_small(fmt, x, qs, scales, mins, out)
         return out
     if M <= ROWS_MAX_BATCH:
-        Mp = -(-M // 4) * 4
-        xp = np.zeros((Mp, K), np.float32)
-        xp[:M] = x
+        xp = pad_rows(x)
         passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
-        res = np.empty((Mp, passes * ROWS_PER_PASS), np.float32)
+        res = np.empty((xp.shape[0], passes * ROWS_PER_PASS), np.float32)
         _gemm_rows(fmt, xp, qs, scales, mins, res, 4 * nb.get_num_threads())
         out[:] = res[:M, :N]
         return out
