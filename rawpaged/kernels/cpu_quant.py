@@ -15,10 +15,10 @@ the GGUF ones in another order (rows padded to a multiple of 16 with zero blocks
   reduction is ever needed and the scale and minimum are applied once per block per row:
   ``out[n] += d * sum_j q_j x_j + m * sum_j x_j`` (Q4_1's minimum, and Q4_0's ``-8 d``, cost one
   multiply per block, as in llama.cpp's dot products). The bytes a few kilobytes ahead are prefetched.
-- 1 < M <= ``SMALL_BATCH``: each block of a group is dequantized once into a ``[32, 16]`` float32
-  scratch (L1) and applied to every x row.
-- ``SMALL_BATCH`` < M <= ``ROWS_MAX_BATCH``: 48 weight rows at a time are dequantized into a row-major
-  ``[48, K]`` float32 scratch (L2) and multiplied with ``cpu_gemm``'s 4 x 6 register tiles.
+- 1 < M <= ``ROWS_MAX_BATCH`` (batched decode): 48 weight rows at a time are dequantized into a
+  row-major ``[48, K]`` float32 scratch (L2) and multiplied with ``cpu_gemm``'s 4 x 6 register tiles. A
+  block of 16 interleaved rows is dequantized and transposed in vector registers
+  (``cpu_intrinsics.q4_block_rows``), so the scratch costs about one float32 store per weight.
 - larger M (prefill, big batches): the transposed weight is dequantized ``TILE_BYTES`` at a time (on one
   thread, see ``_dequant_tile_t``) into a float32 ``[K, n]`` tile and goes through SGEMM (``x @ tile``),
   so compute-bound products run at BLAS speed.
@@ -35,7 +35,15 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu_gemm import TILE_M, TILE_N, _tile_4x6, pad_rows
-from rawpaged.kernels.cpu_intrinsics import half_to_float, high_nibble, low_nibble, prefetch, signed_byte
+from rawpaged.kernels.cpu_intrinsics import (
+    half_to_float,
+    high_nibble,
+    low_nibble,
+    prefetch,
+    q4_block_rows,
+    q8_block_rows,
+    signed_byte,
+)
 from rawpaged.kernels.quantization import QK, QuantizedTensor
 
 #: rows interleaved in a repacked weight: one 512-bit vector of float32
@@ -44,18 +52,16 @@ R = 16
 #: and reassociation would let LLVM fold the independent running sums back into one dependency chain
 _FAST = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
 _JIT = dict(cache=True, nogil=True, fastmath=_FAST)
-#: up to this many x rows a product dequantizes each block once into L1 and applies it to every row
-#: (measured on the default model's Q4_1 layers, 2-core AVX-512 host: this kernel and ``_gemm_rows``
-#: cost the same at M = 16; at 24 ``_gemm_rows`` is 1.15x faster, at 32 1.45x, at 64 1.7x)
-SMALL_BATCH = 16
 #: the products' groups are split into this many chunks (or fewer), each with its own scratch, which
 #: numba's prange deals out to the threads: enough to balance dozens of threads.
 CHUNKS = 128
-#: up to this many x rows (above SMALL_BATCH) a product dequantizes 48 weight rows at a time into a
-#: row-major scratch and multiplies them in ``cpu_gemm``'s register tiles (``_gemm_rows``); above, tiles
-#: go through SGEMM (same host: 1.2x SGEMM's speed at M = 24-32, equal at 64-128, 0.94x at 256; and
-#: no OpenBLAS threads left spinning against the Numba kernels around it, as ``cpu_gemm.SMALL_M``)
-ROWS_MAX_BATCH = 128
+#: up to this many x rows (from 2) a product dequantizes 48 weight rows at a time into a row-major
+#: scratch and multiplies them in ``cpu_gemm``'s register tiles (``_gemm_rows``); above, tiles go
+#: through SGEMM (and no OpenBLAS threads are left spinning against the Numba kernels around it, as
+#: ``cpu_gemm.SMALL_M``). Against the block-at-a-time kernel it replaced (default model's Q4_1 layer
+#: shapes, 2-core AVX-512 host): equal at M = 2, 1.5x at 4, 1.9x at 8, 2x at 16 and 32. Against the
+#: SGEMM tiles: 4x at M = 2-8, 1.7x at 32, 1.4x at 64, 1.25x at 192, equal at 256.
+ROWS_MAX_BATCH = 256
 #: float32 bytes of one dequantized tile: whole weights of the default model's layers fit in one, so a
 #: product is one dequantization and one SGEMM (the 49152-row head takes 14).
 TILE_BYTES = 8 << 20
@@ -231,68 +237,38 @@ def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
                 w[16 + j, col + r] = dm[0, r] * high_nibble(q) + dm[1, r]
 
 
-@nb.njit(parallel=True, **_JIT)
-def _gemm_small(fmt, x, qs, scales, mins, out):
-    M = x.shape[0]
-    groups, nblk, nr = qs.shape[0], qs.shape[1], qs.shape[3]
-    N = out.shape[1]
-    block_bytes = qs.shape[2] * R
-    nchunks = min(groups, CHUNKS)
-    blocks = np.empty((nchunks, QK, R), np.float32)  # a dequantized block
-    sums = np.empty((nchunks, 2 + M, R), np.float32)  # its scales, then the M running sums
-    for c in nb.prange(nchunks):
-        w = blocks[c]
-        dm = sums[c, :2]
-        acc = sums[c, 2:]
-        for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
-            for mi in range(M):
-                for r in range(nr):
-                    acc[mi, r] = 0.0
-            for b in range(nblk):
-                _prefetch_ahead(qs, (g * nblk + b) * block_bytes, block_bytes)
-                _dequant_block(fmt, qs, scales, mins, g, b, dm, w, 0)
-                for mi in range(M):
-                    for r in range(nr):
-                        s0 = np.float32(0.0)
-                        s1 = np.float32(0.0)
-                        s2 = np.float32(0.0)
-                        s3 = np.float32(0.0)
-                        for j in range(0, QK, 4):
-                            s0 += w[j, r] * x[mi, b * QK + j]
-                            s1 += w[j + 1, r] * x[mi, b * QK + j + 1]
-                            s2 += w[j + 2, r] * x[mi, b * QK + j + 2]
-                            s3 += w[j + 3, r] * x[mi, b * QK + j + 3]
-                        acc[mi, r] += (s0 + s1) + (s2 + s3)
-            for mi in range(M):
-                for r in range(nr):
-                    n = g * R + r
-                    if n < N:
-                        out[mi, n] = acc[mi, r]
-
-
 #: weight rows one tile pass of ``_gemm_rows`` dequantizes: 3 groups, 8 of ``cpu_gemm``'s 4 x 6 tiles
 ROWS_PER_PASS = 3 * R
+
+
+@nb.njit(inline="always")
+def _block_scales(fmt, scales, mins, g, b, dm):
+    """``dm [2, R]`` = the scales and minimums (Q4_0: ``-8 d``) of block b of group g's rows."""
+    for r in range(dm.shape[1]):
+        d = half_to_float(scales[g, b, r])
+        dm[0, r] = d
+        dm[1, r] = half_to_float(mins[g, b, r]) if fmt == 2 else np.float32(-8.0) * d
 
 
 @nb.njit(parallel=True, **_JIT)
 def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS: 48 rows at a time are dequantized into an ``[48, K]`` row-major float32
-    scratch (block by block through L1, then transposed), then multiplied by ``cpu_gemm``'s 4 x 6 tiles
-    (rows past the weight's groups are zero). ``max_chunks``: passes are split into at most this many
-    chunks, each with its own 110 KB scratch (at K = 576), so it is sized to the threads, not to CHUNKS."""
+    scratch (one vector-IR block at a time, ``cpu_intrinsics.q4_block_rows``), then multiplied by
+    ``cpu_gemm``'s 4 x 6 tiles (rows past the weight's groups are zero). ``max_chunks``: passes are split
+    into at most this many chunks, each with its own 110 KB scratch (at K = 576), so it is sized to the
+    threads, not to CHUNKS."""
     Mp = x.shape[0]
-    groups, nblk = qs.shape[0], qs.shape[1]
+    groups, nblk, L = qs.shape[0], qs.shape[1], qs.shape[2]
     K = nblk * QK
     gpp = ROWS_PER_PASS // R
     passes = -(-groups // gpp)
     nchunks = min(passes, max_chunks)
     rows = np.empty((nchunks, ROWS_PER_PASS, K), np.float32)
-    blocks = np.empty((nchunks, QK, R), np.float32)
     dms = np.empty((nchunks, 2, R), np.float32)
     for c in nb.prange(nchunks):
         w = rows[c]
-        blk = blocks[c]
+        dm = dms[c]
         for p in range(c * passes // nchunks, (c + 1) * passes // nchunks):
             for gi in range(gpp):
                 g = p * gpp + gi
@@ -300,10 +276,11 @@ def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
                     w[gi * R : (gi + 1) * R, :] = 0.0
                     continue
                 for b in range(nblk):
-                    _dequant_block(fmt, qs, scales, mins, g, b, dms[c], blk, 0)
-                    for r in range(R):
-                        for j in range(QK):
-                            w[gi * R + r, b * QK + j] = blk[j, r]
+                    _block_scales(fmt, scales, mins, g, b, dm)
+                    if fmt == 0:
+                        q8_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
+                    else:
+                        q4_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
             for m in range(0, Mp, TILE_M):
                 for t in range(ROWS_PER_PASS // TILE_N):
                     _tile_4x6(x, w, out, m, t * TILE_N, p * ROWS_PER_PASS + t * TILE_N)
@@ -364,9 +341,6 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
             _gemv_q8_0(x[0], qs, scales, out[0])
         else:
             _gemv_q4(x[0], qs, scales, mins, fmt == 2, out[0])
-        return out
-    if M <= SMALL_BATCH:
-        _gemm_small(fmt, x, qs, scales, mins, out)
         return out
     if M <= ROWS_MAX_BATCH:
         xp = pad_rows(x)

@@ -1,26 +1,20 @@
 """GGUF block formats on the CPU: products and lookups on the (repacked) blocks against float64 products
-with the ``gguf`` package's own dequantization, on every path (GEMV, small batch, tiled SGEMM)."""
+with the ``gguf`` package's own dequantization, on every path (GEMV, register tiles, tiled SGEMM)."""
 
 import gguf
+import numba as nb
 import numpy as np
 import pytest
 
 from rawpaged.kernels import cpu_quant
 from rawpaged.kernels.cpu import CPUBackend
+from rawpaged.kernels.cpu_intrinsics import q4_block_rows, q8_block_rows
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
 
-# M = 1 (GEMV), 3 and SMALL_BATCH (blocks dequantized once per group), SMALL_BATCH + 1 and
-# ROWS_MAX_BATCH (48 rows dequantized at a time into register tiles; 300 weight rows: the last pass
-# partly beyond the weight), ROWS_MAX_BATCH + 1 and 300 (tiles through SGEMM; 300 rows > one tile)
-BATCHES = [
-    1,
-    3,
-    cpu_quant.SMALL_BATCH,
-    cpu_quant.SMALL_BATCH + 1,
-    cpu_quant.ROWS_MAX_BATCH,
-    cpu_quant.ROWS_MAX_BATCH + 1,
-    300,
-]
+# M = 1 (GEMV), 2, 3, 8 and ROWS_MAX_BATCH (48 rows dequantized at a time into register tiles; 300
+# weight rows: the last pass partly beyond the weight), ROWS_MAX_BATCH + 1 and 300 (tiles through SGEMM;
+# 300 rows > one tile)
+BATCHES = [1, 2, 3, 8, cpu_quant.ROWS_MAX_BATCH, cpu_quant.ROWS_MAX_BATCH + 1, 300]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,7 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
 
 
 @pytest.mark.parametrize("qtype", NATIVE)
-@pytest.mark.parametrize("M", [1, 5, cpu_quant.SMALL_BATCH + 6, cpu_quant.ROWS_MAX_BATCH + 5])
+@pytest.mark.parametrize("M", [1, 5, 22, cpu_quant.ROWS_MAX_BATCH + 5])
 def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
     """233 rows: a last group of 9 real rows and 7 padding rows; tiles of 64 rows leave a partial last tile."""
     monkeypatch.setattr(cpu_quant, "TILE_BYTES", 64 * 96 * 4)
@@ -130,3 +124,32 @@ def test_half_to_float_is_exact_for_every_finite_fp16():
     convert(bits, out)
     np.testing.assert_array_equal(out[finite], bits.view(np.float16)[finite].astype(np.float32))
     assert np.signbit(out[0x8000]) and not np.signbit(out[0])
+
+
+@nb.njit
+def _dequantize_with_block_rows(fmt, qs, scales, mins, out):
+    dm = np.empty((2, cpu_quant.R), np.float32)
+    groups, nblk, L = qs.shape[0], qs.shape[1], qs.shape[2]
+    for g in range(groups):
+        for b in range(nblk):
+            cpu_quant._block_scales(fmt, scales, mins, g, b, dm)
+            off = (g * nblk + b) * L * cpu_quant.R
+            if fmt == 0:
+                q8_block_rows(qs, off, dm, out, g * cpu_quant.R, 1 + b * 32)
+            else:
+                q4_block_rows(qs, off, dm, out, g * cpu_quant.R, 1 + b * 32)
+
+
+@pytest.mark.parametrize("qtype", NATIVE)
+def test_block_rows_intrinsics_equal_gguf_dequantization(weights, qtype):
+    """The vector-IR block dequantizers write exactly gguf's values, each row's 32 positions in order, at
+    the given row and column of a poisoned matrix, and nothing else."""
+    q = QuantizedTensor.quantize(weights, qtype)
+    packed = cpu_quant.repack(q)
+    out = np.full((packed.qs.shape[0] * cpu_quant.R, 96 + 2), np.nan, np.float32)
+    qs, scales, mins = cpu_quant._planes(packed)
+    _dequantize_with_block_rows(cpu_quant._FMT[qtype], qs, scales, mins, out)
+    ref = gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[qtype])
+    np.testing.assert_array_equal(out[:300, 1:97], ref)
+    np.testing.assert_array_equal(out[300:, 1:97], 0.0)  # the zero-block padding rows
+    assert np.isnan(out[:, 0]).all() and np.isnan(out[:, 97]).all()
