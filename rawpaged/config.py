@@ -42,6 +42,9 @@ class EngineConfig:
     """prompt + generated tokens per sequence at most (default: the model's context)"""
     max_num_batched_tokens: int = 2048
     """token budget per engine step (prefill chunks + decodes)"""
+    max_prefill_tokens_while_decoding: int | None = None
+    """prefill tokens per step at most while sequences decode: a prompt that arrives then is chunked
+    instead of stalling their next token for its whole prefill (none: max_num_batched_tokens)"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of identical prompt prefixes across requests"""
     seed: int = 0
@@ -74,6 +77,10 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {Quantization.__args__} or None, got {self.quantization!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError(
+                f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}"
+            )
 
 
 def resolve_dtypes(dtype: str, kv_cache_dtype: str, backend, checkpoint_dtype: str | None) -> tuple:

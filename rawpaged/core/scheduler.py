@@ -4,7 +4,11 @@ sampled tokens do to them.
 One token budget per step (``max_num_batched_tokens``) is shared by decodes, prefills and prefill
 chunks, as in vLLM v1's scheduler and Orca's iteration-level scheduling (Yu et al., OSDI 2022).
 Running sequences are served first, in arrival order; waiting ones are admitted FCFS while the
-budget, ``max_num_seqs`` and the block pool allow. When the pool runs dry, the newest running
+budget, ``max_num_seqs`` and the block pool allow. In a step that carries decodes, prefill tokens
+(new prompts and chunks of running ones) are capped by ``max_prefill_tokens_while_decoding``, so a
+prompt arriving while others decode is chunked instead of stalling them for its whole prefill
+(Sarathi-Serve's stall-free batching, Agrawal et al., OSDI 2024); a step without decodes takes the
+whole budget, so a burst of arrivals is prefilled at once. When the pool runs dry, the newest running
 sequence is preempted by recompute (vLLM paper §4.5): its blocks are freed and it re-enters the head
 of the waiting queue with ``num_computed_tokens = 0``.
 
@@ -77,6 +81,8 @@ class Scheduler:
         max_model_len: a sequence finishes ("length") when it holds this many tokens.
         eos_token_ids: token ids that finish a sequence ("stop") unless its ``ignore_eos``.
         admission_policy: optional ``AdmissionPolicy``.
+        max_prefill_tokens_while_decoding: prefill tokens per step at most while any running sequence
+            decodes (None: only ``max_num_batched_tokens`` limits them).
     Raises:
         ValueError: a limit below 1.
     """
@@ -89,6 +95,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids=(),
         admission_policy: AdmissionPolicy | None = None,
+        max_prefill_tokens_while_decoding: int | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -97,10 +104,13 @@ class Scheduler:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {max_prefill_tokens_while_decoding}")
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.eos_token_ids = frozenset(eos_token_ids)
         self.admission_policy = admission_policy
         self.waiting: deque[Sequence] = deque()
@@ -145,12 +155,17 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
+        prefill_budget = budget
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running):
+            prefill_budget = cap
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget) if remaining <= 1 else min(remaining, budget, prefill_budget)
+            if n == 0:  # a beam waiting for its siblings' logits, or a prefill chunk past the cap
                 i += 1
                 continue
             while not kv.allocate_slots(seq, n):
@@ -160,10 +175,12 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, n))
                 budget -= n
+                if remaining > 1:
+                    prefill_budget -= n
                 i = self.running.index(seq) + 1  # a preempted beam group may have stood before seq
 
         if not out.preempted:  # no admissions in a step that had to preempt
-            self._admit(out, budget)
+            self._admit(out, min(budget, prefill_budget))
         if out.scheduled:
             self.stats.num_steps += 1
         out.blocks_to_copy = kv.take_block_copies()

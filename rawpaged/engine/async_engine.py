@@ -33,6 +33,10 @@ from rawpaged.errors import EngineDeadError, RequestFailedError
 from rawpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("rawpaged.server")
+#: an idle engine that gets a request waits until no other request has arrived for GATHER_QUIET_S
+#: (GATHER_MAX_S at most) before its first step, so that requests sent together are prefilled together
+GATHER_QUIET_S = 0.001
+GATHER_MAX_S = 0.010
 
 
 class RequestStream:
@@ -108,6 +112,7 @@ class AsyncEngine:
         self._info: dict[str, _RequestInfo] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._num_arrivals = 0  # add_request calls so far (``_gather_arrivals``)
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -127,6 +132,7 @@ class AsyncEngine:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         self._ensure_loop()
+        self._num_arrivals += 1
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -226,6 +232,7 @@ class AsyncEngine:
             if pending is None:
                 if not busy:
                     await self._wake.wait()
+                    await self._gather_arrivals(loop)
                 self._wake.clear()
                 pending = loop.run_in_executor(self._executor, self._step)
             try:
@@ -245,6 +252,17 @@ class AsyncEngine:
             self._deliver(outputs)
             # Let handlers run (new requests, aborts) between steps; back off if nothing could run.
             await asyncio.sleep(0 if outputs or not busy else 0.005)
+
+    async def _gather_arrivals(self, loop) -> None:
+        """Requests sent together (clients whose streams ended in the same step) reach their handlers one
+        after another: wait for a quiet moment, so they are prefilled in one step. Otherwise the late ones
+        are prefilled in the next step, and the early ones' second token waits for that prefill."""
+        deadline = loop.time() + GATHER_MAX_S
+        while loop.time() < deadline:
+            seen = self._num_arrivals
+            await asyncio.sleep(GATHER_QUIET_S)
+            if self._num_arrivals == seen:
+                return
 
     def _deliver(self, outputs: list) -> None:
         now = time.monotonic()

@@ -80,6 +80,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
         self.input_processor = InputProcessor(

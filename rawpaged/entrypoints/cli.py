@@ -80,7 +80,11 @@ def field_docs(cls) -> dict:
 
 
 #: Command-line parsing that differs from the field's type: (type, metavar).
-_ARG_TYPES = {"kv_cache_memory": (parse_size, "SIZE"), "num_kv_blocks": (_positive_int, None)}
+_ARG_TYPES = {
+    "kv_cache_memory": (parse_size, "SIZE"),
+    "num_kv_blocks": (_positive_int, None),
+    "max_prefill_tokens_while_decoding": (_positive_int, None),
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:

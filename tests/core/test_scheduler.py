@@ -500,3 +500,31 @@ def test_the_admission_hook_sees_the_candidate():
     sched.add(seq(3, 4))
     sched.schedule()
     assert policy.log[:2] == [("asked", 3), ("admitted", 3)]
+
+
+def test_prefill_tokens_are_capped_only_in_steps_that_carry_decodes():
+    sched = make(num_blocks=32, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=5)
+    a, b = seq(0, 12), seq(1, 12)
+    sched.add(a)
+    sched.add(b)
+    out, _ = run_step(sched)  # nothing decodes yet: both prompts whole
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 12), (1, 12)]
+    c, d = seq(2, 9), seq(3, 9)
+    sched.add(c)
+    sched.add(d)
+    out, _ = run_step(sched)  # a and b decode: 5 prompt tokens in all, c's first chunk
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 5)]
+    out, _ = run_step(sched)  # c's running chunk goes first, then d gets what is left of the cap
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 1), (1, 1), (2, 4), (3, 1)]
+    assert c.output_token_ids == [7] and not d.output_token_ids
+    sched.finish_seqs([a, b, c], "abort")
+    out, _ = run_step(sched)  # d alone, no decodes: the rest of its prompt at once
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(3, 8)]
+    sched.finish_seqs([d], "abort")
+    kv = sched.kv_cache_manager
+    assert kv.block_pool.num_free_blocks == kv.block_pool.num_blocks
+
+
+def test_prefill_cap_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        make(max_prefill_tokens_while_decoding=0)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rawpaged.engine import async_engine
 from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.outputs import CompletionOutput, RequestOutput
 from rawpaged.errors import EngineDeadError, RequestFailedError
@@ -146,3 +147,26 @@ def test_async_engine_a_request_failed_alone_raises_only_in_its_stream():
         await ae.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_an_idle_engine_gathers_requests_that_arrive_together(gather, monkeypatch):
+    """A request whose handler reaches the engine a few event-loop rounds after another one (clients
+    sending together) is in the same first step; with the gather turned off it misses it, so the test
+    sees the race it guards against."""
+    if not gather:
+        monkeypatch.setattr(async_engine, "GATHER_MAX_S", 0.0)
+
+    async def main():
+        fake = FakeEngine(step_time=0.05)
+        ae = AsyncEngine(fake, log_requests=False)
+        a = await ae.add_request("a", SamplingParams(max_tokens=2), "a")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        b = await ae.add_request("b", SamplingParams(max_tokens=2), "b")
+        [o async for o in a], [o async for o in b]
+        first_step = next(e[1] for e in fake.log if e[0] == "step")
+        await ae.close()
+        return first_step
+
+    assert run(main()) == ({"a", "b"} if gather else {"a"})
