@@ -129,6 +129,12 @@ async def _stream_once(session, url, model, prompt, output_len, headers, fresh: 
 
 
 async def run_level(base_url, model, prompts, output_len, concurrency, request_rate, seed, headers) -> dict:
+    args = (base_url, model, prompts, output_len, concurrency, request_rate, seed, headers)
+    return summarize(*await run_level_raw(*args), concurrency, request_rate)
+
+
+async def run_level_raw(base_url, model, prompts, output_len, concurrency, request_rate, seed, headers) -> tuple:
+    """(per-request results, seconds) of one level: ``prompts`` sent with ``concurrency`` in flight."""
     url = base_url.rstrip("/") + "/v1/completions"
     sem = asyncio.Semaphore(concurrency)
     rng = np.random.default_rng(seed + 1)
@@ -147,7 +153,7 @@ async def run_level(base_url, model, prompts, output_len, concurrency, request_r
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return summarize(results, duration, concurrency, request_rate)
+    return results, duration
 
 
 def _stats(values: list) -> dict:
@@ -276,13 +282,20 @@ def bench_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
 
 
-def run_levels(base_url: str, args, headers: dict, model: str | None = None) -> tuple:
-    """(model name, model card, one summary per level) of the levels in ``args`` against ``base_url``."""
+def model_name(base_url: str, args, headers: dict | None = None) -> str:
+    """``args.model``, or the first model of the server's ``/v1/models``."""
+    return model_card(base_url, headers or {})["id"] if not args.model else args.model
+
+
+def model_card(base_url: str, headers: dict) -> dict:
     status, text = asyncio.run(_get(base_url + "/v1/models", headers=headers))
     if status != 200:
         raise SystemExit(f"GET /v1/models: HTTP {status}: {text[:200]}")
-    card = json.loads(text)["data"][0]
-    model = model or args.model or card["id"]
+    return json.loads(text)["data"][0]
+
+
+def levels_of(args) -> list:
+    """``((concurrency, request rate), number of prompts)`` per level of ``args``."""
     if args.request_rate:
         levels = [(args.concurrency[min(i, len(args.concurrency) - 1)], r) for i, r in enumerate(args.request_rate)]
     else:
@@ -292,12 +305,24 @@ def run_levels(base_url: str, args, headers: dict, model: str | None = None) -> 
         nums = nums * len(levels)
     if len(nums) != len(levels):
         raise SystemExit(f"--num-prompts has {len(nums)} values for {len(levels)} levels")
-    low, high = args.token_id_range
+    return list(zip(levels, nums))
+
+
+def warm_up(base_url: str, model: str, args, headers: dict | None = None) -> None:
     if not args.no_warmup:
+        low, high = args.token_id_range
         warm = make_prompts(1, args.input_len, args.seed + 999, low, high)
-        asyncio.run(run_level(base_url, model, warm, min(args.output_len, 4), 1, float("inf"), 0, headers))
+        asyncio.run(run_level(base_url, model, warm, min(args.output_len, 4), 1, float("inf"), 0, headers or {}))
+
+
+def run_levels(base_url: str, args, headers: dict, model: str | None = None) -> tuple:
+    """(model name, model card, one summary per level) of the levels in ``args`` against ``base_url``."""
+    card = model_card(base_url, headers)
+    model = model or args.model or card["id"]
+    warm_up(base_url, model, args, headers)
+    low, high = args.token_id_range
     runs = []
-    for i, ((conc, rate), num) in enumerate(zip(levels, nums)):
+    for i, ((conc, rate), num) in enumerate(levels_of(args)):
         prompts = make_prompts(num, args.input_len, args.seed + i, low, high)
         print(f"running concurrency={conc} rate={rate:g} num_prompts={num} ...", file=sys.stderr)
         runs.append(asyncio.run(run_level(base_url, model, prompts, args.output_len, conc, rate, args.seed, headers)))
@@ -342,7 +367,9 @@ def print_compare(rows: list) -> str:
 
 
 def compare_with_llama_server(args) -> int:
-    """Both servers on the same weights, one after the other, the same client and levels."""
+    """Both servers on the same weights, the same client and levels. Both are started first; each level
+    then runs ``--compare-rounds`` times on each, alternating which goes first (ABBA), and a server's row
+    pools its requests over the rounds, so drift in the host's speed falls on both."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from benchmarks.common import conditions, write_json
@@ -356,18 +383,36 @@ def compare_with_llama_server(args) -> int:
     parallel = max(args.concurrency)
     env = bench_env()
     ours_args = ["--model", ours_model, "--device", "cpu", "--max-num-seqs", str(max(64, parallel))]
-    results = {}
-    for name in ("rawpaged", "llama_server"):
-        if name == "rawpaged":
-            proc, url, log = start_server(ours_args, timeout=600, env=env)
-        else:
-            proc, url, log = start_llama_server(args.compare_llama_server, gguf, parallel, 1024, 2, timeout=600)
-        try:
-            _, _, runs = run_levels(url, args, {})
-        finally:
+    names = ("rawpaged", "llama_server")
+    procs, urls, logs = {}, {}, {}
+    try:
+        procs["rawpaged"], urls["rawpaged"], logs["rawpaged"] = start_server(ours_args, timeout=600, env=env)
+        procs["llama_server"], urls["llama_server"], logs["llama_server"] = start_llama_server(
+            args.compare_llama_server, gguf, parallel, 1024, 2, timeout=600
+        )
+        runs = {name: [] for name in names}
+        models = {name: model_name(urls[name], args) for name in names}
+        for name in names:
+            warm_up(urls[name], models[name], args)
+        for i, ((conc, rate), num) in enumerate(levels_of(args)):
+            prompts = make_prompts(num, args.input_len, args.seed + i, *args.token_id_range)
+            pooled = {name: ([], 0.0) for name in names}
+            for r in range(args.compare_rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    print(f"{name}: concurrency={conc} num_prompts={num} round {r + 1} ...", file=sys.stderr)
+                    res, dur = asyncio.run(
+                        run_level_raw(urls[name], models[name], prompts, args.output_len, conc, rate, args.seed, {})
+                    )
+                    pooled[name] = (pooled[name][0] + list(res), pooled[name][1] + dur)
+            for name in names:
+                runs[name].append(summarize(*pooled[name], conc, rate))
+    finally:
+        for proc in procs.values():
             stop(proc)
+    results = {}
+    for name in names:
         print(f"{name}:", file=sys.stderr)
-        results[name] = {"runs": runs, "table": print_table(runs), "log": log}
+        results[name] = {"runs": runs[name], "table": print_table(runs[name]), "log": logs[name]}
     rows = compare_rows(results["rawpaged"]["runs"], results["llama_server"]["runs"])
     table = print_compare(rows)
     out = {
@@ -380,6 +425,7 @@ def compare_with_llama_server(args) -> int:
             llama_server=f"{args.compare_llama_server} -np {parallel} -c {parallel * 1024} -t 2 -tb 2",
             input_len=args.input_len,
             output_len=args.output_len,
+            rounds=f"{args.compare_rounds} per level and server, alternating which server goes first, pooled",
             endpoint="/v1/completions (stream, token-id prompts, ignore_eos, temperature 0)",
             env_unset=["OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"],
         ),
@@ -435,8 +481,14 @@ def main(argv=None) -> int:
         "--compare-llama-server",
         metavar="PATH",
         default=None,
-        help="a llama-server binary: serve the default model's weights with both servers, one after the "
-        "other, and print them side by side (see docs/benchmarks.md for building it)",
+        help="a llama-server binary: serve the default model's weights with both servers, each level "
+        "alternating between them, and print them side by side (see docs/benchmarks.md for building it)",
+    )
+    p.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=2,
+        help="with --compare-llama-server: runs of each level per server, alternating which goes first",
     )
     p.add_argument(
         "--compare-format",
