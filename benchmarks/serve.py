@@ -395,9 +395,11 @@ def compare_with_llama_server(args) -> int:
         for name in names:
             warm_up(urls[name], models[name], args)
         for i, ((conc, rate), num) in enumerate(levels_of(args)):
-            prompts = make_prompts(num, args.input_len, args.seed + i, *args.token_id_range)
             pooled = {name: ([], 0.0) for name in names}
             for r in range(args.compare_rounds):
+                # new prompts each round (the same for both servers): a repeated prompt would hit both
+                # servers' prompt caches
+                prompts = make_prompts(num, args.input_len, args.seed + i + 1000 * r, *args.token_id_range)
                 for name in names if r % 2 == 0 else names[::-1]:
                     print(f"{name}: concurrency={conc} num_prompts={num} round {r + 1} ...", file=sys.stderr)
                     res, dur = asyncio.run(

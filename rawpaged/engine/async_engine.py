@@ -34,9 +34,12 @@ from rawpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("rawpaged.server")
 #: an idle engine that gets a request waits until no other request has arrived for GATHER_QUIET_S
-#: (GATHER_MAX_S at most) before its first step, so that requests sent together are prefilled together
+#: (GATHER_MAX_S at most) before its first step, so that requests sent together are prefilled together;
+#: when its last step finished k requests less than GATHER_RECENT_S before, it also waits (as long) for
+#: k arrivals: clients that send their next request as soon as a response ends
 GATHER_QUIET_S = 0.001
-GATHER_MAX_S = 0.010
+GATHER_MAX_S = 0.020
+GATHER_RECENT_S = 0.050
 
 
 class RequestStream:
@@ -113,6 +116,8 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._num_arrivals = 0  # add_request calls so far (``_gather_arrivals``)
+        # when the engine last went idle, how many requests its last step finished, arrivals by then
+        self._idle_since = (float("-inf"), 0, 0)
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -250,18 +255,25 @@ class AsyncEngine:
                 self._wake.clear()
                 pending = loop.run_in_executor(self._executor, self._step)
             self._deliver(outputs)
+            if not busy:
+                finished = sum(1 for out in outputs if out.finished)
+                self._idle_since = (loop.time(), finished, self._num_arrivals)
             # Let handlers run (new requests, aborts) between steps; back off if nothing could run.
             await asyncio.sleep(0 if outputs or not busy else 0.005)
 
     async def _gather_arrivals(self, loop) -> None:
         """Requests sent together (clients whose streams ended in the same step) reach their handlers one
-        after another: wait for a quiet moment, so they are prefilled in one step. Otherwise the late ones
-        are prefilled in the next step, and the early ones' second token waits for that prefill."""
-        deadline = loop.time() + GATHER_MAX_S
+        after another: wait for them and for a quiet moment, so they are prefilled in one step. Otherwise
+        the late ones are prefilled in the next step, and the early ones' second token waits for that
+        prefill."""
+        now = loop.time()
+        deadline = now + GATHER_MAX_S
+        idle_since, finished, arrivals = self._idle_since
+        expected = arrivals + (finished if now - idle_since < GATHER_RECENT_S else 1)
         while loop.time() < deadline:
             seen = self._num_arrivals
             await asyncio.sleep(GATHER_QUIET_S)
-            if self._num_arrivals == seen:
+            if self._num_arrivals == seen and seen >= expected:
                 return
 
     def _deliver(self, outputs: list) -> None:

@@ -170,3 +170,30 @@ def test_an_idle_engine_gathers_requests_that_arrive_together(gather, monkeypatc
         return first_step
 
     assert run(main()) == ({"a", "b"} if gather else {"a"})
+
+
+@pytest.mark.parametrize("expect", [True, False])
+def test_an_engine_that_just_finished_k_requests_waits_for_k_arrivals(expect, monkeypatch):
+    """Closed-loop clients: two streams end in the same step, their clients send again 50 ms apart
+    (longer than the quiet window); the idle engine waits for both before its first step. Without the
+    expectation (finished requests too long ago) the second misses it."""
+    monkeypatch.setattr(async_engine, "GATHER_MAX_S", 1.0)
+    if not expect:
+        monkeypatch.setattr(async_engine, "GATHER_RECENT_S", 0.0)
+
+    async def main():
+        fake = FakeEngine(step_time=0.01)
+        ae = AsyncEngine(fake, log_requests=False)
+        first = [await ae.add_request("p", SamplingParams(max_tokens=2), rid) for rid in ("a", "b")]
+        for stream in first:
+            [o async for o in stream]
+        fake.log.clear()
+        c = await ae.add_request("p", SamplingParams(max_tokens=1), "c")
+        await asyncio.sleep(0.05)
+        d = await ae.add_request("p", SamplingParams(max_tokens=1), "d")
+        [o async for o in c], [o async for o in d]
+        first_step = next(e[1] for e in fake.log if e[0] == "step")
+        await ae.close()
+        return first_step
+
+    assert run(main()) == ({"c", "d"} if expect else {"c"})
