@@ -30,9 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import rawpaged  # noqa: E402, F401  (before numpy: it configures OpenBLAS and Numba)
+
+# isort: split
+import numpy as np  # noqa: E402
+
 from benchmarks.common import conditions, print_table, read_bandwidth, write_json  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
 from rawpaged import weights as rp_weights  # noqa: E402
