@@ -149,6 +149,21 @@ def test_async_engine_a_request_failed_alone_raises_only_in_its_stream():
     run(main())
 
 
+async def _first_step_of_two(ae, fake, first: str, second: str, pause) -> set:
+    """Add ``first``, await ``pause()``, add ``second``; drain both; the ids in the first step that ran."""
+    a = await ae.add_request("p", SamplingParams(max_tokens=1), first)
+    await pause()
+    b = await ae.add_request("p", SamplingParams(max_tokens=1), second)
+    [o async for o in a], [o async for o in b]
+    await ae.close()
+    return next(e[1] for e in fake.log if e[0] == "step")
+
+
+async def _event_loop_rounds(n=3):
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 @pytest.mark.parametrize("gather", [True, False])
 def test_an_idle_engine_gathers_requests_that_arrive_together(gather, monkeypatch):
     """A request whose handler reaches the engine a few event-loop rounds after another one (clients
@@ -159,15 +174,7 @@ def test_an_idle_engine_gathers_requests_that_arrive_together(gather, monkeypatc
 
     async def main():
         fake = FakeEngine(step_time=0.05)
-        ae = AsyncEngine(fake, log_requests=False)
-        a = await ae.add_request("a", SamplingParams(max_tokens=2), "a")
-        for _ in range(3):
-            await asyncio.sleep(0)
-        b = await ae.add_request("b", SamplingParams(max_tokens=2), "b")
-        [o async for o in a], [o async for o in b]
-        first_step = next(e[1] for e in fake.log if e[0] == "step")
-        await ae.close()
-        return first_step
+        return await _first_step_of_two(AsyncEngine(fake, log_requests=False), fake, "a", "b", _event_loop_rounds)
 
     assert run(main()) == ({"a", "b"} if gather else {"a"})
 
@@ -188,12 +195,6 @@ def test_an_engine_that_just_finished_k_requests_waits_for_k_arrivals(expect, mo
         for stream in first:
             [o async for o in stream]
         fake.log.clear()
-        c = await ae.add_request("p", SamplingParams(max_tokens=1), "c")
-        await asyncio.sleep(0.05)
-        d = await ae.add_request("p", SamplingParams(max_tokens=1), "d")
-        [o async for o in c], [o async for o in d]
-        first_step = next(e[1] for e in fake.log if e[0] == "step")
-        await ae.close()
-        return first_step
+        return await _first_step_of_two(ae, fake, "c", "d", lambda: asyncio.sleep(0.05))
 
     assert run(main()) == ({"c", "d"} if expect else {"c"})
