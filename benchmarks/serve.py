@@ -500,6 +500,8 @@ def main(argv=None) -> int:
         "or the Q4_1 GGUF file (both servers)",
     )
     args = p.parse_args(argv)
+    if args.compare_rounds < 1:
+        p.error(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
     if args.compare_llama_server:
         return compare_with_llama_server(args)
 

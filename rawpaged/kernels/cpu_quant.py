@@ -216,15 +216,21 @@ def _gemv_q4(x, qs, scales, mins, has_min, out):
 
 
 @nb.njit(inline="always")
+def _block_scales(fmt, scales, mins, g, b, dm):
+    """``dm [2, R]`` = the scales and minimums (Q4_0: ``-8 d``) of block b of group g's rows."""
+    for r in range(dm.shape[1]):
+        d = half_to_float(scales[g, b, r])
+        dm[0, r] = d
+        dm[1, r] = half_to_float(mins[g, b, r]) if fmt == 2 else np.float32(-8.0) * d
+
+
+@nb.njit(inline="always")
 def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
     """``w[0:32, col + r]`` = position 0-31 of block b of row r of group g, as float32 (``dm [2, R]``:
     scratch for the rows' scales and minimums). The rows are the innermost loop, with few streams in
     and out, so LLVM vectorizes it (with rows outermost it gives up on its alias checks)."""
     nr = qs.shape[3]  # R, as a run-time count: LLVM then vectorizes these loops instead of unrolling them
-    for r in range(nr):
-        d = half_to_float(scales[g, b, r])
-        dm[0, r] = d
-        dm[1, r] = half_to_float(mins[g, b, r]) if fmt == 2 else np.float32(-8.0) * d
+    _block_scales(fmt, scales, mins, g, b, dm)
     if fmt == 0:
         for j in range(QK):
             for r in range(nr):
@@ -239,15 +245,6 @@ def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
 
 #: weight rows one tile pass of ``_gemm_rows`` dequantizes: 3 groups, 8 of ``cpu_gemm``'s 4 x 6 tiles
 ROWS_PER_PASS = 3 * R
-
-
-@nb.njit(inline="always")
-def _block_scales(fmt, scales, mins, g, b, dm):
-    """``dm [2, R]`` = the scales and minimums (Q4_0: ``-8 d``) of block b of group g's rows."""
-    for r in range(dm.shape[1]):
-        d = half_to_float(scales[g, b, r])
-        dm[0, r] = d
-        dm[1, r] = half_to_float(mins[g, b, r]) if fmt == 2 else np.float32(-8.0) * d
 
 
 @nb.njit(parallel=True, **_JIT)
