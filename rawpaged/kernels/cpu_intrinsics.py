@@ -11,6 +11,9 @@ bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the lo
   call, which Numba's JIT does not link).
 - ``low_nibble(q)`` / ``high_nibble(q)``: ``q & 15`` and ``q >> 4`` of a uint8, as float32.
 - ``signed_byte(q)``: a uint8 read as int8 (two's complement), as float32 (``Q8_0``'s quants).
+- ``pow2_int(n)``: 2.0 ** n as float32 for an int32 n in [-126, 127], built from its exponent bits
+  (``(n + 127) << 23``): the last step of a vectorizable ``exp`` (``cpu._exp_f32``), where a loop over
+  ``math.exp`` stays scalar (Numba links no vector math library).
 - ``prefetch(array, byte_offset)``: a read prefetch of the cache line at ``array``'s data + offset, into
   every cache level (``llvm.prefetch``; a no-op where the target has no prefetch instruction).
 - ``q4_block_rows`` / ``q8_block_rows(qs, byte_offset, dm, w, row0, col)``: one block of 16 interleaved
@@ -79,6 +82,18 @@ def signed_byte(typingctx, q):
         return builder.sitofp(args[0], _F32)
 
     return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def pow2_int(typingctx, n):
+    if n != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        biased = builder.add(args[0], ir.Constant(_I32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(_I32, 23)), _F32)
+
+    return types.float32(types.int32), codegen
 
 
 @intrinsic

@@ -1,5 +1,6 @@
 """CPU (Numba) kernels against float64 references, blocks scattered randomly, outputs NaN-poisoned."""
 
+import numba as nb
 import numpy as np
 import pytest
 
@@ -175,6 +176,36 @@ def test_rms_norm_rotary_silu_against_float64():
     np.testing.assert_allclose(
         cpu.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:], rtol=1e-5, atol=1e-6
     )
+
+
+@nb.njit
+def _exp_each(x):
+    out = np.full_like(x, np.nan)
+    for i in range(x.shape[0]):
+        out[i] = cpu._exp_f32(x[i])
+    return out
+
+
+def test_vector_exp_against_float64_and_its_clamp():
+    x = np.concatenate([np.linspace(-87, 88, 400_001, dtype=np.float32), np.float32([0, -1e-8, 1e-8, -0.5, 0.5])])
+    ref = np.exp(x.astype(np.float64))
+    got = _exp_each(x)
+    rel = np.abs(got - ref) / ref
+    assert rel.max() < 3e-7, (x[rel.argmax()], rel.max())  # ~2 ulp of float32
+    # outside [-87, 88] it is the bound's value: finite, never inf or 0 (the kernels' masks rely on it)
+    edge = _exp_each(np.float32([-1e30, -200, 100, 1e30]))
+    np.testing.assert_allclose(edge, np.exp([-87.0, -87.0, 88.0, 88.0]), rtol=3e-7)
+
+
+def test_silu_and_mul_against_float64_over_the_whole_range():
+    rng = np.random.default_rng(4)
+    g = np.concatenate([rng.standard_normal((6, 700)) * 8, np.linspace(-120, 120, 6 * 100).reshape(6, 100)], axis=1)
+    x = np.concatenate([g, rng.standard_normal(g.shape)], axis=1).astype(np.float32)
+    xd = x.astype(np.float64)
+    inter = g.shape[1]
+    ref = xd[:, :inter] / (1 + np.exp(-xd[:, :inter])) * xd[:, inter:]
+    got = cpu.silu_and_mul(x[1:])  # a view that starts mid-buffer
+    np.testing.assert_allclose(got, ref[1:], rtol=2e-6, atol=1e-30)
 
 
 # (seq_lens, new tokens): after a 220-token prefix / whole prompt / short chunk (Numba kernel); the
