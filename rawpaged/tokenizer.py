@@ -92,6 +92,10 @@ class Tokenizer:
         self._byte_level = (json.loads(spec).get("decoder") or {}).get("type") == "ByteLevel"
         self._template = None
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what grammar engines such as llguidance read)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list:
         """Token ids of a raw prompt as HF's ``tokenizer(text)`` and vLLM give them: special-token text
         parsed as the special token, and the tokens ``tokenizer.json``'s post-processor adds (Llama 3's

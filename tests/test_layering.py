@@ -14,6 +14,7 @@ FORBIDDEN = {
     "kernels": {"core", "engine", "entrypoints", "model_executor"},
     "model_executor": {"engine", "entrypoints"},
     "engine": {"entrypoints"},
+    "structured_output": {"core", "engine", "entrypoints", "model_executor"},
 }
 
 

@@ -649,6 +649,42 @@ def silu_and_mul(x):
     return out
 
 
+@nb.njit(cache=True, nogil=True)  # no fastmath: it writes -inf
+def _apply_token_bitmask(logits, bitmask, rows):
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    for i in range(rows.shape[0]):
+        row = logits[rows[i]]
+        words = bitmask[i]
+        for v in range(covered):
+            if (words[v >> 5] >> (v & 31)) & 1 == 0:
+                row[v] = -np.inf
+        for v in range(covered, vocab):
+            row[v] = -np.inf
+
+
+def apply_token_bitmask(logits, bitmask, rows):
+    """Structured outputs: set the logits of the tokens a bitmask forbids to ``-inf``, in place.
+
+    Args:
+        logits: float32 ``[num_rows, vocab]``, modified.
+        bitmask: int32 ``[n, words]``; token ``t`` is allowed in mask ``i`` when bit ``t % 32`` of word
+            ``t // 32`` is set (the packed layout of vLLM, xgrammar and llguidance); tokens past
+            ``32 * words`` are forbidden.
+        rows: int ``[n]``, the logits row each mask applies to (rows without a mask are untouched).
+    Raises:
+        ValueError on shapes or dtypes that do not fit.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if logits.dtype != np.float32 or logits.ndim != 2:
+        raise ValueError(f"logits must be float32 [rows, vocab], got {logits.dtype} {logits.shape}")
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != rows.shape[0]:
+        raise ValueError(f"bitmask must be int32 [{rows.shape[0]}, words], got {bitmask.dtype} {bitmask.shape}")
+    if rows.size and (rows.min() < 0 or rows.max() >= logits.shape[0]):
+        raise ValueError(f"rows must index the {logits.shape[0]} logits rows")
+    _apply_token_bitmask(logits, bitmask, rows)
+
+
 def filtered_probs(logits_row, temperature: float, top_k: int, top_p: float, min_p: float):
     """float64 probabilities (sum 1) of one logits row after temperature, top-k, top-p and min-p.
 

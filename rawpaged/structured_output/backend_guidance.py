@@ -1,0 +1,134 @@
+"""The llguidance grammar engine (https://github.com/guidance-ai/llguidance; vLLM's ``guidance`` backend).
+
+``GuidanceBackend`` wraps the model's tokenizer once (llguidance reads the ``tokenizers`` JSON directly,
+no transformers) and turns a ``StructuredOutputsParams`` into a validated grammar; ``GuidanceGrammar``
+is one sequence's matcher over it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import numpy as np
+
+from rawpaged.errors import InvalidRequestError
+from rawpaged.structured_output.params import StructuredOutputsParams
+
+#: llguidance's JSON options when free whitespace is disabled: fixed separators, as ``json.dumps``
+#: writes them
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row of a token bitmask: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + 31) // 32
+
+
+class GuidanceBackend:
+    """Grammars over one tokenizer.
+
+    Args:
+        tokenizer: the model's ``rawpaged.tokenizer.Tokenizer`` (its ``tokenizers`` JSON and EOS id).
+        vocab_size: the model's logits width, when larger than the tokenizer's (padded embeddings);
+            ids past the tokenizer's are never allowed.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int | None = None):
+        self.llg_tokenizer = llguidance.LLTokenizer(
+            tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id
+        )
+        self.vocab_size = self.llg_tokenizer.vocab_size
+
+    def grammar_spec(self, params: StructuredOutputsParams) -> str:
+        """The llguidance grammar (its JSON text) for ``params``, validated against the tokenizer.
+
+        Raises:
+            InvalidRequestError naming ``structured_outputs.<kind>`` when the schema, expression or
+            grammar does not compile (the message is llguidance's, which says where and why).
+        """
+        kind = params.kind
+        field = f"structured_outputs.{kind}"
+        try:
+            if kind in ("json", "json_object"):
+                schema = {"type": "object"} if kind == "json_object" else params.json
+                text = schema if isinstance(schema, str) else json.dumps(schema)
+                spec = llguidance.LLMatcher.grammar_from_json_schema(
+                    text, defaults=_COMPACT_JSON if params.disable_any_whitespace else None
+                )
+            elif kind == "regex":
+                spec = llguidance.LLMatcher.grammar_from_regex(params.regex)
+            elif kind == "choice":
+                spec = llguidance.grammar_from("choice", json.dumps(list(params.choice)))
+            else:
+                spec = llguidance.grammar_from("grammar", params.grammar)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise InvalidRequestError(f"{field} does not compile: {e}", field) from None
+        message = llguidance.LLMatcher.validate_grammar(spec, self.llg_tokenizer)
+        if message:
+            raise InvalidRequestError(f"{field} does not compile: {message}", field)
+        return spec
+
+    def grammar(self, spec: str) -> GuidanceGrammar:
+        """A fresh matcher for a spec from ``grammar_spec``."""
+        return GuidanceGrammar(llguidance.LLMatcher(self.llg_tokenizer, spec), self.vocab_size)
+
+
+class GuidanceGrammar:
+    """One sequence's matcher: which tokens may come next, given the tokens it accepted.
+
+    Its bitmask row has bit ``t % 32`` of int32 word ``t // 32`` set when token ``t`` is allowed (EOS is
+    the only token allowed once the output is complete).
+    """
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self.num_processed_tokens = 0
+
+    def fill_bitmask(self, bitmask: np.ndarray, index: int) -> None:
+        """Write the allowed next tokens into row ``index`` of ``bitmask`` (C-contiguous int32
+        ``[rows, bitmask_words(vocab_size)]``).
+
+        Raises:
+            ValueError when the bitmask's shape or dtype does not fit.
+        """
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:
+            raise ValueError("bitmask must be a C-contiguous int32 [rows, words] array")
+        if bitmask.shape[1] != bitmask_words(self.vocab_size) or not 0 <= index < bitmask.shape[0]:
+            raise ValueError(f"bitmask {bitmask.shape} does not fit row {index} of a {self.vocab_size}-token mask")
+        row = bitmask[index]
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and the matcher unchanged in meaning: it is in error)
+        when the grammar forbids it."""
+        ok = self._matcher.consume_token(int(token_id))
+        if ok:
+            self.num_processed_tokens += 1
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` accepted tokens."""
+        if not 0 <= num_tokens <= self.num_processed_tokens or not self._matcher.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_processed_tokens} tokens")
+        self.num_processed_tokens -= num_tokens
+
+    def fork(self) -> GuidanceGrammar:
+        """An independent copy in the same state (a new sample of ``n > 1``, a beam)."""
+        copy = GuidanceGrammar(self._matcher.deep_copy(), self.vocab_size)
+        copy.num_processed_tokens = self.num_processed_tokens
+        return copy
+
+    def is_terminated(self) -> bool:
+        """True once the output is complete and only EOS remains (or the matcher stopped)."""
+        return self._matcher.is_stopped()
+
+    def is_accepting(self) -> bool:
+        """True when the tokens so far form a complete output (more may still be allowed)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def error(self) -> str:
+        """The matcher's error ("" when none)."""
+        return self._matcher.get_error() if self._matcher.is_error() else ""

@@ -1,0 +1,217 @@
+"""Structured outputs over llguidance with the default model's tokenizer: what each constraint lets
+through, the bitmask layout the kernels read, forks, rollbacks, errors and the compile cache."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from rawpaged.errors import InvalidRequestError
+from rawpaged.kernels import cpu
+from rawpaged.structured_output import StructuredOutputManager, StructuredOutputsParams
+from rawpaged.structured_output.backend_guidance import bitmask_words
+from rawpaged.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer)
+    yield m
+    m.shutdown()
+
+
+def allowed(bitmask_row, vocab_size):
+    """Token ids whose bit is set (an independent reading of the packed layout)."""
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+def walk(manager, grammar, tokenizer, rng, max_tokens=120):
+    """Random allowed tokens until EOS is drawn; the text and whether EOS ended it."""
+    out = []
+    for _ in range(max_tokens):
+        ids = allowed(manager.grammar_bitmask([grammar])[0], grammar.vocab_size)
+        assert ids.size, "a matcher must always allow some token"
+        # prefer ending once allowed, so that the walk terminates
+        token = tokenizer.eos_token_id if tokenizer.eos_token_id in ids and rng.random() < 0.5 else int(rng.choice(ids))
+        if token == tokenizer.eos_token_id:
+            assert grammar.is_accepting()
+            return tokenizer.decode(out), True
+        assert grammar.accept_token(token), grammar.error
+        out.append(token)
+    return tokenizer.decode(out), False
+
+
+def check_against_schema(value):
+    assert set(value) == {"name", "age", "tags"}
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
+    assert isinstance(value["tags"], list) and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_walks_end_in_valid_compact_json(manager, tokenizer, seed):
+    rng = np.random.default_rng(seed)
+    grammar = manager.compile(StructuredOutputsParams(json=SCHEMA))
+    text, ended = walk(manager, grammar, tokenizer, rng, max_tokens=400)
+    assert ended, text
+    check_against_schema(json.loads(text))
+    # no free whitespace: the text is what json.dumps writes for the value
+    assert text == json.dumps(json.loads(text), ensure_ascii=False) or "\\" in text
+
+
+def test_json_object_regex_and_choice(manager, tokenizer):
+    # any object (a random walk through it need not end: objects nest without bound)
+    grammar = manager.compile(StructuredOutputsParams(json_object=True))
+    assert all(grammar.accept_token(t) for t in tokenizer.encode_literal('{"a": [1, {"b": null}], "c": "d"}'))
+    assert tokenizer.eos_token_id in allowed(manager.grammar_bitmask([grammar])[0], grammar.vocab_size)
+    not_an_object = manager.compile(StructuredOutputsParams(json_object=True))
+    assert not not_an_object.accept_token(tokenizer.encode_literal("[1]")[0])
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        grammar = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"))
+        text, ended = walk(manager, grammar, tokenizer, rng)
+        assert ended and re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+        grammar = manager.compile(StructuredOutputsParams(choice=["positive", "negative", "neutral"]))
+        text, ended = walk(manager, grammar, tokenizer, rng)
+        assert ended and text in ("positive", "negative", "neutral")
+
+
+def test_grammar_in_lark_and_gbnf(manager, tokenizer):
+    lark = 'start: "yes" | "no" | NUMBER\nNUMBER: /[1-9][0-9]?/'
+    gbnf = 'root ::= "(" [a-c]+ ")"'
+    for spec, pattern in ((lark, r"yes|no|[1-9][0-9]?"), (gbnf, r"\([a-c]+\)")):
+        grammar = manager.compile(StructuredOutputsParams(grammar=spec))
+        text, ended = walk(manager, grammar, tokenizer, np.random.default_rng(1))
+        assert ended and re.fullmatch(pattern, text), text
+
+
+def test_a_forbidden_token_is_refused_and_the_first_mask_is_exact(manager, tokenizer):
+    grammar = manager.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    ids = allowed(manager.grammar_bitmask([grammar])[0], grammar.vocab_size)
+    texts = {tokenizer.decode([int(t)]) for t in ids}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    assert tokenizer.eos_token_id not in ids  # nothing yet: ending now would be invalid
+    assert not grammar.accept_token(tokenizer.encode_literal("maybe")[0])
+    assert grammar.error
+
+
+def test_fork_and_rollback_keep_independent_states(manager, tokenizer):
+    grammar = manager.compile(StructuredOutputsParams(regex=r"ab(c|d)e"))
+    for t in tokenizer.encode_literal("ab"):
+        assert grammar.accept_token(t)
+    before = manager.grammar_bitmask([grammar])[0].copy()
+    fork = grammar.fork()
+    c = tokenizer.encode_literal("c")
+    assert len(c) == 1 and fork.accept_token(c[0])
+    # the original is unaffected by its fork
+    np.testing.assert_array_equal(manager.grammar_bitmask([grammar])[0], before)
+    assert fork.num_processed_tokens == grammar.num_processed_tokens + 1
+    # rolling the fork back gives the state it was forked from
+    fork.rollback(1)
+    np.testing.assert_array_equal(manager.grammar_bitmask([fork])[0], before)
+    with pytest.raises(ValueError, match="roll back"):
+        fork.rollback(fork.num_processed_tokens + 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, words",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "structured_outputs.json", "strin"),
+        (dict(json="{not json"), "structured_outputs.json", "structured_outputs.json"),
+        (dict(regex="[a-z]+("), "structured_outputs.regex", "unclosed group"),
+        (dict(grammar="start: undefined_rule"), "structured_outputs.grammar", "undefined_rule"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_a_clear_error(manager, kwargs, field, words):
+    with pytest.raises(InvalidRequestError, match=re.escape(words)) as err:
+        manager.compile(StructuredOutputsParams(**kwargs))
+    assert err.value.param == field and field in str(err.value)
+    # the same error when compiled in the thread
+    with pytest.raises(InvalidRequestError):
+        manager.compile_async(StructuredOutputsParams(**kwargs)).result()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(regex="a", choice=["a"]), dict(choice=[]), dict(choice=["a", 1]), dict(regex=""), dict(json=3)],
+)
+def test_params_need_exactly_one_well_typed_kind(kwargs):
+    with pytest.raises(InvalidRequestError) as err:
+        StructuredOutputsParams(**kwargs)
+    assert err.value.param.startswith("structured_outputs")
+
+
+def test_compile_cache_is_keyed_by_the_constraint(manager):
+    n = manager.num_compiled
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    a = manager.compile_async(StructuredOutputsParams(json=schema))
+    b = manager.compile(StructuredOutputsParams(json='{"properties": {"x": {"type": "integer"}}, "type": "object"}'))
+    a.result()
+    assert manager.num_compiled == n + 1  # the same schema, key order aside: compiled once
+    manager.compile(StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=False))
+    manager.compile(StructuredOutputsParams(json={"type": "object"}))
+    assert manager.num_compiled == n + 3  # whitespace rules are part of the key
+    assert b is not a.result()  # each request gets its own matcher
+
+
+def test_apply_token_bitmask_against_an_independent_unpacking():
+    rng = np.random.default_rng(3)
+    vocab = 100  # 4 words cover 128 ids; the logits are wider than the mask's 3 words below
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    bitmask = rng.integers(-(2**31), 2**31, size=(2, 3), dtype=np.int64).astype(np.int32)
+    rows = np.array([3, 1])
+    got = logits.copy()
+    cpu.apply_token_bitmask(got, bitmask, rows)
+    expected = logits.copy()
+    for i, r in enumerate(rows):
+        keep = np.zeros(vocab, bool)
+        keep[allowed(bitmask[i], 96)] = True  # ids 96..99 are past the mask: forbidden
+        expected[r, ~keep] = -np.inf
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got[[0, 2, 4]], logits[[0, 2, 4]])  # rows without a mask untouched
+    assert np.isneginf(got[3]).sum() > 0 and np.isfinite(got[3]).sum() > 0
+    with pytest.raises(ValueError, match="rows"):
+        cpu.apply_token_bitmask(got, bitmask, np.array([0, 5]))
+    with pytest.raises(ValueError, match="bitmask"):
+        cpu.apply_token_bitmask(got, bitmask.astype(np.int64), rows)
+
+
+def test_bitmask_rows_and_masked_greedy_decoding(manager, tokenizer):
+    """The manager's rows, through the kernel, make greedy decoding of random logits obey each matcher."""
+    rng = np.random.default_rng(5)
+    grammars = [manager.compile(StructuredOutputsParams(regex=r"[a-c]{3}")) for _ in range(2)]
+    assert manager.allocate_bitmask(2).shape == (2, bitmask_words(tokenizer.vocab_size))
+    outs = [[], []]
+    for _ in range(10):
+        live = [i for i in range(2) if not grammars[i].is_terminated()]
+        if not live:
+            break
+        logits = rng.standard_normal((2, tokenizer.vocab_size)).astype(np.float32)
+        cpu.apply_token_bitmask(logits, manager.grammar_bitmask([grammars[i] for i in live]), np.array(live))
+        for i in live:
+            token = int(np.argmax(logits[i]))
+            assert grammars[i].accept_token(token)
+            if token != tokenizer.eos_token_id:
+                outs[i].append(token)
+    for grammar, out in zip(grammars, outs):
+        assert grammar.is_terminated() and re.fullmatch(r"[a-c]{3}", tokenizer.decode(out)), out
