@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from rawpaged.errors import InvalidRequestError
+from rawpaged.structured_output.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 #: vLLM's thresholds: a temperature below ``SAMPLING_EPS`` is greedy; one in ``[SAMPLING_EPS, MIN_TEMPERATURE)``
@@ -36,6 +37,8 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token (0..20), or None.
         use_beam_search / beam_width / length_penalty: beam search (score = cumulative logprob /
             generated_length ** length_penalty, as in HF transformers; any finite length_penalty).
+        structured_outputs: a ``StructuredOutputsParams`` (or the dict of its fields): the output follows
+            a JSON Schema, regex, choice or grammar (``rawpaged.structured_output``); not with beam search.
     Raises:
         InvalidRequestError (a ValueError) on any invalid value; its message starts with the field's name
         and its ``param`` is that name.
@@ -56,6 +59,7 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: list = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
@@ -119,6 +123,16 @@ class SamplingParams:
                 bad("n", f"must be <= beam_width ({self.beam_width}) with beam search")
         if not is_num(self.length_penalty):
             bad("length_penalty", "must be a finite number")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown field
+                raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
+            if self.use_beam_search:
+                bad("structured_outputs", "cannot be combined with beam search")
 
     @property
     def greedy(self) -> bool:

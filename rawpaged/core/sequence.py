@@ -48,6 +48,7 @@ class Sequence:
     num_text_emitted: int = 0
     pending_logprobs: object = None  # beam search: this step's log_softmax row, until all beams have one
     first_token_time: float | None = None
+    grammar: object = None  # structured outputs: the matcher of this sequence's tokens, else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,4 +95,5 @@ class Sequence:
             read_offset=self.read_offset,
             num_text_emitted=self.num_text_emitted,
             first_token_time=self.first_token_time,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )

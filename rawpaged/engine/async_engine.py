@@ -146,7 +146,11 @@ class AsyncEngine:
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
-            n_prompt = await loop.run_in_executor(self._executor, self._add, prompt, params, request_id)
+            grammar = None
+            if params.structured_outputs is not None:  # compiled in the manager's thread, off the step loop
+                manager = self.engine.structured_output_manager
+                grammar = await asyncio.wrap_future(manager.compile_async(params.structured_outputs))
+            n_prompt = await loop.run_in_executor(self._executor, self._add, prompt, params, request_id, grammar)
         except asyncio.CancelledError:
             self.abort(request_id)  # runs after the add on the engine thread: nothing is left behind
             raise
@@ -208,8 +212,11 @@ class AsyncEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine thread
-    def _add(self, prompt, params, request_id) -> int:
-        self.engine.add_request(prompt, params, request_id)
+    def _add(self, prompt, params, request_id, grammar=None) -> int:
+        if grammar is None:
+            self.engine.add_request(prompt, params, request_id)
+        else:
+            self.engine.add_request(prompt, params, request_id, grammar=grammar)
         return len(self.engine.requests[request_id].prompt_token_ids)
 
     def _step(self):

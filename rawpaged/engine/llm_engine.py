@@ -25,13 +25,14 @@ from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
-from rawpaged.errors import InvalidRequestError
+from rawpaged.errors import EngineError, InvalidRequestError
 from rawpaged.kernels import get_backend
 from rawpaged.model_executor.model_loader import load_model, release_free_heap, resolve_model_dir
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
+from rawpaged.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("rawpaged.engine")
 
@@ -88,6 +89,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self._structured_output_manager = None
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -103,20 +105,42 @@ class LLMEngine:
         return self.scheduler.kv_cache_manager
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    @property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """Compiles ``structured_outputs`` constraints (created on first use)."""
+        if self._structured_output_manager is None:
+            self._structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        return self._structured_output_manager
+
+    def add_request(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None, grammar=None
+    ) -> str:
         """Queue a request; ``prompt`` is a string or ``{"prompt_token_ids": [...]}``/``{"prompt": str}``.
+
+        With ``params.structured_outputs``, ``grammar`` is its matcher (from
+        ``structured_output_manager.compile_async``, so that a server compiles off the step loop); None
+        compiles it here.
 
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
         token ids outside the vocabulary, a prompt that leaves no room in ``max_model_len``, one that
-        cannot fit even in the empty pool, or a ``request_id`` in use.
+        cannot fit even in the empty pool, a ``request_id`` in use, or a constraint that does not compile
+        (or a backend that cannot apply one).
         """
         params = params or SamplingParams()
         text, ids = self.input_processor.process(prompt, params)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        if params.structured_outputs is not None:
+            if not hasattr(self.backend, "apply_token_bitmask"):
+                raise InvalidRequestError(
+                    "structured_outputs is not available on this backend yet", "structured_outputs"
+                )
+            if grammar is None:
+                grammar = self.structured_output_manager.compile(params.structured_outputs)
         req = Request(request_id, text, ids, params, time.monotonic())
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
+        seq.grammar = grammar if params.structured_outputs is not None else None
         req.seqs.append(seq)
         if params.use_beam_search:
             req.beam = beam_search.BeamState(params.beam_width, params.length_penalty)
@@ -186,6 +210,7 @@ class LLMEngine:
             logits, [row for row, seq in enumerate(sampling) if _needs_distribution(seq.sampling_params)]
         )
         failed: dict[str, Exception] = {}
+        self._apply_grammars(logits, sampling, failed)
         touched: dict[str, Request] = {}
         draws, samples = [], []  # per sample: its draw (all drawn in one backend call), (sequence, logprob row)
         beam_sampled, pruned, beams_done = [], [], []
@@ -222,6 +247,9 @@ class LLMEngine:
                 samples.append((t, lp_row))
             touched[req.request_id] = req
         tokens = self._sample(logits, draws, samples, failed)
+        for (seq, _), tok in zip(samples, tokens):
+            if seq.grammar is not None and seq.request_id not in failed and not seq.grammar.accept_token(tok):
+                failed[seq.request_id] = EngineError(f"token {tok} broke the output's grammar: {seq.grammar.error}")
         samples = [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens) if seq.request_id not in failed]
         self.scheduler.update_from_output(sched_out, [(seq, tok) for seq, tok, _ in samples] + beam_sampled)
         self.scheduler.finish_seqs(pruned, "beam_pruned")
@@ -252,6 +280,26 @@ class LLMEngine:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs + [self._fail_request(rid, e) for rid, e in failed.items()]
+
+    def _apply_grammars(self, logits, sampling: list, failed: dict) -> None:
+        """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar
+        does not allow next (a request whose matcher fails fails alone). Rows without a grammar are left
+        as they are, and a step without one costs nothing."""
+        rows, grammars = [], []
+        for row, seq in enumerate(sampling):
+            if seq.grammar is not None and seq.request_id not in failed:
+                rows.append(row)
+                grammars.append(seq.grammar)
+        if not rows:
+            return
+        manager = self.structured_output_manager
+        bitmask = manager.allocate_bitmask(len(rows))
+        for i, (row, grammar) in enumerate(zip(rows, grammars)):
+            try:
+                grammar.fill_bitmask(bitmask, i)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                failed[sampling[row].request_id] = e
+        self.backend.apply_token_bitmask(logits, bitmask, np.array(rows, dtype=np.int64))
 
     def _sample(self, logits, draws: list, samples: list, failed: dict) -> list:
         """Token ids for ``draws``, in one backend call; if that call fails, one call per draw, so a draw

@@ -772,6 +772,7 @@ class CPUBackend:
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
     sample = staticmethod(sample)
+    apply_token_bitmask = staticmethod(apply_token_bitmask)
 
     @staticmethod
     def zeros(shape, dtype):
