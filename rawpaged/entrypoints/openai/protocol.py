@@ -99,7 +99,13 @@ class ChatMessage(OpenAIBaseModel):
 
 class GenerationRequest(OpenAIBaseModel):
     """Fields shared by completions, chat and websocket ``generate`` (OpenAI's, plus vLLM's extras
-    ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``use_beam_search``, ``length_penalty``)."""
+    ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``use_beam_search``, ``length_penalty``,
+    ``structured_outputs``).
+
+    Structured outputs: OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``) or vLLM's ``structured_outputs`` (a dict of
+    ``StructuredOutputsParams``' fields: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+    ``disable_any_whitespace``), not both."""
 
     model: str | None = None
     user: str | None = None
@@ -126,6 +132,7 @@ class GenerationRequest(OpenAIBaseModel):
     tools: list | None = None
     functions: list | None = None
     response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     # ---------------------------------------------------------------- derived
     @property
@@ -174,6 +181,9 @@ class GenerationRequest(OpenAIBaseModel):
         best_of = getattr(self, "best_of", None)
         if best_of is not None:
             kw["best_of"] = best_of
+        structured = self.structured_outputs_fields()
+        if structured is not None:
+            kw["structured_outputs"] = structured
         if self.use_beam_search:  # vLLM's extra parameters: width best_of (or n), greedy by nature
             kw["beam_width"] = max(kw.pop("best_of", kw["n"]), kw["n"], 2)
             kw["temperature"] = 0.0
@@ -187,13 +197,41 @@ class GenerationRequest(OpenAIBaseModel):
         try:
             return SamplingParams(max_tokens=max_tokens, **self.sampling_kwargs(defaults))
         except InvalidRequestError as e:
-            param, message = self._client_param(e.param), str(e)
+            param, message = self.client_param(e.param), str(e)
             if param != e.param and message.startswith(e.param):
                 message = param + message[len(e.param) :]
             raise ProtocolError(message, param=param) from None
 
-    def _client_param(self, param: str | None) -> str | None:
-        return self.max_tokens_param if param == "max_tokens" else param
+    def structured_outputs_fields(self) -> dict | None:
+        """The ``StructuredOutputsParams`` fields the request asks for, from ``structured_outputs`` or
+        ``response_format``; None without a constraint. Raises ProtocolError for a malformed
+        ``response_format`` or both fields set."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind not in (None, "text", "json_object", "json_schema"):
+            raise ProtocolError(
+                'response_format type must be "text", "json_object" or "json_schema"', param="response_format"
+            )
+        if kind in (None, "text"):
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise ProtocolError("set response_format or structured_outputs, not both", param="response_format")
+        if kind == "json_object":
+            return {"json_object": True}
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ProtocolError(
+                'response_format json_schema must be {"name": ..., "schema": {...}}', param="response_format"
+            )
+        return {"json": spec["schema"]}
+
+    def client_param(self, param: str | None) -> str | None:
+        """The request field an engine error's ``param`` names, as the client sent it."""
+        if param == "max_tokens":
+            return self.max_tokens_param
+        if param and param.startswith("structured_outputs") and self.structured_outputs is None:
+            return "response_format"
+        return param
 
     # ---------------------------------------------------------------- rules
     def check(self, limits: Limits) -> None:
@@ -235,8 +273,6 @@ class GenerationRequest(OpenAIBaseModel):
         reserved = sorted(set(getattr(self, "chat_template_kwargs", None) or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ProtocolError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ProtocolError('response_format: only {"type": "text"} is supported', param="response_format")
         self.sampling_params(1 if max_tokens is None else max_tokens)
 
 
@@ -307,8 +343,8 @@ class ChatCompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def _client_param(self, param: str | None) -> str | None:
-        return "top_logprobs" if param == "logprobs" else super()._client_param(param)
+    def client_param(self, param: str | None) -> str | None:
+        return "top_logprobs" if param == "logprobs" else super().client_param(param)
 
     def check(self, limits: Limits) -> None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -103,7 +103,9 @@ async def add_requests(
         for s in streams:
             engine.abort(s.request_id)
         if isinstance(e, InvalidRequestError):
-            raise ProtocolError(str(e), param=req.prompt_param if e.param == "prompt" else e.param) from None
+            raise ProtocolError(
+                str(e), param=req.prompt_param if e.param == "prompt" else req.client_param(e.param)
+            ) from None
         raise
     return streams
 
