@@ -109,7 +109,9 @@ class LLMEngine:
     def structured_output_manager(self) -> StructuredOutputManager:
         """Compiles ``structured_outputs`` constraints (created on first use)."""
         if self._structured_output_manager is None:
-            self._structured_output_manager = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+            self._structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
         return self._structured_output_manager
 
     def add_request(
@@ -248,8 +250,11 @@ class LLMEngine:
             touched[req.request_id] = req
         tokens = self._sample(logits, draws, samples, failed)
         for (seq, _), tok in zip(samples, tokens):
-            if seq.grammar is not None and seq.request_id not in failed and not seq.grammar.accept_token(tok):
-                failed[seq.request_id] = EngineError(f"token {tok} broke the output's grammar: {seq.grammar.error}")
+            grammar = seq.grammar
+            if grammar is None or grammar.is_terminated() or seq.request_id in failed:
+                continue
+            if not grammar.accept_token(tok):
+                failed[seq.request_id] = EngineError(f"token {tok} broke the output's grammar: {grammar.error}")
         samples = [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens) if seq.request_id not in failed]
         self.scheduler.update_from_output(sched_out, [(seq, tok) for seq, tok, _ in samples] + beam_sampled)
         self.scheduler.finish_seqs(pruned, "beam_pruned")
@@ -284,10 +289,11 @@ class LLMEngine:
     def _apply_grammars(self, logits, sampling: list, failed: dict) -> None:
         """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar
         does not allow next (a request whose matcher fails fails alone). Rows without a grammar are left
-        as they are, and a step without one costs nothing."""
+        as they are, and a step without one costs nothing. A grammar that has ended (its EOS accepted,
+        generation going on under ``ignore_eos``) constrains nothing more, as in vLLM."""
         rows, grammars = [], []
         for row, seq in enumerate(sampling):
-            if seq.grammar is not None and seq.request_id not in failed:
+            if seq.grammar is not None and not seq.grammar.is_terminated() and seq.request_id not in failed:
                 rows.append(row)
                 grammars.append(seq.grammar)
         if not rows:

@@ -32,13 +32,15 @@ class GuidanceBackend:
         tokenizer: the model's ``rawpaged.tokenizer.Tokenizer`` (its ``tokenizers`` JSON and EOS id).
         vocab_size: the model's logits width, when larger than the tokenizer's (padded embeddings);
             ids past the tokenizer's are never allowed.
+        eos_token_ids: the ids that end generation (default: the tokenizer's EOS); a complete output
+            allows exactly these.
     """
 
-    def __init__(self, tokenizer, vocab_size: int | None = None):
-        self.llg_tokenizer = llguidance.LLTokenizer(
-            tokenizer.to_json(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id
-        )
+    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None):
+        eos = sorted(eos_token_ids) if eos_token_ids else tokenizer.eos_token_id
+        self.llg_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = self.llg_tokenizer.vocab_size
+        self.eos_token_ids = frozenset(self.llg_tokenizer.eos_tokens)
 
     def grammar_spec(self, params: StructuredOutputsParams) -> str:
         """The llguidance grammar (its JSON text) for ``params``, validated against the tokenizer.
@@ -71,7 +73,7 @@ class GuidanceBackend:
 
     def grammar(self, spec: str) -> GuidanceGrammar:
         """A fresh matcher for a spec from ``grammar_spec``."""
-        return GuidanceGrammar(llguidance.LLMatcher(self.llg_tokenizer, spec), self.vocab_size)
+        return GuidanceGrammar(llguidance.LLMatcher(self.llg_tokenizer, spec), self.vocab_size, self.eos_token_ids)
 
 
 class GuidanceGrammar:
@@ -81,10 +83,12 @@ class GuidanceGrammar:
     the only token allowed once the output is complete).
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: frozenset = frozenset()):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.num_processed_tokens = 0
+        self._ended = False  # an EOS was accepted
 
     def fill_bitmask(self, bitmask: np.ndarray, index: int) -> None:
         """Write the allowed next tokens into row ``index`` of ``bitmask`` (C-contiguous int32
@@ -106,6 +110,7 @@ class GuidanceGrammar:
         ok = self._matcher.consume_token(int(token_id))
         if ok:
             self.num_processed_tokens += 1
+            self._ended = int(token_id) in self.eos_token_ids
         return ok
 
     def rollback(self, num_tokens: int) -> None:
@@ -113,15 +118,21 @@ class GuidanceGrammar:
         if not 0 <= num_tokens <= self.num_processed_tokens or not self._matcher.rollback(num_tokens):
             raise ValueError(f"cannot roll back {num_tokens} of {self.num_processed_tokens} tokens")
         self.num_processed_tokens -= num_tokens
+        self._ended = self._ended and num_tokens == 0
 
     def fork(self) -> GuidanceGrammar:
         """An independent copy in the same state (a new sample of ``n > 1``, a beam)."""
-        copy = GuidanceGrammar(self._matcher.deep_copy(), self.vocab_size)
+        copy = GuidanceGrammar(self._matcher.deep_copy(), self.vocab_size, self.eos_token_ids)
         copy.num_processed_tokens = self.num_processed_tokens
+        copy._ended = self._ended
         return copy
 
     def is_terminated(self) -> bool:
-        """True once the output is complete and only EOS remains (or the matcher stopped)."""
+        """True once an EOS has been accepted: the output is over, the grammar constrains nothing more."""
+        return self._ended
+
+    def is_complete(self) -> bool:
+        """True when the output is complete: only an EOS may come next."""
         return self._matcher.is_stopped()
 
     def is_accepting(self) -> bool:

@@ -18,15 +18,17 @@ class StructuredOutputManager:
     Args:
         tokenizer: the model's ``Tokenizer``.
         vocab_size: the model's logits width (None: the tokenizer's).
+        eos_token_ids: the ids that end generation (None: the tokenizer's EOS).
         cache_size: compiled constraints kept (least recently used dropped first).
 
     The tokenizer is wrapped for llguidance on first use (about 0.3 s for a 49k vocabulary), in the
     compile thread like every compilation, so that neither engine start-up nor the step loop waits.
     """
 
-    def __init__(self, tokenizer, vocab_size: int | None = None, cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None, cache_size: int = 256):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
         self._backend: GuidanceBackend | None = None
         self._cache: OrderedDict = OrderedDict()
         self._cache_size = cache_size
@@ -39,7 +41,7 @@ class StructuredOutputManager:
     def backend(self) -> GuidanceBackend:
         with self._lock:
             if self._backend is None:
-                self._backend = GuidanceBackend(self._tokenizer, self._vocab_size)
+                self._backend = GuidanceBackend(self._tokenizer, self._vocab_size, self._eos_token_ids)
             return self._backend
 
     def compile(self, params: StructuredOutputsParams) -> GuidanceGrammar:

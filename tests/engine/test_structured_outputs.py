@@ -71,6 +71,13 @@ def test_max_tokens_cuts_an_incomplete_json_with_length(llm):
         json.loads(choice.text)
 
 
+def test_ignore_eos_goes_on_unconstrained_after_the_output_ends(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, structured_outputs={"choice": ["yes"]})
+    choice = llm.generate(["Is the sky blue? Answer:"], params)[0].outputs[0]
+    assert choice.finish_reason == "length" and len(choice.token_ids) == 8
+    assert choice.text.startswith("yes") and choice.token_ids[1] in llm.engine.eos_token_ids
+
+
 def test_preemption_mid_json_keeps_every_output_valid(model_dir, llm):
     """A pool too small for all of them: sequences are preempted mid-JSON and recomputed; the matcher's
     state is that of the kept tokens, so each output is what the large pool gives."""

@@ -215,3 +215,9 @@ def test_bitmask_rows_and_masked_greedy_decoding(manager, tokenizer):
                 outs[i].append(token)
     for grammar, out in zip(grammars, outs):
         assert grammar.is_terminated() and re.fullmatch(r"[a-c]{3}", tokenizer.decode(out)), out
+    # complete (only EOS may follow) before the EOS, terminated only after it
+    g = manager.compile(StructuredOutputsParams(choice=["ab"]))
+    assert all(g.accept_token(t) for t in tokenizer.encode_literal("ab"))
+    assert g.is_complete() and not g.is_terminated()
+    assert allowed(manager.grammar_bitmask([g])[0], g.vocab_size).tolist() == [tokenizer.eos_token_id]
+    assert g.accept_token(tokenizer.eos_token_id) and g.is_terminated()
