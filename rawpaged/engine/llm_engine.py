@@ -288,8 +288,8 @@ class LLMEngine:
 
     def _apply_grammars(self, logits, sampling: list, failed: dict) -> None:
         """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar
-        does not allow next (a request whose matcher fails fails alone). Rows without a grammar are left
-        as they are, and a step without one costs nothing. A grammar that has ended (its EOS accepted,
+        does not allow next (the rows' masks computed in parallel). Rows without a grammar are left as
+        they are, and a step without one costs nothing. A grammar that has ended (its EOS accepted,
         generation going on under ``ignore_eos``) constrains nothing more, as in vLLM."""
         rows, grammars = [], []
         for row, seq in enumerate(sampling):
@@ -298,13 +298,7 @@ class LLMEngine:
                 grammars.append(seq.grammar)
         if not rows:
             return
-        manager = self.structured_output_manager
-        bitmask = manager.allocate_bitmask(len(rows))
-        for i, (row, grammar) in enumerate(zip(rows, grammars)):
-            try:
-                grammar.fill_bitmask(bitmask, i)
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                failed[sampling[row].request_id] = e
+        bitmask = self.structured_output_manager.grammar_bitmask(grammars)
         self.backend.apply_token_bitmask(logits, bitmask, np.array(rows, dtype=np.int64))
 
     def _sample(self, logits, draws: list, samples: list, failed: dict) -> list:

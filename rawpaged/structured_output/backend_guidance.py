@@ -25,6 +25,22 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_EXECUTOR = None
+
+
+def fill_bitmasks_parallel(grammars: list, bitmask: np.ndarray) -> None:
+    """Row ``i`` of ``bitmask`` (C-contiguous int32 ``[len(grammars), words]``) for ``grammars[i]``, the
+    rows computed on llguidance's thread pool (created on first use; the mask of a fresh state walks the
+    token trie, ~1 ms for a 49k vocabulary)."""
+    global _EXECUTOR
+    if bitmask.dtype != np.int32 or not bitmask.flags.c_contiguous or bitmask.shape[0] != len(grammars):
+        raise ValueError(f"bitmask must be a C-contiguous int32 [{len(grammars)}, words] array")
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    pairs = [(g._matcher, i) for i, g in enumerate(grammars)]
+    _EXECUTOR.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+
+
 class GuidanceBackend:
     """Grammars over one tokenizer.
 

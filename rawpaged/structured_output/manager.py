@@ -8,7 +8,12 @@ from threading import Lock
 
 import numpy as np
 
-from rawpaged.structured_output.backend_guidance import GuidanceBackend, GuidanceGrammar, bitmask_words
+from rawpaged.structured_output.backend_guidance import (
+    GuidanceBackend,
+    GuidanceGrammar,
+    bitmask_words,
+    fill_bitmasks_parallel,
+)
 from rawpaged.structured_output.params import StructuredOutputsParams
 
 
@@ -74,10 +79,13 @@ class StructuredOutputManager:
         return np.full((rows, bitmask_words(self.backend.vocab_size)), -1, dtype=np.int32)
 
     def grammar_bitmask(self, grammars: list) -> np.ndarray:
-        """The bitmask of the next token for each matcher of ``grammars``, one row each, in order."""
+        """The bitmask of the next token for each matcher of ``grammars``, one row each, in order (several
+        rows are computed in parallel, on llguidance's own threads)."""
         bitmask = self.allocate_bitmask(len(grammars))
-        for i, grammar in enumerate(grammars):
-            grammar.fill_bitmask(bitmask, i)
+        if len(grammars) == 1:
+            grammars[0].fill_bitmask(bitmask, 0)
+        elif grammars:
+            fill_bitmasks_parallel(grammars, bitmask)
         return bitmask
 
     def shutdown(self) -> None:
