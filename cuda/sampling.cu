@@ -200,3 +200,22 @@ __global__ void __launch_bounds__(512) sample_kernel(int* __restrict__ out_ids, 
     if (pick == rp::NO_INDEX) pick = rp::block_reduce(last, iscratch, rp::MaxOp());  // rounding at the end
     if (tid == 0) out_ids[s] = pick >= 0 ? pick : (best_i == rp::NO_INDEX ? 0 : best_i);
 }
+
+// Structured outputs: the logits of the tokens a packed bitmask forbids set to -inf (before sampling).
+// Token t is allowed by mask m when bit (t % 32) of int32 word (t / 32) of row m is set (the layout of
+// vLLM, xgrammar and llguidance); tokens past 32 * words are forbidden. Rows without a mask are untouched.
+//
+// grid: (ceil(vocab / blockDim.x), num_masks), block: any size.
+// logits: [num_rows, vocab] of T, row stride logits_stride (elements); bitmask: int32 [num_masks, words];
+// rows: int32 [num_masks], the logits row of each mask.
+template <typename T>
+__global__ void apply_token_bitmask_kernel(T* __restrict__ logits, long long logits_stride,
+                                           const int* __restrict__ bitmask, int words,
+                                           const int* __restrict__ rows, int vocab) {
+    const int m = blockIdx.y;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= vocab) return;
+    const int w = t >> 5;
+    const bool allowed = w < words && ((((unsigned)bitmask[(rp::i64)m * words + w]) >> (t & 31)) & 1u);
+    if (!allowed) logits[(rp::i64)rows[m] * logits_stride + t] = rp::from_float<T>(__uint_as_float(0xff800000u));
+}

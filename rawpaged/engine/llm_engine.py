@@ -125,21 +125,15 @@ class LLMEngine:
 
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
         token ids outside the vocabulary, a prompt that leaves no room in ``max_model_len``, one that
-        cannot fit even in the empty pool, a ``request_id`` in use, or a constraint that does not compile
-        (or a backend that cannot apply one).
+        cannot fit even in the empty pool, a ``request_id`` in use, or a constraint that does not compile.
         """
         params = params or SamplingParams()
         text, ids = self.input_processor.process(prompt, params)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
-        if params.structured_outputs is not None:
-            if not hasattr(self.backend, "apply_token_bitmask"):
-                raise InvalidRequestError(
-                    "structured_outputs is not available on this backend yet", "structured_outputs"
-                )
-            if grammar is None:
-                grammar = self.structured_output_manager.compile(params.structured_outputs)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.structured_output_manager.compile(params.structured_outputs)
         req = Request(request_id, text, ids, params, time.monotonic())
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
         seq.grammar = grammar if params.structured_outputs is not None else None

@@ -115,3 +115,7 @@ class Backend(Protocol):
     def sample(self, logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
         """One token id per sample (int64 host array): greedy where temperature is 0, else temperature,
         top-k, top-p and min-p filtering, and an inverse-CDF draw with the sample's uniform."""
+
+    def apply_token_bitmask(self, logits, bitmask, rows) -> None:
+        """Structured outputs: set to ``-inf``, in place, the logits of ``rows[i]`` whose token bit is clear
+        in row ``i`` of the packed int32 ``bitmask`` (host arrays; bit ``t % 32`` of word ``t // 32``)."""

@@ -654,6 +654,41 @@ class CudaBackend:
         )
         return self.to_numpy(out).astype(np.int64)
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        """Structured outputs: the logits of the tokens a bitmask forbids set to ``-inf``, in place, on
+        the device (see ``cpu.apply_token_bitmask`` for the layout; ``cuda/sampling.cu`` for the kernel).
+        ``bitmask`` int32 ``[n, words]`` and ``rows`` ``[n]`` are host arrays (uploaded, 4 bytes a word).
+
+        Raises:
+            ValueError on shapes or dtypes that do not fit.
+        """
+        act = _ctype(logits, "logits")
+        num_rows, vocab = logits.shape
+        rows = np.asarray(rows, dtype=np.int64)
+        bitmask = np.ascontiguousarray(bitmask)
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != rows.shape[0]:
+            raise ValueError(f"bitmask must be int32 [{rows.shape[0]}, words], got {bitmask.dtype} {bitmask.shape}")
+        if rows.size == 0:
+            return
+        if rows.min() < 0 or rows.max() >= num_rows:
+            raise ValueError(f"rows must index the {num_rows} logits rows")
+        threads = 256
+        self._kernel(
+            act,
+            act,
+            f"apply_token_bitmask_kernel<{act}>",
+            (-(-vocab // threads), rows.shape[0], 1),
+            (threads, 1, 1),
+            (
+                logits,
+                _i64(_row_stride(logits, "logits", 1)),
+                self._dev(bitmask, np.int32),
+                _i32(bitmask.shape[1]),
+                self._dev(rows, np.int32),
+                _i32(vocab),
+            ),
+        )
+
     def default_kv_cache_memory(self, gpu_memory_utilization: float) -> int:
         """Bytes the KV pool may take: ``gpu_memory_utilization`` of the device's total memory minus
         what is already in use (weights, CuPy's pool; blocks CuPy holds but does not use count as free).

@@ -8,6 +8,7 @@ checks the kernels for shared-memory races (and that the check itself can fail).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -397,6 +398,27 @@ def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab):
     np.testing.assert_array_equal(got[greedy], logits.astype(np.float32)[args["sample_rows"][greedy]].argmax(-1))
 
 
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_apply_token_bitmask_kernel_matches_the_cpu_kernel(emu, act):
+    """Structured outputs' mask on a padded logits view (row stride > vocab): the same -inf positions as
+    the CPU kernel, rows without a mask untouched bit for bit, tokens past the mask's words forbidden."""
+    rng = np.random.default_rng(13)
+    vocab = 1000  # 31 words cover 992 ids: 992..999 are past the mask
+    padded = rng.standard_normal((4, vocab + 24)).astype(np.float32).astype(act)
+    logits = padded[:, :vocab]
+    bitmask = rng.integers(-(2**31), 2**31, size=(2, 31), dtype=np.int64).astype(np.int32)
+    rows = np.array([2, 0])
+    before = padded.copy()
+    backend(emu).apply_token_bitmask(dev(logits), bitmask, rows)
+    expected = before[:, :vocab].astype(np.float32)
+    cpu.apply_token_bitmask(expected, bitmask, rows)
+    got = padded[:, :vocab].astype(np.float32)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    np.testing.assert_array_equal(got[~np.isneginf(got)], expected[~np.isneginf(expected)])
+    assert np.isneginf(got[2, 992:]).all() and not np.isneginf(got[[1, 3]]).any()
+    np.testing.assert_array_equal(padded[:, vocab:].view(np.uint8), before[:, vocab:].view(np.uint8))
+
+
 def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
     """Stratified uniforms through the kernel: each kept token is drawn for n * p of them (within one),
     a dropped token never."""
@@ -576,13 +598,17 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     sampled = SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=4, ignore_eos=True)
 
+    constrained = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=8, structured_outputs={"regex": "[a-c]{2,5}"})
+
     def run(llm):
         g = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         smp = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[1:], sampled)]
         again = llm.generate(prompts[2:], greedy)[0].outputs[0].token_ids  # prefix-cache hit
+        regex = [c for o in llm.generate(prompts[:2], constrained) for c in o.outputs]  # masked logits
+        assert all(re.fullmatch("[a-c]{2,5}", c.text) for c in regex if c.finish_reason == "stop"), regex
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
-        return g, smp, again
+        return g, smp, again, [c.token_ids for c in regex]
 
     cpu_llm = LLM(device="cpu", **kw)
     ref = run(cpu_llm)
@@ -602,6 +628,7 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
         "rotary_embedding_kernel",
         "silu_and_mul_kernel",
         "sample_kernel",
+        "apply_token_bitmask_kernel",
     } <= launched
     assert f32.stats()["prefix_cache_hits"] > 0
 
