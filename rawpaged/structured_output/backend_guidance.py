@@ -25,20 +25,18 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-_EXECUTOR = None
-
-
-def fill_bitmasks_parallel(grammars: list, bitmask: np.ndarray) -> None:
+def fill_bitmasks_parallel(grammars: list, bitmask: np.ndarray, executor) -> None:
     """Row ``i`` of ``bitmask`` (C-contiguous int32 ``[len(grammars), words]``) for ``grammars[i]``, the
-    rows computed on llguidance's thread pool (created on first use; the mask of a fresh state walks the
-    token trie, ~1 ms for a 49k vocabulary)."""
-    global _EXECUTOR
+    rows computed on ``executor`` (an ``llguidance.LLExecutor``, its own thread pool; the mask of a fresh
+    state walks the token trie, ~1 ms for a 49k vocabulary).
+
+    Raises:
+        ValueError when the bitmask's shape or dtype does not fit.
+    """
     if bitmask.dtype != np.int32 or not bitmask.flags.c_contiguous or bitmask.shape[0] != len(grammars):
         raise ValueError(f"bitmask must be a C-contiguous int32 [{len(grammars)}, words] array")
-    if _EXECUTOR is None:
-        _EXECUTOR = llguidance.LLExecutor()
     pairs = [(g._matcher, i) for i, g in enumerate(grammars)]
-    _EXECUTOR.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+    executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 class GuidanceBackend:
@@ -57,6 +55,7 @@ class GuidanceBackend:
         self.llg_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = self.llg_tokenizer.vocab_size
         self.eos_token_ids = frozenset(self.llg_tokenizer.eos_tokens)
+        self.executor = llguidance.LLExecutor()  # computes several rows' masks in parallel
 
     def grammar_spec(self, params: StructuredOutputsParams) -> str:
         """The llguidance grammar (its JSON text) for ``params``, validated against the tokenizer.
@@ -121,8 +120,8 @@ class GuidanceGrammar:
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one sampled token; False (and the matcher unchanged in meaning: it is in error)
-        when the grammar forbids it."""
+        """Advance by one sampled token; False when the grammar forbids it (the matcher is then in error,
+        for good)."""
         ok = self._matcher.consume_token(int(token_id))
         if ok:
             self.num_processed_tokens += 1

@@ -85,7 +85,7 @@ class StructuredOutputManager:
         if len(grammars) == 1:
             grammars[0].fill_bitmask(bitmask, 0)
         elif grammars:
-            fill_bitmasks_parallel(grammars, bitmask)
+            fill_bitmasks_parallel(grammars, bitmask, self.backend.executor)
         return bitmask
 
     def shutdown(self) -> None:
