@@ -132,7 +132,9 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
             if self.use_beam_search:
-                bad("structured_outputs", "cannot be combined with beam search")
+                raise InvalidRequestError(
+                    "structured_outputs cannot be combined with beam search", "structured_outputs"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -578,7 +578,7 @@ def test_json_object_regex_and_choice(server, client):
 def test_a_constraint_that_does_not_compile_is_a_400(server, client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, **kwargs)
-    assert e.value.body["param"] == param and "does not compile" in e.value.body["message"]
+    assert e.value.body["param"] == param and e.value.body["message"].startswith(f"{param} does not compile")
     wait_pool_empty(server)
 
 

@@ -197,10 +197,15 @@ class GenerationRequest(OpenAIBaseModel):
         try:
             return SamplingParams(max_tokens=max_tokens, **self.sampling_kwargs(defaults))
         except InvalidRequestError as e:
-            param, message = self.client_param(e.param), str(e)
-            if param != e.param and message.startswith(e.param):
-                message = param + message[len(e.param) :]
-            raise ProtocolError(message, param=param) from None
+            raise self.client_error(e) from None
+
+    def client_error(self, e: InvalidRequestError) -> ProtocolError:
+        """An engine refusal as the client sees it: its field (and the message's leading field name) as
+        the request named it (``max_completion_tokens``, ``response_format``, ...)."""
+        param, message = self.client_param(e.param), str(e)
+        if param != e.param and message.startswith(e.param):
+            message = param + message[len(e.param) :]
+        return ProtocolError(message, param=param)
 
     def structured_outputs_fields(self) -> dict | None:
         """The ``StructuredOutputsParams`` fields the request asks for, from ``structured_outputs`` or

@@ -103,9 +103,9 @@ async def add_requests(
         for s in streams:
             engine.abort(s.request_id)
         if isinstance(e, InvalidRequestError):
-            raise ProtocolError(
-                str(e), param=req.prompt_param if e.param == "prompt" else req.client_param(e.param)
-            ) from None
+            if e.param == "prompt":
+                raise ProtocolError(str(e), param=req.prompt_param) from None
+            raise req.client_error(e) from None
         raise
     return streams
 
