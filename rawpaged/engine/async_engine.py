@@ -212,11 +212,8 @@ class AsyncEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ engine thread
-    def _add(self, prompt, params, request_id, grammar=None) -> int:
-        if grammar is None:
-            self.engine.add_request(prompt, params, request_id)
-        else:
-            self.engine.add_request(prompt, params, request_id, grammar=grammar)
+    def _add(self, prompt, params, request_id, grammar) -> int:
+        self.engine.add_request(prompt, params, request_id, grammar)
         return len(self.engine.requests[request_id].prompt_token_ids)
 
     def _step(self):

@@ -206,7 +206,7 @@ class LLMEngine:
             logits, [row for row, seq in enumerate(sampling) if _needs_distribution(seq.sampling_params)]
         )
         failed: dict[str, Exception] = {}
-        self._apply_grammars(logits, sampling, failed)
+        self._apply_grammars(logits, sampling)
         touched: dict[str, Request] = {}
         draws, samples = [], []  # per sample: its draw (all drawn in one backend call), (sequence, logprob row)
         beam_sampled, pruned, beams_done = [], [], []
@@ -280,14 +280,14 @@ class LLMEngine:
                 del self.requests[out.request_id]
         return outputs + [self._fail_request(rid, e) for rid, e in failed.items()]
 
-    def _apply_grammars(self, logits, sampling: list, failed: dict) -> None:
+    def _apply_grammars(self, logits, sampling: list) -> None:
         """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar
         does not allow next (the rows' masks computed in parallel). Rows without a grammar are left as
         they are, and a step without one costs nothing. A grammar that has ended (its EOS accepted,
         generation going on under ``ignore_eos``) constrains nothing more, as in vLLM."""
         rows, grammars = [], []
         for row, seq in enumerate(sampling):
-            if seq.grammar is not None and not seq.grammar.is_terminated() and seq.request_id not in failed:
+            if seq.grammar is not None and not seq.grammar.is_terminated():
                 rows.append(row)
                 grammars.append(seq.grammar)
         if not rows:
