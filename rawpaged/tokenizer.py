@@ -8,12 +8,14 @@ turn. A raw prompt (``encode``) is parsed as vLLM and HF do: special-token text 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -34,7 +36,7 @@ def _byte_level_alphabet() -> dict:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 #: Chat template variables ``chat_template_kwargs`` may not replace.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -117,7 +119,11 @@ class Tokenizer:
         return ids
 
     def encode_chat(
-        self, messages: list, add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list | None = None,
     ) -> tuple:
         """``(prompt text, token ids)`` of a conversation rendered with the chat template, every message's
         content encoded as literal text: only the template's own markers are special tokens.
@@ -127,13 +133,13 @@ class Tokenizer:
         apart. Raises ValueError (see ``apply_chat_template``), also when a template rewrites a content
         that spells a special token, since then it cannot be kept literal.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
         contents = [m["content"] for m in messages]
         if not any(s in c for c in contents for s in self.special_tokens):
             return text, self._encode_rendered(text)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         marked = self.apply_chat_template(
-            [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt, template_kwargs
+            [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt, template_kwargs, tools
         )
         pieces = re.split("(\ue000\\d+\ue001)", marked)
         is_content = [p in marks for p in pieces]
@@ -166,12 +172,28 @@ class Tokenizer:
             return bytes([int(m.group(1), 16)])
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` itself (it reads a ``tools`` variable)."""
+        try:
+            return bool(self.chat_template) and "tools" in jinja2.meta.find_undeclared_variables(
+                self._environment().parse(self.chat_template)
+            )
+        except jinja2.exceptions.TemplateError:  # apply_chat_template reports it
+            return False
+
     def apply_chat_template(
-        self, messages: list, add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list | None = None,
     ) -> str:
-        """Render ``messages`` ([{"role", "content"}]) with the model's Jinja chat template;
+        """Render ``messages`` ([{"role", "content", ...}]: HF transformers' message dicts, with
+        ``tool_calls`` and ``tool_call_id`` where they have them) with the model's Jinja chat template;
         ``template_kwargs`` are extra template variables (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
-        ``enable_thinking``).
+        ``enable_thinking``), ``tools`` OpenAI's tool dicts (for templates that render them: see
+        ``supports_tools``).
 
         Raises:
             ValueError: the model has no chat template, a message is malformed, or the template raises.
@@ -189,23 +211,36 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        if self._template is None:
-            # As HF transformers renders chat templates: sandboxed, trim_blocks, lstrip_blocks.
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-            def raise_exception(message):
-                raise jinja2.exceptions.TemplateError(message)
-
-            env.globals["raise_exception"] = raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
         try:
+            if self._template is None:
+                self._template = self._environment().from_string(self.chat_template)
             return self._template.render(
                 **(template_kwargs or {}),
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None
+
+    @staticmethod
+    def _environment() -> jinja2.Environment:
+        """A Jinja environment as HF transformers renders chat templates in: sandboxed, ``trim_blocks``,
+        ``lstrip_blocks``, ``raise_exception`` and ``strftime_now``, and ``tojson`` as ``json.dumps``
+        (keys in their order, non-ASCII kept, not HTML-escaped: Jinja's own sorts and escapes)."""
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(
+                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            )
+
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
+        return env

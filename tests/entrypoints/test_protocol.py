@@ -18,6 +18,7 @@ from rawpaged.sampling_params import SamplingParams
 
 LIMITS = Limits(max_tokens=512, max_n=16, max_prompts=4)
 HI = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def refused(model, body) -> ProtocolError:
@@ -66,7 +67,7 @@ def refused(model, body) -> ProtocolError:
         ({"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty"),
         ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
-        ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
+        ({"prompt": "hi", "tools": [TOOL]}, "tools"),  # chat only
         ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
         ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         (
@@ -101,6 +102,25 @@ def test_completion_refusals_name_the_field(body, param):
         ({"messages": HI, "max_completion_tokens": -1}, "max_completion_tokens"),
         ({"messages": HI, "max_completion_tokens": 513}, "max_completion_tokens"),
         ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"messages": HI, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": HI, "tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+        ({"messages": HI, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": HI, "tools": [TOOL, TOOL]}, "tools"),
+        ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": HI, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"messages": HI, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        (
+            {"messages": HI, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"messages": HI, "tools": [TOOL], "tool_choice": "required", "use_beam_search": True}, "tool_choice"),
+        ({"messages": HI, "functions": [{"name": "f"}]}, "functions"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),  # no tool_call_id
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, "messages"),
     ],
 )
 def test_chat_refusals_name_the_field(body, param):
@@ -187,7 +207,7 @@ def test_chat_request_messages_and_logprobs():
     assert req.template_messages() == [
         {"role": "system", "content": "be brief"},
         {"role": "assistant", "content": ""},
-        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "hi", "name": "me"},
     ]
     assert (req.requested_max_tokens, req.max_tokens_param, req.num_logprobs) == (5, "max_completion_tokens", 2)
     assert req.kind == "chat" and req.prompt_param == "messages"
@@ -206,3 +226,30 @@ def test_websocket_generate():
         assert refused(WebSocketGenerateRequest, body).param == "prompt"
     assert refused(WebSocketGenerateRequest, {"prompt": ["a", "b"]}).param == "prompt"
     assert refused(WebSocketGenerateRequest, {"prompt": "a", "temperature": -1}).param == "temperature"
+
+
+def test_tool_choice_picks_the_parser_and_the_constraint():
+    tools = [TOOL, {"type": "function", "function": {"name": "g"}}]
+
+    def chat(**kw):
+        return parse_request(ChatCompletionRequest, {"messages": HI, **kw}, LIMITS)
+
+    plain = chat()
+    assert plain.tool_mode == "none" and plain.tool_parser() is None and plain.template_tools() is None
+    assert chat(tools=tools, tool_choice="none").tool_parser() is None
+    auto = chat(tools=tools)
+    assert auto.tool_mode == "auto" and type(auto.tool_parser()).__name__ == "HermesToolParser"
+    assert auto.structured_outputs_fields() is None and auto.template_tools()[1] == {
+        "type": "function",
+        "function": {"name": "g"},
+    }
+    required = chat(tools=tools, tool_choice="required", parallel_tool_calls=False)
+    schema = required.sampling_params(8).structured_outputs.json
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "f"}, {"const": "g"}]
+    named = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert named.tool_mode == "named" and named.sampling_params(8).structured_outputs.json == {"type": "object"}
+    bad = chat(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], tool_choice="required"
+    )
+    assert bad.client_param("structured_outputs.json") == "tools"

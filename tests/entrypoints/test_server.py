@@ -20,6 +20,7 @@ import pytest
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
+from rawpaged.entrypoints.chat_utils import tools_system_prompt
 from tests.conftest import FIXTURES
 from tests.entrypoints.server_thread import ServerThread, get_json, run, sse, stats, wait_pool_empty
 
@@ -607,3 +608,171 @@ def test_websocket_structured_outputs(server):
 
     text, last = run(main())
     assert text in ("red", "green", "blue"), (text, last)
+
+
+# ------------------------------------------------------------------------------------------ tools
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a time zone",
+            "parameters": {
+                "type": "object",
+                "properties": {"tz": {"type": "string", "maxLength": 30}},
+                "required": ["tz"],
+            },
+        },
+    },
+]
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def check_call(name, arguments):
+    jsonschema = pytest.importorskip("jsonschema")
+    assert name in TOOL_SCHEMAS
+    jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[name])
+
+
+def streamed_tool_calls(stream):
+    """(content, {index: [id, name, arguments]}, finish_reason) of one streamed choice."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or ():
+                if d.index not in calls:
+                    assert d.id.startswith("call_") and d.type == "function" and d.function.name
+                    calls[d.index] = [d.id, d.function.name, ""]
+                calls[d.index][2] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, calls, finish
+
+
+@model
+def test_named_tool_choice_gives_a_valid_call_streamed_or_not(server, client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=100
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    check_call(call.function.name, call.function.arguments)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=100, stream=True
+    )
+    content, calls, finish = streamed_tool_calls(stream)
+    assert content == "" and finish == "tool_calls"
+    assert [(name, args) for _, name, args in calls.values()] == [("get_weather", call.function.arguments)]
+    wait_pool_empty(server)
+
+
+@model
+def test_required_tool_choice_n2_sampled_and_streamed(server, client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        n=2,
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+    )
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
+        for call in choice.message.tool_calls:
+            check_call(call.function.name, call.function.arguments)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+    )
+    content, calls, finish = streamed_tool_calls(stream)
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    [(_, name, arguments)] = calls.values()
+    check_call(name, arguments)
+    wait_pool_empty(server)
+
+
+@model
+def test_auto_tool_choice_streams_as_it_answers_and_tool_results_go_back(server, client):
+    kw = dict(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=60)
+    full = client.chat.completions.create(**kw).choices[0]
+    content, calls, finish = streamed_tool_calls(client.chat.completions.create(**kw, stream=True))
+    assert content == (full.message.content or "") and finish == full.finish_reason
+    assert [(n, a) for _, n, a in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in full.message.tool_calls or ()
+    ]
+    assert (finish == "tool_calls") == bool(calls)
+    # A whole round: the call and its result go back; SmolLM2's template has no tools, so they are
+    # written into its messages (rawpaged.entrypoints.chat_utils).
+    conversation = [
+        *WEATHER_ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "sky": "sunny"}'},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=30
+    )
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+    tok = server.state.engine.tokenizer
+    text, ids = tok.encode_chat(
+        [
+            {"role": "system", "content": tools_system_prompt(TOOLS)},
+            WEATHER_ASK[0],
+            {
+                "role": "assistant",
+                "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+                "</tool_call>",
+            },
+            {"role": "user", "content": '<tool_response>\n{"temperature": 18, "sky": "sunny"}\n</tool_response>'},
+        ]
+    )
+    assert answer.usage.prompt_tokens == len(ids)
+    wait_pool_empty(server)
+
+
+@model
+def test_a_tool_schema_that_does_not_compile_is_a_400(server, client):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=bad, tool_choice="required", max_tokens=10)
+    assert e.value.body["param"] == "tools" and "does not compile" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=5, extra_body={"tools": TOOLS})
+    assert e.value.body["param"] == "tools"
+    wait_pool_empty(server)

@@ -13,10 +13,11 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rawpaged.entrypoints.openai.tool_parsers import ForcedToolParser, HermesToolParser, ToolParser, forced_tool_schema
 from rawpaged.errors import InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import RESERVED_TEMPLATE_KWARGS
@@ -79,22 +80,85 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    """A call in an assistant message sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
+    """One conversation message. An assistant message may carry ``tool_calls`` instead of content; a
+    ``tool`` message answers the call ``tool_call_id``."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_required(self):
         if self.content is None and self.role != "assistant":
             raise ValueError("content is required (a string or a list of text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed in assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
     def as_template_message(self) -> dict:
-        """``{"role", "content"}`` for the chat template: text parts joined, "developer" as "system"."""
+        """The message as chat templates take it (HF transformers' form): text parts joined, "developer"
+        as "system", and each call's ``arguments`` as an object where its JSON text is one (templates
+        write them with ``tojson``)."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _loads(c)}}
+                for c in self.tool_calls
+            ]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
+
+
+def _loads(call: ToolCall):
+    try:
+        value = json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: the function takes any object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class GenerationRequest(OpenAIBaseModel):
@@ -106,6 +170,8 @@ class GenerationRequest(OpenAIBaseModel):
     "json_schema": {"name", "schema", "strict"}}``) or vLLM's ``structured_outputs`` (a dict of
     ``StructuredOutputsParams``' fields: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
     ``disable_any_whitespace``), not both."""
+
+    accepts_tools: ClassVar[bool] = False
 
     model: str | None = None
     user: str | None = None
@@ -165,6 +231,14 @@ class GenerationRequest(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def template_tools(self) -> list | None:
+        """The tools for the chat template (OpenAI's dicts), or None."""
+        return None
+
+    def tool_parser(self) -> ToolParser | None:
+        """A fresh parser of one choice's tool calls, or None when the request has none to parse."""
+        return None
 
     def sampling_kwargs(self, defaults: dict | None = None) -> dict:
         """``SamplingParams`` keyword arguments except ``max_tokens``; ``defaults`` (the model's
@@ -273,8 +347,10 @@ class GenerationRequest(OpenAIBaseModel):
             raise ProtocolError("logit_bias is not supported by this server", param="logit_bias")
         if self.suffix:
             raise ProtocolError("suffix is not supported by this server", param="suffix")
-        if self.tools or self.functions:
-            raise ProtocolError("tools are not supported by this server", param="tools")
+        if self.functions:
+            raise ProtocolError("functions is deprecated and not supported; use tools", param="functions")
+        if self.tools and not self.accepts_tools:
+            raise ProtocolError("tools are supported by /v1/chat/completions only", param="tools")
         reserved = sorted(set(getattr(self, "chat_template_kwargs", None) or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ProtocolError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
@@ -320,13 +396,24 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    """A ``POST /v1/chat/completions`` body."""
+    """A ``POST /v1/chat/completions`` body.
+
+    Tools: ``tools`` are rendered through the chat template (``rawpaged.entrypoints.chat_utils``), and
+    ``tool_choice`` says what is done with them: ``"none"`` (no call is parsed), ``"auto"`` (the default
+    with tools: Hermes-style ``<tool_call>`` blocks in the output are parsed), ``"required"`` or
+    ``{"type": "function", "function": {"name"}}`` (generation is constrained to a valid call;
+    ``rawpaged.entrypoints.openai.tool_parsers.forced_tool_parser``)."""
+
+    accepts_tools: ClassVar[bool] = True
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def kind(self) -> str:
@@ -348,13 +435,75 @@ class ChatCompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required" or "named": what ``tool_choice`` asks (OpenAI's default: "auto"
+        with tools, "none" without)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tool(self) -> bool:
+        """Whether generation is constrained to a tool call."""
+        return self.tool_mode in ("required", "named")
+
+    def template_tools(self) -> list | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_parser(self) -> ToolParser | None:
+        mode = self.tool_mode
+        if mode == "auto":
+            return HermesToolParser()
+        if mode in ("required", "named"):
+            return ForcedToolParser(self.tool_choice.function.name if mode == "named" else None)
+        return None
+
+    def structured_outputs_fields(self) -> dict | None:
+        fields = super().structured_outputs_fields()
+        if not self.forced_tool:
+            return fields
+        name = self.tool_choice.function.name if self.tool_mode == "named" else None
+        return {"json": forced_tool_schema(self.template_tools(), name, self.parallel_tool_calls is not False)}
+
     def client_param(self, param: str | None) -> str | None:
-        return "top_logprobs" if param == "logprobs" else super().client_param(param)
+        if param == "logprobs":
+            return "top_logprobs"
+        if param and param.startswith("structured_outputs") and self.forced_tool:
+            return "tools"
+        return super().client_param(param)
 
     def check(self, limits: Limits) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self._check_tools()
         super().check(limits)
+
+    def _check_tools(self) -> None:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ProtocolError("tool_choice is only allowed when tools are given", param="tool_choice")
+        names = [t.function.name for t in self.tools or ()]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ProtocolError(f"tools name {duplicates} more than once", param="tools")
+        if self.tool_mode == "named" and self.tool_choice.function.name not in names:
+            raise ProtocolError(
+                f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
+        if self.forced_tool:
+            if self.response_format is not None or self.structured_outputs is not None:
+                raise ProtocolError(
+                    f"tool_choice {self.tool_mode!r} constrains the output to a call, so response_format and "
+                    "structured_outputs cannot be set with it",
+                    param="tool_choice",
+                )
+            if self.use_beam_search:
+                raise ProtocolError(
+                    f"tool_choice {self.tool_mode!r} cannot be combined with beam search", param="tool_choice"
+                )
 
     def template_messages(self) -> list:
         return [m.as_template_message() for m in self.messages]
@@ -507,13 +656,14 @@ def chat_response(rid: str, created: int, model: str, choices: list, usage_: dic
     }
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+def chat_choice(
+    index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None, tool_calls: list = ()
+) -> dict:
+    """A chat choice; ``tool_calls`` (OpenAI's ``[{"id", "type", "function"}]``) when any were made."""
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = list(tool_calls)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk(

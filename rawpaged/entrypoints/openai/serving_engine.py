@@ -18,6 +18,7 @@ from aiohttp import web
 
 from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
+from rawpaged.entrypoints.chat_utils import template_conversation
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
 from rawpaged.entrypoints.server_state import STATE, ServerState, check_model, json_response, require_engine
@@ -57,7 +58,10 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
     def work():
         if req.kind == "chat":
             try:
-                return [tok.encode_chat(req.template_messages(), True, req.chat_template_kwargs)]
+                messages, tools = template_conversation(
+                    req.template_messages(), req.template_tools(), tok.supports_tools
+                )
+                return [tok.encode_chat(messages, True, req.chat_template_kwargs, tools)]
             except ValueError as e:
                 raise ProtocolError(str(e), param="messages") from None
         return [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in req.prompts(limits)]

@@ -1,0 +1,110 @@
+"""Hermes/Qwen-style tool calls (NousResearch's Hermes 2 Pro function-calling format, also Qwen2.5's and
+Qwen3's chat templates): each call is a JSON object ``{"name": ..., "arguments": {...}}`` between
+``<tool_call>`` and ``</tool_call>``, with any content before the first call."""
+
+from __future__ import annotations
+
+import json
+
+from rawpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    DeltaMessage,
+    ToolParser,
+    arguments_text,
+    tool_call_delta,
+)
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_call(body: str) -> tuple | None:
+    """``(name, arguments JSON text)`` of one call's body, or None if it is not a call. ``parameters``
+    is accepted for ``arguments`` (some fine-tunes write it), and a call without either has ``{}``."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], arguments_text(arguments)
+
+
+class HermesToolParser(ToolParser):
+    """``tool_choice: "auto"``: streams content while holding back text that may begin ``<tool_call>``
+    (and trailing whitespace, dropped before a call), and emits each call whole once its closing tag
+    (or the end of the choice) arrives. A block that is not a valid call stays content, tags and all."""
+
+    def __init__(self):
+        super().__init__()
+        self._held = ""  # text not yet emitted: a call's body, or content that may begin one
+        self._in_call = False
+        self._after_call = False  # whitespace right after a call is not content
+        self._has_content = False
+        self._gap = ""  # whitespace before the open call: content again if the call is not valid
+
+    def feed(self, text: str) -> DeltaMessage:
+        self._held += text
+        out = DeltaMessage()
+        while True:
+            if self._in_call:
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    return out
+                body, self._held = self._held[:end], self._held[end + len(CLOSE) :]
+                self._in_call = False
+                self._emit_call(body, out, closed=True)
+                continue
+            start = self._held.find(OPEN)
+            if start >= 0:
+                before = self._held[:start].rstrip()
+                self._gap = self._held[len(before) : start]
+                self._emit_content(before, out)
+                self._held = self._held[start + len(OPEN) :]
+                self._in_call = True
+                continue
+            keep = _partial_tag_length(self._held)
+            cut = len(self._held) - keep
+            while cut > 0 and self._held[cut - 1].isspace():
+                cut -= 1
+            self._emit_content(self._held[:cut], out)
+            self._held = self._held[cut:]
+            return out
+
+    def finish(self) -> DeltaMessage:
+        out = DeltaMessage()
+        held, self._held = self._held, ""
+        if self._in_call:  # no closing tag: still a call if its JSON is whole
+            self._in_call = False
+            self._emit_call(held, out, closed=False)
+        elif held.strip() or not self.num_calls:
+            self._emit_content(held, out)
+        return out
+
+    def _emit_content(self, text: str, out: DeltaMessage) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if text and self._has_content:  # content on both sides of a call: one line break between
+                text = "\n" + text
+        if text:
+            self._after_call = False
+            self._has_content = True
+            out.content += text
+
+    def _emit_call(self, body: str, out: DeltaMessage, closed: bool) -> None:
+        call = parse_call(body)
+        if call is None:
+            self._emit_content(self._gap + OPEN + body + (CLOSE if closed else ""), out)
+            return
+        out.tool_calls.append(tool_call_delta(self.num_calls, call[0], call[1]))
+        self.num_calls += 1
+        self._after_call = True
+
+
+def _partial_tag_length(text: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``<tool_call>``."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-k:]):
+            return k
+    return 0
