@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from rawpaged.errors import InvalidRequestError
 from rawpaged.structured_output.params import StructuredOutputsParams
@@ -124,10 +124,13 @@ class SamplingParams:
         if not is_num(self.length_penalty):
             bad("length_penalty", "must be a finite number")
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:  # an unknown field
-                raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
+            known = {f.name for f in fields(StructuredOutputsParams)}
+            unknown = sorted(set(self.structured_outputs) - known, key=str)
+            if unknown:
+                raise InvalidRequestError(
+                    f"structured_outputs has unknown fields {unknown}; it takes {sorted(known)}", "structured_outputs"
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")

@@ -246,9 +246,19 @@ def test_tool_choice_picks_the_parser_and_the_constraint():
     required = chat(tools=tools, tool_choice="required", parallel_tool_calls=False)
     schema = required.sampling_params(8).structured_outputs.json
     assert schema["type"] == "array" and schema["maxItems"] == 1
-    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "f"}, {"const": "g"}]
+    calls = schema["items"]["anyOf"]
+    assert [c["properties"]["name"] for c in calls] == [{"const": "f"}, {"const": "g"}]
+    assert [c["properties"]["arguments"] for c in calls] == [{"$ref": "#/$defs/f"}, {"$ref": "#/$defs/g"}]
+    no_parameters = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no arguments
+    assert schema["$defs"] == {"f": {"type": "object"}, "g": no_parameters}
     named = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
     assert named.tool_mode == "named" and named.sampling_params(8).structured_outputs.json == {"type": "object"}
+    assert (
+        chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}})
+        .sampling_params(8)
+        .structured_outputs.json
+        == no_parameters
+    )
     bad = chat(
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], tool_choice="required"
     )

@@ -196,6 +196,7 @@ class GenerationRequest(OpenAIBaseModel):
     logit_bias: dict | None = None
     suffix: str | None = None
     tools: list | None = None
+    tool_choice: Any = None
     functions: list | None = None
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -349,8 +350,10 @@ class GenerationRequest(OpenAIBaseModel):
             raise ProtocolError("suffix is not supported by this server", param="suffix")
         if self.functions:
             raise ProtocolError("functions is deprecated and not supported; use tools", param="functions")
-        if self.tools and not self.accepts_tools:
-            raise ProtocolError("tools are supported by /v1/chat/completions only", param="tools")
+        if not self.accepts_tools:
+            for name in ("tools", "tool_choice"):
+                if getattr(self, name) is not None:
+                    raise ProtocolError(f"{name} is supported by /v1/chat/completions only", param=name)
         reserved = sorted(set(getattr(self, "chat_template_kwargs", None) or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ProtocolError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
@@ -475,6 +478,17 @@ class ChatCompletionRequest(GenerationRequest):
             return "tools"
         return super().client_param(param)
 
+    def client_error(self, e: InvalidRequestError) -> ProtocolError:
+        if not (self.forced_tool and e.param and e.param.startswith("structured_outputs")):
+            return super().client_error(e)
+        message = str(e)
+        rest = message[len(e.param) :] if message.startswith(e.param) else ": " + message
+        if self.tool_mode == "named":
+            what = f"the parameters schema of {self.tool_choice.function.name!r}"
+        else:
+            what = "one of the parameters schemas"
+        return ProtocolError(f"tools: {what}{rest}", param="tools")
+
     def check(self, limits: Limits) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -487,23 +501,22 @@ class ChatCompletionRequest(GenerationRequest):
         names = [t.function.name for t in self.tools or ()]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ProtocolError(f"tools name {duplicates} more than once", param="tools")
+            raise ProtocolError(f"function names in tools must be unique; {duplicates} repeat", param="tools")
         if self.tool_mode == "named" and self.tool_choice.function.name not in names:
             raise ProtocolError(
                 f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools",
                 param="tool_choice",
             )
         if self.forced_tool:
+            choice = '"required"' if self.tool_mode == "required" else "naming a function"
             if self.response_format is not None or self.structured_outputs is not None:
                 raise ProtocolError(
-                    f"tool_choice {self.tool_mode!r} constrains the output to a call, so response_format and "
+                    f"tool_choice {choice} constrains the output to a call, so response_format and "
                     "structured_outputs cannot be set with it",
                     param="tool_choice",
                 )
             if self.use_beam_search:
-                raise ProtocolError(
-                    f"tool_choice {self.tool_mode!r} cannot be combined with beam search", param="tool_choice"
-                )
+                raise ProtocolError(f"tool_choice {choice} cannot be combined with beam search", param="tool_choice")
 
     def template_messages(self) -> list:
         return [m.as_template_message() for m in self.messages]
@@ -551,6 +564,7 @@ _EXPECTED = {
     "stop": "a string or a list of strings",
     "stop_token_ids": "a list of non-negative integers",
     "messages": "a non-empty list of {role, content} objects",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 

@@ -5,6 +5,9 @@ them).
 - A named function: the output is its ``arguments`` object, valid against its ``parameters`` schema.
 - ``"required"``: the output is a JSON array of ``{"name", "arguments"}`` objects, one or more (one
   with ``parallel_tool_calls: false``), each name from the list with arguments valid against its schema.
+
+Arguments follow JSON Schema: an object schema without ``"additionalProperties": false`` admits keys it
+does not list, which a small model may go on inventing.
 """
 
 from __future__ import annotations
@@ -18,11 +21,29 @@ from rawpaged.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     tool_call_delta,
 )
 
-ANY_OBJECT = {"type": "object"}  # a function without a parameters schema takes any object
+#: A function without ``parameters`` has an empty parameter list (OpenAI's rule): its arguments are ``{}``.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or ANY_OBJECT
+    return tool["function"].get("parameters") or NO_PARAMETERS
+
+
+def _nested(schema, name: str):
+    """``schema`` moved to ``#/$defs/<name>`` of an enclosing schema: its local ``$ref`` pointers (to
+    its own ``$defs``, or ``#`` for recursion) are rewritten to point under there."""
+    if isinstance(schema, dict):
+        return {
+            k: (
+                "#/$defs/" + name + v[1:]
+                if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _nested(v, name)
+            )
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_nested(v, name) for v in schema]
+    return schema
 
 
 def forced_tool_schema(tools: list, name: str | None, parallel_tool_calls: bool = True) -> dict:
@@ -35,16 +56,23 @@ def forced_tool_schema(tools: list, name: str | None, parallel_tool_calls: bool 
     """
     if name is not None:
         return next(_parameters(t) for t in tools if t["function"]["name"] == name)
+    names = [t["function"]["name"] for t in tools]
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+            "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/{n}"}},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for t in tools
+        for n in names
     ]
-    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {
+        "type": "array",
+        "minItems": 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        # each function's parameters as a definition of its own, so that their $refs still resolve
+        "$defs": {n: _nested(_parameters(t), n) for n, t in zip(names, tools)},
+    }
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return schema
