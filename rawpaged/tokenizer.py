@@ -98,6 +98,16 @@ class Tokenizer:
         """The ``tokenizers`` JSON of this tokenizer (what grammar engines such as llguidance read)."""
         return self._tok.to_str()
 
+    def to_config(self) -> dict:
+        """The ``tokenizer_config.json`` fields this class reads: with ``to_json``, what
+        ``from_objects`` rebuilds it from (e.g. in another process)."""
+        return {
+            "chat_template": self.chat_template,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos_token,
+        }
+
     def encode(self, text: str) -> list:
         """Token ids of a raw prompt as HF's ``tokenizer(text)`` and vLLM give them: special-token text
         parsed as the special token, and the tokens ``tokenizer.json``'s post-processor adds (Llama 3's

@@ -25,10 +25,10 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import RequestOutput
+from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
 from rawpaged.errors import EngineDeadError, RequestFailedError
 from rawpaged.sampling_params import SamplingParams
 
@@ -47,11 +47,13 @@ class RequestStream:
 
     Iteration ends after the finished output, or early when the request was aborted (``aborted`` is
     then True). Raises ``EngineDeadError`` if the engine failed, ``RequestFailedError`` if the engine
-    ended this request alone.
+    ended this request alone. ``replica`` is the data-parallel replica serving it (None for a single
+    engine).
     """
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, replica: int | None = None):
         self.request_id = request_id
+        self.replica = replica
         self.aborted = False
         self.finished = False
         self._latest: RequestOutput | None = None
@@ -87,16 +89,6 @@ class RequestStream:
             await self._event.wait()
 
 
-@dataclass
-class _RequestInfo:
-    arrival: float
-    num_prompt_tokens: int
-    log_label: str | None = None
-    first_token_time: float | None = None
-    last_output_time: float | None = None
-    num_generated: int = 0
-
-
 class AsyncEngine:
     """Drives an ``LLMEngine`` from asyncio. Create it inside a running event loop (or first use it there).
 
@@ -108,11 +100,9 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.metrics = metrics
-        self.log_requests = log_requests
+        self.request_stats = RequestStatsTracker(metrics, log_requests)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rawpaged-engine")
         self._streams: dict[str, RequestStream] = {}
-        self._info: dict[str, _RequestInfo] = {}
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._num_arrivals = 0  # add_request calls so far (``_gather_arrivals``)
@@ -124,6 +114,16 @@ class AsyncEngine:
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def default_sampling_params(self) -> dict:
+        """The model's ``generation_config.json`` sampling defaults (``LLMEngine.default_sampling_params``)."""
+        return self.engine.default_sampling_params
+
+    def check_prompt(self, ids: list) -> None:
+        """The engine's checks of a prompt's token ids (``InputProcessor.check_prompt``): raises
+        InvalidRequestError."""
+        self.engine.input_processor.check_prompt(ids)
 
     async def add_request(
         self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
@@ -159,7 +159,7 @@ class AsyncEngine:
             raise
         if request_id not in self._streams:  # aborted while being added
             return stream
-        self._info[request_id] = _RequestInfo(arrival, n_prompt, log_label)
+        self.request_stats.arrived(request_id, arrival, n_prompt, log_label)
         self._wake.set()
         return stream
 
@@ -179,13 +179,11 @@ class AsyncEngine:
         if stream is None:
             return False
         stream.close(aborted=True)
-        info = self._info.pop(request_id, None)
         try:
             self._executor.submit(self.engine.abort_request, request_id)
         except RuntimeError:  # executor shut down: the engine is gone anyway
             pass
-        if info is not None:
-            self._finished(request_id, info, "abort", time.monotonic())
+        self.request_stats.finished(request_id, "abort", time.monotonic())
         return True
 
     async def stats(self) -> dict:
@@ -287,55 +285,22 @@ class AsyncEngine:
             stream = self._streams.get(rid)
             if stream is None:  # aborted while the step ran
                 continue
-            info = self._info.get(rid)
             if out.error is not None:  # the engine ended this request alone
                 self._streams.pop(rid, None)
-                self._info.pop(rid, None)
                 stream.close(error=RequestFailedError(f"the request failed: {out.error}"))
-                if info is not None:
-                    self._finished(rid, info, "error", now)
+                self.request_stats.finished(rid, "error", now)
                 continue
-            if info is not None:
-                n = sum(len(c.token_ids) for c in out.outputs)
-                if n > info.num_generated:
-                    if info.first_token_time is None:
-                        info.first_token_time = now
-                        if self.metrics is not None:
-                            self.metrics.observe_first_token(now - info.arrival)
-                    elif self.metrics is not None:
-                        self.metrics.observe_inter_token(now - info.last_output_time)
-                    info.last_output_time = now
-                    info.num_generated = n
+            self.request_stats.output(out, now)
             stream.put(out)
             if out.finished:
                 self._streams.pop(rid, None)
-                self._info.pop(rid, None)
-                if info is not None:
-                    reasons = sorted({c.finish_reason for c in out.outputs if c.finish_reason}) or ["stop"]
-                    self._finished(rid, info, ",".join(reasons), now)
-
-    def _finished(self, rid: str, info: _RequestInfo, reason: str, now: float) -> None:
-        latency = now - info.arrival
-        if self.metrics is not None:
-            for r in reason.split(","):
-                self.metrics.observe_finished(latency, r)
-        if self.log_requests:
-            ttft = f"{info.first_token_time - info.arrival:.3f}s" if info.first_token_time else "-"
-            logger.info(
-                "request %s: prompt_tokens=%d completion_tokens=%d finish_reason=%s latency=%.3fs ttft=%s",
-                f"{rid} ({info.log_label})" if info.log_label else rid,
-                info.num_prompt_tokens,
-                info.num_generated,
-                reason,
-                latency,
-                ttft,
-            )
+                self.request_stats.finished(rid, finish_reasons(out), now)
 
     def _fail_all(self, error: BaseException) -> None:
         rids = list(self._streams)
         for rid in rids:
             self._streams.pop(rid).close(error=error)
-            self._info.pop(rid, None)
+            self.request_stats.discard(rid)
         if rids and not self._closed:
             try:
                 self._executor.submit(self._abort_all, rids)

@@ -113,6 +113,8 @@ def create_app(
     max_body_size: int = DEFAULT_MAX_BODY_SIZE,
     max_n: int = 16,
     allowed_origins=(),
+    data_parallel_size: int = 1,
+    ray_address: str | None = None,
 ) -> web.Application:
     """The aiohttp application.
 
@@ -120,11 +122,23 @@ def create_app(
     callable returning an ``LLMEngine``, run in a thread at startup) or ``config`` (``LLMEngine(config)``
     plus a warm-up, in a thread). While loading, ``/health`` answers 503 and generation routes 503.
     ``allowed_origins``: origins (or ``"*"``) browsers may call from (``rawpaged.entrypoints.cors``).
+    ``data_parallel_size`` > 1 serves ``config`` through that many Ray replicas
+    (``rawpaged.engine.data_parallel``; ``ray_address`` joins a running cluster).
     """
     from rawpaged.engine.llm_engine import LLMEngine
 
     config = config or EngineConfig()
-    if engine is None and loader is None:
+    if engine is None and loader is None and data_parallel_size > 1:
+
+        def loader():
+            from rawpaged.engine.data_parallel import DataParallelEngine
+            from rawpaged.model_executor.model_loader import resolve_model_dir
+
+            if ray_address is None:  # one machine: prepare the default model once, here, not in each replica
+                resolve_model_dir(config.model)
+            return DataParallelEngine(config, data_parallel_size, ray_address)
+
+    elif engine is None and loader is None:
 
         def loader():
             engine = LLMEngine(config)
@@ -175,6 +189,18 @@ def create_app(
             if error is not None:
                 state.load_error = error
                 state.failed.set()
+                return
+            if not isinstance(result, LLMEngine):  # a front end over replicas
+                result.request_stats.metrics = state.metrics
+                state.engine = result
+                logger.info(
+                    "ready: model %s on %d replicas in %.1fs (KV blocks of %d tokens, max_model_len %d)",
+                    state.model_name,
+                    result.data_parallel_size,
+                    time.monotonic() - state.load_started,
+                    result.block_size,
+                    result.max_model_len,
+                )
                 return
             state.engine = AsyncEngine(result, metrics=state.metrics)
             logger.info(

@@ -197,6 +197,19 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="logging level (info: one line per request)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="engine replicas, each a Ray actor (one GPU each on CUDA); requests are routed by prompt prefix "
+        "and load (docs/distributed.md)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --data-parallel-size > 1: a running Ray cluster to join (e.g. 10.0.0.1:6379, from "
+        "'ray start --head'); default: start a local Ray instance",
+    )
     add_engine_args(p)
     return p
 
@@ -225,6 +238,8 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_body_size=args.max_body_size,
         allowed_origins=args.allowed_origins,
+        data_parallel_size=args.data_parallel_size,
+        ray_address=args.ray_address,
     )
     try:
         return asyncio.run(serve(app, args.host, args.port))

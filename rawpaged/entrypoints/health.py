@@ -15,7 +15,13 @@ from rawpaged.errors import EngineDeadError
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine is not None:
-        return json_response({"status": "ok", "model": state.model_name})
+        replica_health = getattr(state.engine, "replica_health", None)
+        if replica_health is None:
+            return json_response({"status": "ok", "model": state.model_name})
+        replicas = replica_health()  # data parallel: ok while one replica takes requests
+        up = any(r["ready"] for r in replicas)
+        body = {"status": "ok" if up else "unavailable", "model": state.model_name, "replicas": replicas}
+        return json_response(body, status=200 if up else 503)
     if state.load_error:
         return json_response({"status": "error", "message": state.load_error}, status=503)
     return json_response(

@@ -76,8 +76,39 @@ _E2E_BUCKETS = (
 )
 
 
+_GAUGES = (
+    ("rawpaged:num_requests_running", "Requests with a sequence in the running batch.", "num_requests_running"),
+    (
+        "rawpaged:num_requests_waiting",
+        "Requests waiting to be scheduled (none of their sequences running).",
+        "num_requests_waiting",
+    ),
+    (
+        "rawpaged:num_seqs_running",
+        "Sequences in the running batch (n > 1 and beams: several per request).",
+        "num_running",
+    ),
+    ("rawpaged:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "kv_cache_usage"),
+    ("rawpaged:num_free_blocks", "Free KV-cache blocks (including evictable prefix-cache blocks).", "num_free_blocks"),
+    ("rawpaged:num_total_blocks", "KV-cache blocks in the pool.", "num_total_blocks"),
+    ("rawpaged:num_cached_blocks", "Free blocks still holding a reusable prefix.", "num_cached_blocks"),
+    ("rawpaged:num_used_blocks", "KV-cache blocks referenced by some sequence.", "num_used_blocks"),
+    ("rawpaged:num_shared_blocks", "KV-cache blocks referenced by more than one sequence.", "num_shared_blocks"),
+)
+_COUNTERS = (
+    ("rawpaged:num_preemptions", "Sequences preempted (recomputed later) so far.", "num_preemptions"),
+    ("rawpaged:prompt_tokens", "Prompt tokens computed (prefill) so far.", "prompt_tokens_total"),
+    ("rawpaged:generation_tokens", "Tokens generated so far.", "generation_tokens_total"),
+    ("rawpaged:prefix_cache_queries", "Prefix-cache lookups (blocks).", "prefix_cache_queries"),
+    ("rawpaged:prefix_cache_hits", "Prefix-cache hits (blocks).", "prefix_cache_hits"),
+    ("rawpaged:cow_copies", "Copy-on-write block copies.", "num_cow_copies"),
+)
+
+
 class _EngineStatsCollector:
-    """Exposes the last ``stats()`` snapshot handed to ``ServerMetrics.render``."""
+    """Exposes the last ``stats()`` snapshot handed to ``ServerMetrics.render``. With data-parallel
+    replicas (``stats["replicas"]``) every engine series has one sample per live replica, labelled
+    ``replica``, and the router's series are added."""
 
     def __init__(self, owner: ServerMetrics):
         self.owner = owner
@@ -86,61 +117,39 @@ class _EngineStatsCollector:
         s = self.owner.stats
         if not s:
             return
-        gauges = (
-            (
-                "rawpaged:num_requests_running",
-                "Requests with a sequence in the running batch.",
-                s.get("num_requests_running", 0),
-            ),
-            (
-                "rawpaged:num_requests_waiting",
-                "Requests waiting to be scheduled (none of their sequences running).",
-                s.get("num_requests_waiting", 0),
-            ),
-            (
-                "rawpaged:num_seqs_running",
-                "Sequences in the running batch (n > 1 and beams: several per request).",
-                s.get("num_running", 0),
-            ),
-            (
-                "rawpaged:kv_cache_usage_perc",
-                "Fraction of KV-cache blocks in use (0..1).",
-                s.get("kv_cache_usage", 0.0),
-            ),
-            (
-                "rawpaged:num_free_blocks",
-                "Free KV-cache blocks (including evictable prefix-cache blocks).",
-                s.get("num_free_blocks", 0),
-            ),
-            ("rawpaged:num_total_blocks", "KV-cache blocks in the pool.", s.get("num_total_blocks", 0)),
-            (
-                "rawpaged:num_cached_blocks",
-                "Free blocks still holding a reusable prefix.",
-                s.get("num_cached_blocks", 0),
-            ),
-            ("rawpaged:num_used_blocks", "KV-cache blocks referenced by some sequence.", s.get("num_used_blocks", 0)),
-            (
-                "rawpaged:num_shared_blocks",
-                "KV-cache blocks referenced by more than one sequence.",
-                s.get("num_shared_blocks", 0),
-            ),
-        )
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], float(value))
-            yield g
-        counters = (
-            ("rawpaged:num_preemptions", "Sequences preempted (recomputed later) so far.", "num_preemptions"),
-            ("rawpaged:prompt_tokens", "Prompt tokens computed (prefill) so far.", "prompt_tokens_total"),
-            ("rawpaged:generation_tokens", "Tokens generated so far.", "generation_tokens_total"),
-            ("rawpaged:prefix_cache_queries", "Prefix-cache lookups (blocks).", "prefix_cache_queries"),
-            ("rawpaged:prefix_cache_hits", "Prefix-cache hits (blocks).", "prefix_cache_hits"),
-            ("rawpaged:cow_copies", "Copy-on-write block copies.", "num_cow_copies"),
-        )
-        for name, doc, key in counters:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], float(s.get(key, 0)))
-            yield c
+        replicas = s.get("replicas")
+        if replicas is None:
+            labels, sources = [], [([], s)]
+        else:
+            labels, sources = ["replica"], [([str(r["replica"])], r) for r in replicas if r.get("ready")]
+        for family, specs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, doc, key in specs:
+                metric = family(name, doc, labels=labels)
+                for label_values, source in sources:
+                    metric.add_metric(label_values, float(source.get(key, 0)))
+                yield metric
+        if replicas is not None:
+            yield from _router_metrics(replicas, s.get("router", {}))
+
+
+def _router_metrics(replicas: list, router: dict):
+    up = GaugeMetricFamily("rawpaged:replica_up", "1 while a replica answers and gets requests.", labels=["replica"])
+    load = GaugeMetricFamily(
+        "rawpaged:replica_requests_in_flight", "Requests the router has in flight on a replica.", labels=["replica"]
+    )
+    for r in replicas:
+        up.add_metric([str(r["replica"])], 1.0 if r.get("ready") else 0.0)
+    for i, n in enumerate(router.get("load", ())):
+        load.add_metric([str(i)], float(n))
+    routed = CounterMetricFamily(
+        "rawpaged:router_requests",
+        "Requests routed: to their prefix's replica (prefix_hit), away from it because it was loaded (spill), "
+        "or by load alone (least_loaded).",
+        labels=["decision"],
+    )
+    for decision, key in (("prefix_hit", "prefix_hits"), ("spill", "spills"), ("least_loaded", "least_loaded")):
+        routed.add_metric([decision], float(router.get(key, 0)))
+    yield from (up, load, routed)
 
 
 class ServerMetrics:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rawpaged.engine.async_engine import AsyncEngine
+from rawpaged.engine.protocol import EngineClient
 from rawpaged.entrypoints.metrics import ServerMetrics
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, error_body, now
 
@@ -27,7 +27,7 @@ class ServerState:
     limits: Limits = field(default_factory=Limits)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     allowed_origins: tuple = ()
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     owns_engine: bool = True
     load_error: str | None = None
     failed: asyncio.Event | None = None
@@ -56,7 +56,7 @@ def error_response(
     return json_response(error_body(message, type, param, code), status=status)
 
 
-def require_engine(state: ServerState) -> AsyncEngine:
+def require_engine(state: ServerState) -> EngineClient:
     """The engine, or a 503 while the model loads (or after it failed to)."""
     if state.engine is None:
         msg = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"

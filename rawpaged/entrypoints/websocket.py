@@ -68,14 +68,19 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         fmt = ChatFormat() if req.kind == "chat" else CompletionFormat()  # logprobs in the matching API's shape
         prompt_tokens = 0
 
+        replica = None
+
         def done(index: int, finish_reason: str) -> dict:
-            return {
+            msg = {
                 "type": "done",
                 "id": job.id,
                 "index": index,
                 "finish_reason": finish_reason,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tracker.num_tokens(index)},
             }
+            if replica is not None:
+                msg["replica"] = replica
+            return msg
 
         try:
             check_model(state, req.model)
@@ -86,6 +91,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                 raise asyncio.CancelledError
             job.rid = protocol.new_id("ws")
             stream = (await add_requests(engine, req, prompts, job.rid, log_label=f"websocket id {job.id!r}"))[0]
+            replica = stream.replica
             if job.cancelled:  # cancelled while being added
                 engine.abort(job.rid)
             async for out in stream:

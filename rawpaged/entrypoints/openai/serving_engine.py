@@ -16,8 +16,8 @@ from typing import Protocol
 
 from aiohttp import web
 
-from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
+from rawpaged.engine.protocol import EngineClient
 from rawpaged.entrypoints.chat_utils import template_conversation
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
@@ -48,7 +48,7 @@ class PreparedPrompt:
         return self.text if self.text is not None else self.tokenizer.decode(self.ids, skip_special_tokens=False)
 
 
-async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: Limits) -> list:
+async def prepare_prompts(engine: EngineClient, req: GenerationRequest, limits: Limits) -> list:
     """Tokenize (in a worker thread: a long prompt or chat template must not stall the event loop),
     check each prompt with the engine's own checks, pick ``max_tokens`` (the client's, refused beyond the
     context; else 16 for completions, for chat whatever fits up to the server's limit) and build its
@@ -68,11 +68,11 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
 
     items = await asyncio.to_thread(work)
     max_len = engine.max_model_len
-    defaults = engine.engine.default_sampling_params
+    defaults = engine.default_sampling_params
     out = []
     for text, ids in items:
         try:
-            engine.engine.input_processor.check_prompt(ids)
+            engine.check_prompt(ids)
         except InvalidRequestError as e:
             raise ProtocolError(str(e), param=req.prompt_param) from None
         room = max_len - len(ids)
@@ -93,7 +93,7 @@ async def prepare_prompts(engine: AsyncEngine, req: GenerationRequest, limits: L
 
 
 async def add_requests(
-    engine: AsyncEngine, req: GenerationRequest, prompts: list, base_id: str, log_label: str | None = None
+    engine: EngineClient, req: GenerationRequest, prompts: list, base_id: str, log_label: str | None = None
 ) -> list:
     """One engine request per prompt (ids ``base_id``, or ``base_id-i`` for several); their streams. On
     any failure every request added so far is aborted. ``log_label`` is added to their log lines."""
@@ -190,10 +190,13 @@ async def serve_generation(request: web.Request, req: GenerationRequest, fmt: Re
     prompts = await prepare_prompts(engine, req, state.limits)
     rid = protocol.new_id(fmt.id_prefix)
     streams = await add_requests(engine, req, prompts, rid)
+    headers = replica_header(streams)
     try:
         if req.stream:
-            return await _stream_response(request, state, req, fmt, rid, prompts, streams)
-        return await _full_response(state, req, fmt, rid, prompts, streams)
+            return await _stream_response(request, state, req, fmt, rid, prompts, streams, headers)
+        response = await _full_response(state, req, fmt, rid, prompts, streams)
+        response.headers.update(headers)
+        return response
     finally:
         for s in streams:
             engine.abort(s.request_id)
@@ -214,10 +217,22 @@ async def _full_response(state: ServerState, req, fmt: ResponseFormat, rid, prom
     return json_response(fmt.response(rid, protocol.now(), state.model_name, choices, usage))
 
 
-async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams):
+def replica_header(streams: list) -> dict:
+    """``X-Rawpaged-Replica``: the data-parallel replica(s) serving the request's prompts, comma-separated
+    (none with a single engine)."""
+    replicas = [str(s.replica) for s in streams if s.replica is not None]
+    return {"X-Rawpaged-Replica": ",".join(dict.fromkeys(replicas))} if replicas else {}
+
+
+async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams, headers):
     resp = web.StreamResponse(
         status=200,
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **headers,
+        },
     )
     await resp.prepare(request)
     created = protocol.now()

@@ -1,0 +1,297 @@
+"""Data parallelism on Ray: N engine replicas (``EngineReplica`` actors, one GPU each on CUDA, one CPU
+each otherwise, in one placement group) behind one front end that routes each request
+(``rawpaged.engine.router``) and streams its outputs back.
+
+``DataParallelEngine`` offers what the server uses of ``AsyncEngine`` (``add_request`` returning a
+``RequestStream``, ``abort``, ``stats``, ``close``, ``check_prompt``, ``tokenizer``, ``max_model_len``,
+``default_sampling_params``), so the HTTP and websocket routes serve either.
+
+Failure: a replica that dies fails only its in-flight requests (``EngineDeadError``, a 503 at the
+server); Ray restarts the actor (``max_restarts``), and the router sends it nothing until it answers
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from rawpaged.config import EngineConfig
+from rawpaged.engine.async_engine import RequestStream
+from rawpaged.engine.input_processor import InputProcessor
+from rawpaged.engine.replica import ACCEPTED, EngineReplica
+from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
+from rawpaged.engine.router import Router
+from rawpaged.errors import EngineDeadError
+from rawpaged.sampling_params import SamplingParams
+from rawpaged.tokenizer import Tokenizer
+
+logger = logging.getLogger("rawpaged.server")
+
+#: seconds between two probes of a dead replica
+PROBE_INTERVAL_S = 1.0
+
+
+class DataParallelEngine:
+    """Args:
+    config: every replica's engine configuration.
+    data_parallel_size: number of replicas.
+    ray_address: a running Ray cluster to join (``ray start --head`` gives it); None starts a local Ray
+        instance (or uses the one already initialised in this process).
+    max_restarts: how often Ray restarts a dead replica (-1: without limit).
+    router: the routing policy (default ``Router(data_parallel_size, config.block_size)``).
+    metrics, log_requests: as for ``AsyncEngine``.
+
+    The constructor blocks until every replica has loaded its model (run it off the event loop).
+    Raises ImportError without ``ray``, RuntimeError when the placement group cannot be placed.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        data_parallel_size: int,
+        ray_address: str | None = None,
+        max_restarts: int = -1,
+        router: Router | None = None,
+        metrics=None,
+        log_requests: bool = True,
+        placement_timeout_s: float = 600.0,
+    ):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        self._ray = ray
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+        on_gpu = config.device == "cuda"
+        bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
+        self.placement_group = placement_group([bundle] * data_parallel_size, strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"Ray could not place {data_parallel_size} replicas of {bundle} within {placement_timeout_s:.0f}s "
+                f"(cluster resources: {ray.cluster_resources()})"
+            ) from None
+        actor = ray.remote(EngineReplica)
+        self.replicas = [
+            actor.options(
+                num_cpus=1,
+                num_gpus=1 if on_gpu else 0,
+                max_restarts=max_restarts,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=i
+                ),
+            ).remote(config, i)
+            for i in range(data_parallel_size)
+        ]
+        info = ray.get([r.info.remote() for r in self.replicas])[0]
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.tokenizer = Tokenizer.from_objects(HFTokenizer.from_str(info["tokenizer_json"]), info["tokenizer_config"])
+        self.max_model_len = info["max_model_len"]
+        self.default_sampling_params = info["default_sampling_params"]
+        self.block_size = info["block_size"]
+        self.input_processor = InputProcessor(
+            self.tokenizer, info["vocab_size"], info["max_model_len"], info["block_size"], info["num_blocks"]
+        )
+        self.router = router or Router(data_parallel_size, block_size=info["block_size"])
+        self.request_stats = RequestStatsTracker(metrics, log_requests)
+        self._streams: dict[str, RequestStream] = {}
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._probes: dict[int, asyncio.Task] = {}
+        self._closed = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    def check_prompt(self, ids: list) -> None:
+        self.input_processor.check_prompt(ids)
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
+    ) -> RequestStream:
+        """Route a request to a replica, wait until it is queued there, and return its stream
+        (``stream.replica`` says where). Raises what the replica's ``add_request`` raises
+        (InvalidRequestError, ValueError), or EngineDeadError when no replica can take it."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        _, ids = self.input_processor.tokenize(prompt)
+        try:
+            replica = self.router.choose(ids)
+        except RuntimeError as e:
+            raise EngineDeadError(f"no replica can take the request: {e}") from None
+        stream = RequestStream(request_id, replica)
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        generator = self.replicas[replica].generate.options(num_returns="streaming").remote(prompt, params, request_id)
+        try:
+            accepted = await (await generator.__anext__())
+            assert accepted == ACCEPTED, accepted
+        except BaseException as e:
+            self._streams.pop(request_id, None)
+            self.router.finished(replica)
+            self._ray.cancel(generator)
+            if isinstance(e, asyncio.CancelledError):
+                self.replicas[replica].abort.remote(request_id)
+                raise
+            raise self._replica_error(replica, e) from None
+        self.request_stats.arrived(request_id, arrival, len(ids), log_label)
+        self._pumps[request_id] = asyncio.create_task(self._pump(stream, generator, replica))
+        return stream
+
+    async def _pump(self, stream: RequestStream, generator, replica: int) -> None:
+        rid = stream.request_id
+        try:
+            async for ref in generator:
+                out = await ref
+                now = time.monotonic()
+                self.request_stats.output(out, now)
+                stream.put(out)
+                if out.finished:
+                    self.request_stats.finished(rid, finish_reasons(out), now)
+                    break
+        except asyncio.CancelledError:  # aborted
+            return
+        except Exception as e:  # noqa: BLE001 - the replica failed under this request
+            error = self._replica_error(replica, e)
+            if not isinstance(error, EngineDeadError):
+                error = EngineDeadError(f"replica {replica} failed: {error}")
+            stream.close(error=error)
+            self.request_stats.discard(rid)
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+                self.router.finished(replica)
+            self._pumps.pop(rid, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request: its stream ends now, and its replica drops it. False if unknown or done."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        stream.close(aborted=True)
+        self.router.finished(stream.replica)
+        pump = self._pumps.pop(request_id, None)
+        if pump is not None:
+            pump.cancel()
+        self.replicas[stream.replica].abort.remote(request_id)
+        self.request_stats.finished(request_id, "abort", time.monotonic())
+        return True
+
+    def _replica_error(self, replica: int, e: BaseException) -> BaseException:
+        """The exception a caller should see for a replica's failure ``e``; a dead replica is taken out
+        of routing until it answers again."""
+        exceptions = self._ray.exceptions
+        if isinstance(e, exceptions.RayTaskError) and not isinstance(e, exceptions.RayActorError):
+            return e.cause if isinstance(e.cause, Exception) else EngineDeadError(str(e))
+        if isinstance(e, exceptions.RayError):
+            self._replica_down(replica)
+            return EngineDeadError(f"replica {replica} is unavailable ({type(e).__name__})")
+        return e
+
+    def _replica_down(self, replica: int) -> None:
+        if not self.router.ready[replica]:
+            return
+        logger.warning("replica %d is down; routing around it until it answers again", replica)
+        self.router.set_ready(replica, False)
+        self._probes[replica] = asyncio.get_running_loop().create_task(self._probe(replica))
+
+    async def _probe(self, replica: int) -> None:
+        while not self._closed:
+            try:
+                await self.replicas[replica].info.remote()
+            except self._ray.exceptions.RayError:
+                await asyncio.sleep(PROBE_INTERVAL_S)
+                continue
+            logger.info("replica %d is back", replica)
+            self.router.set_ready(replica, True)
+            break
+        self._probes.pop(replica, None)
+
+    # ------------------------------------------------------------------ state
+    def replica_health(self) -> list:
+        """``[{"replica", "ready", "requests_in_flight"}]`` from the router's view (no call to the replicas)."""
+        return [
+            {"replica": i, "ready": ready, "requests_in_flight": load}
+            for i, (ready, load) in enumerate(zip(self.router.ready, self.router.load))
+        ]
+
+    async def replica_stats(self) -> list:
+        """Each replica's ``stats()`` (with its ``replica`` index), or ``{"replica": i, "ready": False}``
+        for one that does not answer."""
+
+        async def one(i):
+            if not self.router.ready[i]:
+                return {"replica": i, "ready": False}
+            try:
+                return {**await self.replicas[i].stats.remote(), "ready": True}
+            except self._ray.exceptions.RayError:
+                return {"replica": i, "ready": False}
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(self.replicas)))))
+
+    async def stats(self) -> dict:
+        """The replicas' counters summed (``kv_cache_usage``: used over total blocks), plus
+        ``num_active_streams``, the router's counters and ``replicas`` (each replica's own)."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        per_replica = await self.replica_stats()
+        live = [s for s in per_replica if s["ready"]]
+        total: dict = {}
+        for s in live:
+            for k, v in s.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("replica", "block_size"):
+                    total[k] = total.get(k, 0) + v
+        if live:
+            total["block_size"] = live[0]["block_size"]
+            total["kv_cache_usage"] = total["num_used_blocks"] / max(1, total["num_total_blocks"])
+        total["num_active_streams"] = len(self._streams)
+        total["router"] = {
+            "prefix_hits": self.router.stats.prefix_hits,
+            "spills": self.router.stats.spills,
+            "least_loaded": self.router.stats.least_loaded,
+            "load": list(self.router.load),
+        }
+        total["replicas"] = per_replica
+        return total
+
+    async def close(self) -> None:
+        """End every stream with EngineDeadError, stop the replicas and release the placement group (and
+        the local Ray instance if this engine started it)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in [*self._pumps.values(), *self._probes.values()]:
+            task.cancel()
+        for rid in list(self._streams):
+            self._streams.pop(rid).close(error=EngineDeadError("the server is shutting down"))
+            self.request_stats.discard(rid)
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """The blocking part of ``close`` (also usable without an event loop)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for r in self.replicas:
+            self._ray.kill(r, no_restart=True)
+        remove_placement_group(self.placement_group)
+        if self._started_ray:
+            self._ray.shutdown()

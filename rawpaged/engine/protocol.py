@@ -1,0 +1,38 @@
+"""``EngineClient``: what the server's routes use of an engine (as vLLM's ``engine/protocol.py``). A single
+``AsyncEngine`` and the data-parallel ``DataParallelEngine`` both provide it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from rawpaged.engine.async_engine import RequestStream
+from rawpaged.sampling_params import SamplingParams
+from rawpaged.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    @property
+    def default_sampling_params(self) -> dict:
+        """The model's sampling defaults (``generation_config.json``)."""
+
+    @property
+    def num_active_requests(self) -> int: ...
+
+    def check_prompt(self, ids: list) -> None:
+        """Raises InvalidRequestError for prompt token ids the engine would refuse."""
+
+    async def add_request(
+        self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
+    ) -> RequestStream:
+        """Queue a request; its stream of cumulative ``RequestOutput``s."""
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; False if unknown or finished."""
+
+    async def stats(self) -> dict:
+        """The engine's counters (``LLMEngine.stats`` and more)."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,180 @@
+"""Data-parallel replicas on a local single-node Ray cluster (``ray.init()`` here, not local mode): two
+replicas of the tiny random model behind ``DataParallelEngine``. Greedy outputs equal a single engine's,
+shared prefixes land on one replica, both replicas get work, an abort reaches its replica, and a killed
+replica fails only its own streams, is restarted by Ray and gets work again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rawpaged.config import EngineConfig
+from rawpaged.errors import EngineDeadError, InvalidRequestError
+from rawpaged.sampling_params import SamplingParams
+from tests.conftest import tiny_engine
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dp(ray_cluster, tiny_dir):
+    from rawpaged.engine.data_parallel import DataParallelEngine
+
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
+    engine = DataParallelEngine(config, 2, log_requests=False)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+def prompts():
+    shared = [(7 * i) % 250 + 3 for i in range(64)]  # four full blocks
+    return [shared + [100 + i] for i in range(4)] + [[(11 * i + j) % 250 + 3 for j in range(40)] for i in range(4)]
+
+
+def test_greedy_outputs_equal_one_engine_and_shared_prefixes_share_a_replica(dp, tiny_dir):
+    expected = [o.outputs[0].token_ids for o in tiny_engine(tiny_dir).generate(
+        [{"prompt_token_ids": p} for p in prompts()], GREEDY
+    )]  # fmt: skip
+
+    async def main():
+        streams = [await dp.add_request({"prompt_token_ids": p}, GREEDY) for p in prompts()]
+        outs = await asyncio.gather(*(collect(s) for s in streams))
+        return [s.replica for s in streams], [o.outputs[0].token_ids for o in outs]
+
+    replicas, got = asyncio.run(main())
+    assert got == expected
+    assert len(set(replicas[:4])) == 1, replicas  # one prefix, one replica (load allowed it)
+    assert set(replicas) == {0, 1}, replicas
+    assert dp.router.load == [0, 0] and dp.num_active_requests == 0
+    stats = asyncio.run(dp.stats())
+    assert [s["replica"] for s in stats["replicas"]] == [0, 1]
+    assert stats["num_total_blocks"] == 128 and stats["router"]["prefix_hits"] >= 3
+
+
+def wait_idle(dp, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = asyncio.run(dp.stats())
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_used_blocks"] == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+def test_abort_reaches_the_replica_and_refusals_come_back(dp):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = await dp.add_request({"prompt_token_ids": [5, 6, 7]}, long)
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        assert dp.abort(stream.request_id) and not dp.abort(stream.request_id)
+        assert stream.aborted
+        with pytest.raises(InvalidRequestError):  # refused by the replica's engine, raised here
+            await dp.add_request({"prompt_token_ids": [5, 10**6]}, GREEDY)
+        return stream.replica
+
+    asyncio.run(main())
+    wait_idle(dp)
+    assert dp.router.load == [0, 0]
+
+
+def test_a_killed_replica_fails_only_its_streams_and_comes_back(dp):
+    long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+
+    async def main():
+        streams = [await dp.add_request({"prompt_token_ids": [9, i + 3]}, long) for i in range(4)]
+        assert sorted(s.replica for s in streams) == [0, 0, 1, 1]
+        ray.kill(dp.replicas[0], no_restart=False)
+        results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+        for s, r in zip(streams, results):
+            if s.replica == 0:
+                assert isinstance(r, EngineDeadError) and "replica 0" in str(r), r
+            else:
+                assert r.finished and len(r.outputs[0].token_ids) == 150
+        assert dp.router.ready == [False, True]
+        while_down = await dp.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY)
+        assert while_down.replica == 1 and (await collect(while_down)).finished
+        deadline = time.monotonic() + 120
+        while not dp.router.ready[0]:  # Ray restarts the actor; the probe finds it
+            assert time.monotonic() < deadline, "replica 0 did not come back"
+            await asyncio.sleep(0.2)
+        back = [await dp.add_request({"prompt_token_ids": [4, i]}, GREEDY) for i in range(2)]
+        outs = await asyncio.gather(*(collect(s) for s in back))
+        return [s.replica for s in back], outs
+
+    replicas, outs = asyncio.run(main())
+    assert sorted(replicas) == [0, 1] and all(o.finished for o in outs)
+    assert dp.router.load == [0, 0]
+
+
+def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
+    import aiohttp
+
+    from rawpaged.entrypoints.app import create_app
+    from tests.entrypoints.server_thread import ServerThread, run, sse
+
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
+    srv = ServerThread(create_app(config, data_parallel_size=2)).start()
+    srv.wait_healthy(timeout=180)
+    prompt = "the same long prefix for every request: " * 3
+    expected = tiny_engine(tiny_dir).generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            replicas, texts = [], []
+            for _ in range(3):
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+                async with s.post(srv.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    replicas.append(r.headers["X-Rawpaged-Replica"])
+                    texts.append((await r.json())["choices"][0]["text"])
+            chunks, done = await sse(s, srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})
+            async with s.ws_connect(srv.url + "/v1/ws") as ws:
+                await ws.send_json({"type": "generate", "id": "a", "prompt": "hello", "max_tokens": 3})
+                while (msg := await ws.receive_json(timeout=60))["type"] != "done":
+                    assert msg["type"] == "delta", msg
+            async with s.get(srv.url + "/v1/debug/stats") as r:
+                stats = await r.json()
+            async with s.get(srv.url + "/metrics") as r:
+                metrics = await r.text()
+            async with s.get(srv.url + "/health") as r:
+                assert r.status == 200
+                health = await r.json()
+            return replicas, texts, done, msg, stats, metrics, health
+
+    try:
+        replicas, texts, done, last, stats, metrics, health = run(main())
+    finally:
+        assert srv.stop() == 0
+    assert texts == [expected] * 3 and len(set(replicas)) == 1 and replicas[0] in ("0", "1")
+    assert done and last["replica"] in (0, 1)
+    assert [s["replica"] for s in stats["replicas"]] == [0, 1] and stats["router"]["prefix_hits"] >= 2
+    assert 'rawpaged:num_total_blocks{replica="0"} 64.0' in metrics
+    assert 'rawpaged:num_total_blocks{replica="1"} 64.0' in metrics
+    assert 'rawpaged:replica_up{replica="1"} 1.0' in metrics
+    assert 'rawpaged:router_requests_total{decision="prefix_hit"}' in metrics
+    assert health["status"] == "ok" and [(r["replica"], r["ready"]) for r in health["replicas"]] == [
+        (0, True),
+        (1, True),
+    ]
