@@ -9,7 +9,10 @@ Policy
 - The first request with a key goes to the least-loaded ready replica, which becomes the key's owner.
   Later requests with the key go to the owner while its load is at most the least-loaded replica's plus
   ``imbalance_tolerance``; otherwise they spill over to the least-loaded one (the owner stays).
-- A request without a key goes to the least-loaded ready replica; ties go to the lowest index.
+- A request without a key goes to the least-loaded ready replica.
+- Ties between least-loaded replicas are broken by the key (its first 8 bytes modulo the number tied),
+  so that the prefixes first seen on an idle cluster spread over the replicas, or, without a key, in
+  turn.
 - Load = requests this front end has in flight on the replica (routed and not yet finished): exact
   for one front end, and what the replica's running + waiting counts are made of.
 - Replicas that are not ready (starting, dead or restarting) get nothing.
@@ -74,6 +77,7 @@ class Router:
         self.ready = [True] * num_replicas
         self.stats = RouterStats()
         self._owners: OrderedDict = OrderedDict()
+        self._turn = 0  # keyless tie-breaks
 
     def choose(self, token_ids) -> int:
         """The replica for a prompt, counted as in flight there until ``finished``. Raises
@@ -81,8 +85,14 @@ class Router:
         ready = [i for i, ok in enumerate(self.ready) if ok]
         if not ready:
             raise RuntimeError("no replica is ready")
-        least = min(ready, key=lambda i: (self.load[i], i))
         key = prefix_key(token_ids, self.block_size, self.prefix_blocks)
+        lowest = min(self.load[i] for i in ready)
+        tied = [i for i in ready if self.load[i] == lowest]
+        if key is None:
+            self._turn += 1
+            least = tied[self._turn % len(tied)]
+        else:
+            least = tied[int.from_bytes(key[:8], "little") % len(tied)]
         choice = least
         if key is not None:
             owner = self._owners.get(key)

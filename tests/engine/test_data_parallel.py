@@ -6,7 +6,9 @@ replica fails only its own streams, is restarted by Ray and gets work again."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
+import urllib.request
 
 import pytest
 
@@ -178,3 +180,61 @@ def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
         (0, True),
         (1, True),
     ]
+
+
+@pytest.mark.model
+def test_the_default_model_through_two_replicas(ray_cluster, model_dir, llm):
+    """The issue's end-to-end check: a long shared prefix lands on one replica, both replicas get work,
+    greedy outputs equal a single engine's, and /metrics shows both replicas."""
+    import openai
+
+    from rawpaged.entrypoints.app import create_app
+    from tests.entrypoints.server_thread import ServerThread
+
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=128, max_model_len=512)
+    srv = ServerThread(create_app(config, data_parallel_size=2)).start()
+    srv.wait_healthy(timeout=300)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    system = "You are a terse assistant for a museum. " * 8  # > 4 blocks once templated
+    questions = ["Who painted the Mona Lisa?", "What is a sculpture?", "When do you open?"]
+    short = ["Once upon a time", "The sky is", "Paris is", "One, two,"]
+    try:
+        chats = [
+            client.chat.completions.with_raw_response.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                max_tokens=12,
+                temperature=0,
+            )
+            for q in questions
+        ]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent: the load spreads them
+            completions = list(
+                pool.map(
+                    lambda p: client.completions.with_raw_response.create(
+                        model="SmolLM2-135M-Instruct", prompt=p, max_tokens=10, temperature=0
+                    ),
+                    short,
+                )
+            )
+        metrics = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    finally:
+        assert srv.stop() == 0
+    chat_replicas = {r.headers["x-rawpaged-replica"] for r in chats}
+    assert len(chat_replicas) == 1, chat_replicas
+    assert {r.headers["x-rawpaged-replica"] for r in completions} == {"0", "1"}
+    expected = llm.generate(short, SamplingParams(temperature=0.0, max_tokens=10))
+    assert [r.parse().choices[0].text for r in completions] == [o.outputs[0].text for o in expected]
+    expected_chats = [
+        llm.chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            SamplingParams(temperature=0.0, max_tokens=12),
+        )[0]
+        .outputs[0]
+        .text
+        for q in questions
+    ]
+    assert [r.parse().choices[0].message.content for r in chats] == expected_chats
+    for i in (0, 1):
+        assert f'rawpaged:num_total_blocks{{replica="{i}"}} 128.0' in metrics
+    assert 'rawpaged:router_requests_total{decision="prefix_hit"} 2.0' in metrics

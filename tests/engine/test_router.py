@@ -23,38 +23,58 @@ def test_prefix_key_covers_whole_blocks_only():
 
 def test_shared_prefixes_stick_to_one_replica_while_load_allows():
     r = Router(2, BLOCK, prefix_blocks=4, imbalance_tolerance=2)
-    first = r.choose(prompt(1))
-    assert first == 0  # least loaded, lowest index
-    other = r.choose(prompt(2))
-    assert other == 1  # a new prefix goes to the least loaded
-    # prefix 1 stays on replica 0 until it has 2 more in flight than replica 1
-    assert [r.choose(prompt(1, tail=i)) for i in range(3)] == [0, 0, 0]
-    assert r.load == [4, 1] and r.stats.prefix_hits == 3
-    assert r.choose(prompt(1, tail=9)) == 1  # 4 > 1 + 2: spill over
-    assert r.stats.spills == 1 and r.load == [4, 2]
-    assert r.choose(prompt(1, tail=10)) == 0  # the owner stays replica 0: 4 <= 2 + 2
-    for replica in (0, 0, 0, 0, 0, 1, 1):
+    owner = r.choose(prompt(1))
+    other = 1 - owner
+    assert r.choose(prompt(2)) == other  # a new prefix goes to the least loaded
+    # prefix 1 stays on its owner until the owner has 2 more in flight than the other replica
+    assert [r.choose(prompt(1, tail=i)) for i in range(3)] == [owner] * 3
+    assert r.load[owner] == 4 and r.load[other] == 1 and r.stats.prefix_hits == 3
+    assert r.choose(prompt(1, tail=9)) == other  # 4 > 1 + 2: spill over
+    assert r.stats.spills == 1 and r.load[other] == 2
+    assert r.choose(prompt(1, tail=10)) == owner  # the owner stays: 4 <= 2 + 2
+    for replica in [owner] * 5 + [other] * 2:
         r.finished(replica)
     assert r.load == [0, 0]
     r.finished(0)
     assert r.load == [0, 0], "never below zero"
 
 
-def test_prompts_without_a_full_block_go_to_the_least_loaded():
+def test_prompts_without_a_full_block_go_to_the_least_loaded_in_turn():
     r = Router(3, BLOCK)
-    assert [r.choose([5, 6, 7]) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
-    assert r.stats.least_loaded == 6 and r.stats.prefix_hits == 0
+    first = [r.choose([5, 6, 7]) for _ in range(3)]
+    assert sorted(first) == [0, 1, 2] and r.load == [1, 1, 1]
+    for i in range(3):
+        r.finished(i)
+    idle = [r.choose([5, 6, 7]) for _ in range(3)]
+    assert sorted(idle) == [0, 1, 2]
+    for i in range(3):
+        r.finished(i)
+    sequential = []
+    for _ in range(6):  # one at a time on an idle cluster: still every replica in turn
+        sequential.append(r.choose([5, 6, 7]))
+        r.finished(sequential[-1])
+    assert sorted(sequential) == [0, 0, 1, 1, 2, 2]
+    assert r.stats.least_loaded == 12 and r.stats.prefix_hits == 0
+
+
+def test_new_prefixes_on_an_idle_cluster_spread_over_the_replicas():
+    r = Router(2, BLOCK)
+    owners = []
+    for p in range(40):
+        owners.append(r.choose(prompt(p)))
+        r.finished(owners[-1])
+    assert 10 <= owners.count(0) <= 30, owners
 
 
 def test_replicas_not_ready_get_nothing_and_a_dead_owner_is_replaced():
     r = Router(2, BLOCK)
-    assert r.choose(prompt(3)) == 0
-    r.finished(0)
-    r.set_ready(0, False)
-    assert r.choose(prompt(3)) == 1  # the owner is down: the prefix moves
-    r.set_ready(0, True)
-    r.finished(1)
-    assert r.choose(prompt(3)) == 1  # and stays on its new owner
+    owner = r.choose(prompt(3))
+    r.finished(owner)
+    r.set_ready(owner, False)
+    assert r.choose(prompt(3)) == 1 - owner  # the owner is down: the prefix moves
+    r.finished(1 - owner)
+    r.set_ready(owner, True)
+    assert r.choose(prompt(3)) == 1 - owner  # and stays on its new owner
     r.set_ready(0, False)
     r.set_ready(1, False)
     with pytest.raises(RuntimeError, match="no replica is ready"):
