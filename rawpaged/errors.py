@@ -23,5 +23,9 @@ class EngineDeadError(EngineError):
     """The engine loop failed or was shut down while the request was running."""
 
 
+class ReplicaUnavailableError(EngineDeadError):
+    """The data-parallel replica serving the request died, or none is ready (the server answers 503)."""
+
+
 class RequestFailedError(EngineError):
     """Computing this one request failed inside a step; the engine ended it alone and went on."""

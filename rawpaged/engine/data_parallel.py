@@ -6,8 +6,8 @@ each otherwise, in one placement group) behind one front end that routes each re
 ``RequestStream``, ``abort``, ``stats``, ``close``, ``check_prompt``, ``tokenizer``, ``max_model_len``,
 ``default_sampling_params``), so the HTTP and websocket routes serve either.
 
-Failure: a replica that dies fails only its in-flight requests (``EngineDeadError``, a 503 at the
-server); Ray restarts the actor (``max_restarts``), and the router sends it nothing until it answers
+Failure: a replica that dies fails only its in-flight requests (``ReplicaUnavailableError``, a 503 at
+the server); Ray restarts the actor (``max_restarts``), and the router sends it nothing until it answers
 again.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 import uuid
 
@@ -24,7 +26,7 @@ from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.replica import ACCEPTED, EngineReplica
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
 from rawpaged.engine.router import Router
-from rawpaged.errors import EngineDeadError
+from rawpaged.errors import EngineDeadError, EngineError, ReplicaUnavailableError
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import Tokenizer
 
@@ -32,6 +34,31 @@ logger = logging.getLogger("rawpaged.server")
 
 #: seconds between two probes of a dead replica
 PROBE_INTERVAL_S = 1.0
+#: how long ``shutdown`` waits for Ray
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def init_ray(address: str | None, data_parallel_size: int) -> bool:
+    """Connect to the Ray cluster at ``address``, or start a local instance with a CPU slot per replica
+    at least (replicas then share cores). Call it on the main thread: with Ray initialised on another
+    thread, every awaited result took ~0.2 s (Ray 2.60). Returns whether it initialised Ray (False when
+    it already was)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    num_cpus = None if address else max(os.cpu_count() or 1, data_parallel_size)
+    ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def shutdown_ray(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """``ray.shutdown()``, given up after ``timeout_s`` (see ``DataParallelEngine.shutdown``)."""
+    import ray
+
+    thread = threading.Thread(target=ray.shutdown, name="rawpaged-ray-shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
 
 
 class DataParallelEngine:
@@ -39,7 +66,8 @@ class DataParallelEngine:
     config: every replica's engine configuration.
     data_parallel_size: number of replicas.
     ray_address: a running Ray cluster to join (``ray start --head`` gives it); None starts a local Ray
-        instance (or uses the one already initialised in this process).
+        instance. Either happens only if Ray is not initialised in this process yet (``init_ray``: on
+        the main thread).
     max_restarts: how often Ray restarts a dead replica (-1: without limit).
     router: the routing policy (default ``Router(data_parallel_size, config.block_size)``).
     metrics, log_requests: as for ``AsyncEngine``.
@@ -57,7 +85,7 @@ class DataParallelEngine:
         router: Router | None = None,
         metrics=None,
         log_requests: bool = True,
-        placement_timeout_s: float = 600.0,
+        placement_timeout_s: float = 120.0,
     ):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -66,9 +94,7 @@ class DataParallelEngine:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self._ray = ray
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+        self._started_ray = init_ray(ray_address, data_parallel_size)
         on_gpu = config.device == "cuda"
         bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
         self.placement_group = placement_group([bundle] * data_parallel_size, strategy="PACK")
@@ -137,7 +163,7 @@ class DataParallelEngine:
         try:
             replica = self.router.choose(ids)
         except RuntimeError as e:
-            raise EngineDeadError(f"no replica can take the request: {e}") from None
+            raise ReplicaUnavailableError(f"no replica can take the request: {e}") from None
         stream = RequestStream(request_id, replica)
         self._streams[request_id] = stream
         arrival = time.monotonic()
@@ -172,8 +198,8 @@ class DataParallelEngine:
             return
         except Exception as e:  # noqa: BLE001 - the replica failed under this request
             error = self._replica_error(replica, e)
-            if not isinstance(error, EngineDeadError):
-                error = EngineDeadError(f"replica {replica} failed: {error}")
+            if not isinstance(error, EngineError):  # RequestFailedError (this request alone) stays as it is
+                error = ReplicaUnavailableError(f"replica {replica} failed: {error}")
             stream.close(error=error)
             self.request_stats.discard(rid)
         finally:
@@ -204,7 +230,7 @@ class DataParallelEngine:
             return e.cause if isinstance(e.cause, Exception) else EngineDeadError(str(e))
         if isinstance(e, exceptions.RayError):
             self._replica_down(replica)
-            return EngineDeadError(f"replica {replica} is unavailable ({type(e).__name__})")
+            return ReplicaUnavailableError(f"replica {replica} is unavailable ({type(e).__name__})")
         return e
 
     def _replica_down(self, replica: int) -> None:
@@ -286,12 +312,22 @@ class DataParallelEngine:
             self.request_stats.discard(rid)
         await asyncio.to_thread(self.shutdown)
 
-    def shutdown(self) -> None:
-        """The blocking part of ``close`` (also usable without an event loop)."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """The blocking part of ``close`` (also usable without an event loop): kill the replicas, release
+        the placement group, stop Ray if this engine started it. Gives up after ``timeout_s``: when Ctrl-C
+        has already stopped a local Ray instance (its processes share the terminal's process group), Ray's
+        calls would wait for it forever."""
         from ray.util.placement_group import remove_placement_group
 
-        for r in self.replicas:
-            self._ray.kill(r, no_restart=True)
-        remove_placement_group(self.placement_group)
-        if self._started_ray:
-            self._ray.shutdown()
+        def work():
+            for r in self.replicas:
+                self._ray.kill(r, no_restart=True)
+            remove_placement_group(self.placement_group)
+            if self._started_ray:
+                self._ray.shutdown()
+
+        thread = threading.Thread(target=work, name="rawpaged-ray-shutdown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("Ray did not confirm the replicas' shutdown within %.0fs; leaving it", timeout_s)

@@ -35,7 +35,7 @@ from rawpaged.entrypoints.server_state import (
     error_response,
 )
 from rawpaged.entrypoints.websocket import websocket_handler
-from rawpaged.errors import EngineError
+from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 logger = logging.getLogger("rawpaged.server")
 
@@ -72,6 +72,8 @@ async def _middleware(request: web.Request, handler):
         return await handler(request)
     except ProtocolError as e:
         return error_response(state, e.status, e.message, e.type, e.param, e.code)
+    except ReplicaUnavailableError as e:
+        return error_response(state, 503, str(e), "service_unavailable_error")
     except EngineError as e:
         return error_response(state, 500, str(e), "internal_server_error")
     except web.HTTPException as e:

@@ -241,10 +241,24 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         data_parallel_size=args.data_parallel_size,
         ray_address=args.ray_address,
     )
+    started_ray = False
+    if args.data_parallel_size > 1:  # on the main thread, before the server (data_parallel.init_ray)
+        try:
+            from rawpaged.engine.data_parallel import init_ray
+
+            started_ray = init_ray(args.ray_address, args.data_parallel_size)
+        except ImportError:
+            print('error: --data-parallel-size needs Ray: pip install -e ".[ray]"', file=sys.stderr)
+            return 1
     try:
         return asyncio.run(serve(app, args.host, args.port))
     except KeyboardInterrupt:
         return 130
+    finally:
+        if started_ray:
+            from rawpaged.engine.data_parallel import shutdown_ray
+
+            shutdown_ray()
 
 
 # ------------------------------------------------------------------------------------------ generate

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from rawpaged.config import EngineConfig
-from rawpaged.errors import EngineDeadError, InvalidRequestError
+from rawpaged.errors import InvalidRequestError, ReplicaUnavailableError
 from rawpaged.sampling_params import SamplingParams
 from tests.conftest import tiny_engine
 
@@ -111,7 +111,7 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(dp):
         results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
         for s, r in zip(streams, results):
             if s.replica == 0:
-                assert isinstance(r, EngineDeadError) and "replica 0" in str(r), r
+                assert isinstance(r, ReplicaUnavailableError) and "replica 0" in str(r), r
             else:
                 assert r.finished and len(r.outputs[0].token_ids) == 150
         assert dp.router.ready == [False, True]
@@ -163,6 +163,16 @@ def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
             async with s.get(srv.url + "/health") as r:
                 assert r.status == 200
                 health = await r.json()
+            # both replicas gone for good: 503s that say so, and /health says so too
+            engine = srv.state.engine
+            for actor in engine.replicas:
+                ray.kill(actor, no_restart=True)
+            for _ in range(3):
+                async with s.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
+                    body = await r.json()
+                    assert r.status == 503 and body["error"]["type"] == "service_unavailable_error", body
+            async with s.get(srv.url + "/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "unavailable"
             return replicas, texts, done, msg, stats, metrics, health
 
     try:

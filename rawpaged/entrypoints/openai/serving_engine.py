@@ -22,7 +22,7 @@ from rawpaged.entrypoints.chat_utils import template_conversation
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
 from rawpaged.entrypoints.server_state import STATE, ServerState, check_model, json_response, require_engine
-from rawpaged.errors import EngineDeadError, EngineError, InvalidRequestError
+from rawpaged.errors import EngineDeadError, EngineError, InvalidRequestError, ReplicaUnavailableError
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -258,6 +258,8 @@ async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat
         if req.include_usage:
             usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)
             await send(fmt.chunk(rid, created, model, [], usage, True))
+    except ReplicaUnavailableError as e:
+        error = protocol.error_body(str(e), "service_unavailable_error")
     except EngineError as e:
         error = protocol.error_body(str(e), "internal_server_error")
     except ConnectionError:
