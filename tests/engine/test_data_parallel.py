@@ -163,6 +163,18 @@ def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
             async with s.get(srv.url + "/health") as r:
                 assert r.status == 200
                 health = await r.json()
+            # a client that leaves mid-stream: its request is aborted on its replica, every block comes back
+            body = {"prompt": "y", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with s.post(srv.url + "/v1/completions", json=body) as r:
+                await r.content.readline()
+            for _ in range(200):
+                async with s.get(srv.url + "/v1/debug/stats") as r:
+                    after = await r.json()
+                if after["num_running"] == 0 and after["num_used_blocks"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert after["num_running"] == 0 and after["num_used_blocks"] == 0, after
+            assert after["generation_tokens_total"] < stats["generation_tokens_total"] + 200
             # both replicas gone for good: 503s that say so, and /health says so too
             engine = srv.state.engine
             for actor in engine.replicas:
