@@ -152,33 +152,40 @@ class DataParallelEngine:
         self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
     ) -> RequestStream:
         """Route a request to a replica, wait until it is queued there, and return its stream
-        (``stream.replica`` says where). Raises what the replica's ``add_request`` raises
-        (InvalidRequestError, ValueError), or EngineDeadError when no replica can take it."""
+        (``stream.replica`` says where). A replica found dead before it queued the request is taken out
+        of routing and the next one is tried. Raises what the replica's ``add_request`` raises
+        (InvalidRequestError, ValueError), or ReplicaUnavailableError when no replica can take it."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         _, ids = self.input_processor.tokenize(prompt)
-        try:
-            replica = self.router.choose(ids)
-        except RuntimeError as e:
-            raise ReplicaUnavailableError(f"no replica can take the request: {e}") from None
-        stream = RequestStream(request_id, replica)
-        self._streams[request_id] = stream
         arrival = time.monotonic()
-        generator = self.replicas[replica].generate.options(num_returns="streaming").remote(prompt, params, request_id)
-        try:
-            accepted = await (await generator.__anext__())
-            assert accepted == ACCEPTED, accepted
-        except BaseException as e:
-            self._streams.pop(request_id, None)
-            self.router.finished(replica)
-            self._ray.cancel(generator)
-            if isinstance(e, asyncio.CancelledError):
-                self.replicas[replica].abort.remote(request_id)
-                raise
-            raise self._replica_error(replica, e) from None
+        while True:
+            try:
+                replica = self.router.choose(ids)
+            except RuntimeError as e:
+                raise ReplicaUnavailableError(f"no replica can take the request: {e}") from None
+            stream = RequestStream(request_id, replica)
+            self._streams[request_id] = stream
+            generator = (
+                self.replicas[replica].generate.options(num_returns="streaming").remote(prompt, params, request_id)
+            )
+            try:
+                accepted = await (await generator.__anext__())
+                assert accepted == ACCEPTED, accepted
+                break
+            except BaseException as e:
+                self._streams.pop(request_id, None)
+                self.router.finished(replica)
+                self._ray.cancel(generator)
+                if isinstance(e, asyncio.CancelledError):
+                    self.replicas[replica].abort.remote(request_id)
+                    raise
+                error = self._replica_error(replica, e)
+                if not isinstance(error, ReplicaUnavailableError):
+                    raise error from None
         self.request_stats.arrived(request_id, arrival, len(ids), log_label)
         self._pumps[request_id] = asyncio.create_task(self._pump(stream, generator, replica))
         return stream
