@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import socket
 import threading
 import time
 import uuid
@@ -35,7 +37,11 @@ logger = logging.getLogger("rawpaged.server")
 #: seconds between two probes of a dead replica
 PROBE_INTERVAL_S = 1.0
 #: how long ``shutdown`` waits for Ray
-SHUTDOWN_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = 5.0
+#: how long ``init_ray`` waits for a cluster's address to accept a connection
+CONNECT_TIMEOUT_S = 5.0
+#: seconds between two health checks of each ready replica (a dead idle replica is noticed by them)
+HEALTH_CHECK_INTERVAL_S = 2.0
 
 
 def init_ray(address: str | None, data_parallel_size: int) -> bool:
@@ -47,9 +53,24 @@ def init_ray(address: str | None, data_parallel_size: int) -> bool:
 
     if ray.is_initialized():
         return False
+    if address:
+        check_ray_address(address)
     num_cpus = None if address else max(os.cpu_count() or 1, data_parallel_size)
     ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     return True
+
+
+def check_ray_address(address: str) -> None:
+    """Raises ConnectionError unless ``HOST:PORT`` accepts a TCP connection within ``CONNECT_TIMEOUT_S``
+    (``ray.init`` would retry an unreachable address without end). ``auto`` and ``ray://`` addresses
+    are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or address, int(port or 6379)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({e}); start one with 'ray start --head'") from None
 
 
 def shutdown_ray(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -97,6 +118,9 @@ class DataParallelEngine:
         self._started_ray = init_ray(ray_address, data_parallel_size)
         on_gpu = config.device == "cuda"
         bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if on_gpu and gpus < data_parallel_size:
+            raise RuntimeError(f"{data_parallel_size} replicas need a GPU each; the Ray cluster has {gpus:g}")
         self.placement_group = placement_group([bundle] * data_parallel_size, strategy="PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
@@ -119,7 +143,13 @@ class DataParallelEngine:
             ).remote(config, i)
             for i in range(data_parallel_size)
         ]
-        info = ray.get([r.info.remote() for r in self.replicas])[0]
+        try:
+            info = ray.get([r.info.remote() for r in self.replicas])[0]
+        except ray.exceptions.RayActorError as e:
+            for r in self.replicas:
+                ray.kill(r, no_restart=True)
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(f"a replica failed to start: {_creation_error(e)}") from None
         from tokenizers import Tokenizer as HFTokenizer
 
         self.tokenizer = Tokenizer.from_objects(HFTokenizer.from_str(info["tokenizer_json"]), info["tokenizer_config"])
@@ -134,6 +164,7 @@ class DataParallelEngine:
         self._streams: dict[str, RequestStream] = {}
         self._pumps: dict[str, asyncio.Task] = {}
         self._probes: dict[int, asyncio.Task] = {}
+        self._health_task: asyncio.Task | None = None
         self._closed = False
 
     @property
@@ -157,6 +188,7 @@ class DataParallelEngine:
         (InvalidRequestError, ValueError), or ReplicaUnavailableError when no replica can take it."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        self._ensure_health_checks()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -208,7 +240,7 @@ class DataParallelEngine:
             if not isinstance(error, EngineError):  # RequestFailedError (this request alone) stays as it is
                 error = ReplicaUnavailableError(f"replica {replica} failed: {error}")
             stream.close(error=error)
-            self.request_stats.discard(rid)
+            self.request_stats.finished(rid, "error", time.monotonic())
         finally:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
@@ -241,7 +273,8 @@ class DataParallelEngine:
         return e
 
     def _replica_down(self, replica: int) -> None:
-        if not self.router.ready[replica]:
+        probe = self._probes.get(replica)
+        if not self.router.ready[replica] and probe is not None and probe.get_loop() is asyncio.get_running_loop():
             return
         logger.warning("replica %d is down; routing around it until it answers again", replica)
         self.router.set_ready(replica, False)
@@ -250,7 +283,7 @@ class DataParallelEngine:
     async def _probe(self, replica: int) -> None:
         while not self._closed:
             try:
-                await self.replicas[replica].info.remote()
+                await self.replicas[replica].ping.remote()
             except self._ray.exceptions.RayError:
                 await asyncio.sleep(PROBE_INTERVAL_S)
                 continue
@@ -259,9 +292,34 @@ class DataParallelEngine:
             break
         self._probes.pop(replica, None)
 
+    def _ensure_health_checks(self) -> None:
+        """Start the health checks on the running event loop (again, if an earlier loop ended)."""
+        loop = asyncio.get_running_loop()
+        task = self._health_task
+        if not self._closed and (task is None or task.done() or task.get_loop() is not loop):
+            self._health_task = loop.create_task(self._health_checks())
+
+    async def _health_checks(self) -> None:
+        """Ping every ready replica every ``HEALTH_CHECK_INTERVAL_S``, so that one that dies while idle
+        is taken out of routing (and probed until it is back) before a request finds it dead. A slow
+        answer is not a failure: only Ray's errors are."""
+
+        async def ping(i):
+            try:
+                await asyncio.wait_for(self.replicas[i].ping.remote(), timeout=30.0)
+            except self._ray.exceptions.RayError:
+                self._replica_down(i)
+            except asyncio.TimeoutError:
+                pass
+
+        while not self._closed:
+            await asyncio.gather(*(ping(i) for i, ready in enumerate(self.router.ready) if ready))
+            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+
     # ------------------------------------------------------------------ state
     def replica_health(self) -> list:
         """``[{"replica", "ready", "requests_in_flight"}]`` from the router's view (no call to the replicas)."""
+        self._ensure_health_checks()
         return [
             {"replica": i, "ready": ready, "requests_in_flight": load}
             for i, (ready, load) in enumerate(zip(self.router.ready, self.router.load))
@@ -277,6 +335,7 @@ class DataParallelEngine:
             try:
                 return {**await self.replicas[i].stats.remote(), "ready": True}
             except self._ray.exceptions.RayError:
+                self._replica_down(i)
                 return {"replica": i, "ready": False}
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.replicas)))))
@@ -286,12 +345,17 @@ class DataParallelEngine:
         ``num_active_streams``, the router's counters and ``replicas`` (each replica's own)."""
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        self._ensure_health_checks()
         per_replica = await self.replica_stats()
         live = [s for s in per_replica if s["ready"]]
         total: dict = {}
         for s in live:
             for k, v in s.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("replica", "block_size"):
+                if (
+                    isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                    and k not in ("replica", "block_size", "pid")
+                ):
                     total[k] = total.get(k, 0) + v
         if live:
             total["block_size"] = live[0]["block_size"]
@@ -312,8 +376,9 @@ class DataParallelEngine:
         if self._closed:
             return
         self._closed = True
-        for task in [*self._pumps.values(), *self._probes.values()]:
-            task.cancel()
+        for task in [*self._pumps.values(), *self._probes.values(), self._health_task]:
+            if task is not None:
+                task.cancel()
         for rid in list(self._streams):
             self._streams.pop(rid).close(error=EngineDeadError("the server is shutting down"))
             self.request_stats.discard(rid)
@@ -338,3 +403,14 @@ class DataParallelEngine:
         thread.join(timeout_s)
         if thread.is_alive():
             logger.warning("Ray did not confirm the replicas' shutdown within %.0fs; leaving it", timeout_s)
+
+
+def _creation_error(e) -> str:
+    """The exception a replica's constructor raised (``Type: message``), from Ray's error text (which
+    holds the remote traceback, coloured); the text's first line if none is found."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", line):
+            return line
+    return lines[0] if lines else type(e).__name__

@@ -9,6 +9,8 @@ lives there; ``generate`` is an async generator, which Ray streams to the caller
 
 from __future__ import annotations
 
+import os
+
 from rawpaged.config import EngineConfig
 from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.llm_engine import LLMEngine
@@ -64,12 +66,17 @@ class EngineReplica:
         finally:
             engine.abort(request_id)
 
+    async def ping(self) -> int:
+        """The replica's index: an answer means it is alive (the front end's health checks)."""
+        return self.index
+
     async def abort(self, request_id: str) -> bool:
         return self._async_engine().abort(request_id)
 
     async def stats(self) -> dict:
         stats = await self._async_engine().stats()
         stats["replica"] = self.index
+        stats["pid"] = os.getpid()
         return stats
 
     async def close(self) -> None:

@@ -242,6 +242,9 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         ray_address=args.ray_address,
     )
     started_ray = False
+    if args.ray_address and args.data_parallel_size == 1:
+        print("error: --ray-address needs --data-parallel-size 2 or more", file=sys.stderr)
+        return 1
     if args.data_parallel_size > 1:  # on the main thread, before the server (data_parallel.init_ray)
         try:
             from rawpaged.engine.data_parallel import init_ray
@@ -249,6 +252,9 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
             started_ray = init_ray(args.ray_address, args.data_parallel_size)
         except ImportError:
             print('error: --data-parallel-size needs Ray: pip install -e ".[ray]"', file=sys.stderr)
+            return 1
+        except ConnectionError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
     try:
         return asyncio.run(serve(app, args.host, args.port))

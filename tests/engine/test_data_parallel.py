@@ -260,3 +260,34 @@ def test_the_default_model_through_two_replicas(ray_cluster, model_dir, llm):
     for i in (0, 1):
         assert f'rawpaged:num_total_blocks{{replica="{i}"}} 128.0' in metrics
     assert 'rawpaged:router_requests_total{decision="prefix_hit"} 2.0' in metrics
+
+
+def test_a_replica_that_dies_idle_is_noticed_by_the_health_checks(dp):
+    async def main():
+        assert [r["ready"] for r in dp.replica_health()] == [True, True]  # starts the checks
+        ray.kill(dp.replicas[1], no_restart=False)
+        deadline = time.monotonic() + 30
+        while dp.replica_health()[1]["ready"]:
+            assert time.monotonic() < deadline, "the dead replica was not noticed"
+            await asyncio.sleep(0.1)
+        during = await dp.add_request({"prompt_token_ids": [8, 8, 8]}, GREEDY)  # never routed to the dead one
+        assert during.replica == 0 and (await collect(during)).finished
+        deadline = time.monotonic() + 120
+        while not dp.replica_health()[1]["ready"]:
+            assert time.monotonic() < deadline, "replica 1 did not come back"
+            await asyncio.sleep(0.2)
+        stats = await dp.stats()
+        return [r["ready"] for r in stats["replicas"]], {r["pid"] for r in stats["replicas"]}
+
+    ready, pids = asyncio.run(main())
+    assert ready == [True, True] and len(pids) == 2
+
+
+def test_cli_refuses_a_ray_address_alone_and_an_unreachable_one(capsys):
+    from rawpaged.engine.data_parallel import check_ray_address
+    from rawpaged.entrypoints.cli import serve_main
+
+    assert serve_main(["--ray-address", "127.0.0.1:9", "--port", "0"]) == 1
+    assert "--ray-address needs --data-parallel-size" in capsys.readouterr().err
+    with pytest.raises(ConnectionError, match="no Ray cluster answers at 127.0.0.1:9"):
+        check_ray_address("127.0.0.1:9")  # what serve_main prints as its error before ray.init
