@@ -4,6 +4,7 @@ run over the whole text (``extract_tool_calls``), so streamed and non-streamed a
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class DeltaMessage:
         return bool(self.content or self.tool_calls)
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Splits a choice's generated text into content and tool calls, incrementally. One instance per
     choice: ``feed`` each new piece of text, then ``finish`` once.
 
@@ -55,12 +56,13 @@ class ToolParser:
     def __init__(self):
         self.num_calls = 0
 
+    @abc.abstractmethod
     def feed(self, text: str) -> DeltaMessage:
-        raise NotImplementedError
+        """What the choice's next piece of text adds to its message."""
 
+    @abc.abstractmethod
     def finish(self) -> DeltaMessage:
         """What is still held back when the choice finished (text that only might have begun a call)."""
-        raise NotImplementedError
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's ``finish_reason`` of the choice: ``"tool_calls"`` for a completed call."""
