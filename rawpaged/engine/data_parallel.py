@@ -94,7 +94,9 @@ class DataParallelEngine:
     metrics, log_requests: as for ``AsyncEngine``.
 
     The constructor blocks until every replica has loaded its model (run it off the event loop).
-    Raises ImportError without ``ray``, RuntimeError when the placement group cannot be placed.
+    Raises ImportError without ``ray``; ConnectionError when no cluster answers at ``ray_address``;
+    RuntimeError when the cluster lacks the GPUs, the placement group cannot be placed within
+    ``placement_timeout_s``, or a replica fails to start (with the replica's own exception).
     """
 
     def __init__(
