@@ -44,3 +44,21 @@ def tiny_engine(path, **kw):
     kw.setdefault("num_kv_blocks", 64)
     kw.setdefault("max_model_len", 256)
     return LLM(model=str(path), device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    """The default model's ``Tokenizer``."""
+    from rawpaged.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    """A ``StructuredOutputManager`` (llguidance) over the default model's tokenizer."""
+    from rawpaged.structured_output import StructuredOutputManager
+
+    m = StructuredOutputManager(tokenizer)
+    yield m
+    m.shutdown()

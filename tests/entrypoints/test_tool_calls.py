@@ -21,7 +21,7 @@ from rawpaged.entrypoints.openai.tool_parsers import (
     extract_tool_calls,
     forced_tool_schema,
 )
-from rawpaged.structured_output import StructuredOutputManager, StructuredOutputsParams
+from rawpaged.structured_output import StructuredOutputsParams
 from rawpaged.tokenizer import Tokenizer
 from tests.structured_output.test_guidance import walk
 from tests.tokenizer_files import tokenizer_dir
@@ -182,18 +182,6 @@ def test_required_calls_come_whole_at_the_end_and_a_cut_output_is_content():
     cut = ForcedToolParser(None)
     assert extract_tool_calls(cut, text[:30]) == (text[:30], []) and cut.finish_reason("length") == "length"
     assert extract_tool_calls(ForcedToolParser(None), '[{"name":"get_time"}]')[1] == []
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return Tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
-def manager(tokenizer):
-    m = StructuredOutputManager(tokenizer)
-    yield m
-    m.shutdown()
 
 
 @pytest.mark.model

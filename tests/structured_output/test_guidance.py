@@ -9,9 +9,8 @@ import pytest
 
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import cpu
-from rawpaged.structured_output import StructuredOutputManager, StructuredOutputsParams
+from rawpaged.structured_output import StructuredOutputsParams
 from rawpaged.structured_output.backend_guidance import bitmask_words
-from rawpaged.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -25,18 +24,6 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return Tokenizer(model_dir)
-
-
-@pytest.fixture(scope="module")
-def manager(tokenizer):
-    m = StructuredOutputManager(tokenizer)
-    yield m
-    m.shutdown()
 
 
 def allowed(bitmask_row, vocab_size):
