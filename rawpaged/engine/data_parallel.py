@@ -42,6 +42,8 @@ SHUTDOWN_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
 #: seconds between two health checks of each ready replica (a dead idle replica is noticed by them)
 HEALTH_CHECK_INTERVAL_S = 2.0
+#: a replica that has not answered a health check within this is taken out of routing
+HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
 def init_ray(address: str | None, data_parallel_size: int) -> bool:
@@ -167,6 +169,7 @@ class DataParallelEngine:
         self._pumps: dict[str, asyncio.Task] = {}
         self._probes: dict[int, asyncio.Task] = {}
         self._health_task: asyncio.Task | None = None
+        self.replica_failures = [0] * data_parallel_size  # times each replica was found down
         self._closed = False
 
     @property
@@ -279,6 +282,7 @@ class DataParallelEngine:
         if not self.router.ready[replica] and probe is not None and probe.get_loop() is asyncio.get_running_loop():
             return
         logger.warning("replica %d is down; routing around it until it answers again", replica)
+        self.replica_failures[replica] += 1
         self.router.set_ready(replica, False)
         self._probes[replica] = asyncio.get_running_loop().create_task(self._probe(replica))
 
@@ -303,16 +307,16 @@ class DataParallelEngine:
 
     async def _health_checks(self) -> None:
         """Ping every ready replica every ``HEALTH_CHECK_INTERVAL_S``, so that one that dies while idle
-        is taken out of routing (and probed until it is back) before a request finds it dead. A slow
-        answer is not a failure: only Ray's errors are."""
+        is taken out of routing (and probed until it is back) before a request finds it dead. No answer
+        within ``HEALTH_CHECK_TIMEOUT_S`` counts as down too: Ray holds calls to an actor it is
+        restarting until the restart is done, rather than fail them. (A busy replica still answers at
+        once: its steps run on a thread of their own, and the kernels release the GIL.)"""
 
         async def ping(i):
             try:
-                await asyncio.wait_for(self.replicas[i].ping.remote(), timeout=30.0)
-            except self._ray.exceptions.RayError:
+                await asyncio.wait_for(self.replicas[i].ping.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
+            except (self._ray.exceptions.RayError, asyncio.TimeoutError):
                 self._replica_down(i)
-            except asyncio.TimeoutError:
-                pass
 
         while not self._closed:
             await asyncio.gather(*(ping(i) for i, ready in enumerate(self.router.ready) if ready))
@@ -368,6 +372,7 @@ class DataParallelEngine:
             "spills": self.router.stats.spills,
             "least_loaded": self.router.stats.least_loaded,
             "load": list(self.router.load),
+            "replica_failures": list(self.replica_failures),
         }
         total["replicas"] = per_replica
         return total

@@ -141,6 +141,11 @@ def _router_metrics(replicas: list, router: dict):
         up.add_metric([str(r["replica"])], 1.0 if r.get("ready") else 0.0)
     for i, n in enumerate(router.get("load", ())):
         load.add_metric([str(i)], float(n))
+    failures = CounterMetricFamily(
+        "rawpaged:replica_failures", "Times a replica was found dead or unresponsive.", labels=["replica"]
+    )
+    for i, n in enumerate(router.get("replica_failures", ())):
+        failures.add_metric([str(i)], float(n))
     routed = CounterMetricFamily(
         "rawpaged:router_requests",
         "Requests routed: to their prefix's replica (prefix_hit), away from it because it was loaded (spill), "
@@ -149,7 +154,7 @@ def _router_metrics(replicas: list, router: dict):
     )
     for decision, key in (("prefix_hit", "prefix_hits"), ("spill", "spills"), ("least_loaded", "least_loaded")):
         routed.add_metric([decision], float(router.get(key, 0)))
-    yield from (up, load, routed)
+    yield from (up, load, failures, routed)
 
 
 class ServerMetrics:

@@ -265,13 +265,14 @@ def test_the_default_model_through_two_replicas(ray_cluster, model_dir, llm):
 def test_a_replica_that_dies_idle_is_noticed_by_the_health_checks(dp):
     async def main():
         assert [r["ready"] for r in dp.replica_health()] == [True, True]  # starts the checks
+        failures = dp.replica_failures[1]
         ray.kill(dp.replicas[1], no_restart=False)
         deadline = time.monotonic() + 30
-        while dp.replica_health()[1]["ready"]:
+        while dp.replica_failures[1] == failures:  # (Ray may have it back by the time it is noticed)
             assert time.monotonic() < deadline, "the dead replica was not noticed"
             await asyncio.sleep(0.1)
-        during = await dp.add_request({"prompt_token_ids": [8, 8, 8]}, GREEDY)  # never routed to the dead one
-        assert during.replica == 0 and (await collect(during)).finished
+        during = await dp.add_request({"prompt_token_ids": [8, 8, 8]}, GREEDY)
+        assert (await collect(during)).finished
         deadline = time.monotonic() + 120
         while not dp.replica_health()[1]["ready"]:
             assert time.monotonic() < deadline, "replica 1 did not come back"
