@@ -278,6 +278,8 @@ class DataParallelEngine:
         return e
 
     def _replica_down(self, replica: int) -> None:
+        """Take ``replica`` out of routing and probe it until it answers; a no-op while a probe of it runs
+        on this event loop (one left by an earlier loop, in tests that run several, is replaced)."""
         probe = self._probes.get(replica)
         if not self.router.ready[replica] and probe is not None and probe.get_loop() is asyncio.get_running_loop():
             return
