@@ -25,3 +25,13 @@ def test_wheel_config_covers_every_package_and_cuda_source():
     for name in (src.HEADER, *src.SOURCE_FILES):
         assert (ROOT / "cuda" / name).is_file()
         assert any(fnmatch.fnmatch(name, pat) for pat in patterns), f"{name} not shipped in wheels"
+
+
+def test_wheel_config_ships_the_playground_page():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = cfg["package-data"]["rawpaged.entrypoints"]
+    static = sorted((ROOT / "rawpaged" / "entrypoints" / "static").iterdir())
+    assert {p.name for p in static} >= {"index.html", "playground.js", "playground.css"}
+    for path in static:
+        rel = path.relative_to(ROOT / "rawpaged" / "entrypoints").as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), f"{rel} not shipped in wheels"

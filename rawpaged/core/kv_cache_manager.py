@@ -12,6 +12,7 @@ from itertools import count
 
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
 from rawpaged.core.block_table import BlockTable
+from rawpaged.core.kv_events import COPY, FORK, KVCacheEventLog
 from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens
 
 
@@ -30,6 +31,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_queries = 0  # blocks looked up in the prefix cache
         self.num_prefix_hits = 0  # blocks found
+        self.events = KVCacheEventLog()  # copies and forks here, preemptions by the scheduler
         self._table_ids = count()
 
     @property
@@ -125,7 +127,9 @@ class KVCacheManager:
         if num_new_tokens == 0:
             return True
         if table.num_tokens % bs and pool.blocks[table.block_ids[-1]].ref_count > 1:
-            table.block_ids[-1] = pool.copy_on_write(table.block_ids[-1], table.table_id)
+            src = table.block_ids[-1]
+            table.block_ids[-1] = pool.copy_on_write(src, table.table_id)
+            self.events.record(COPY, seq, src=src, dst=table.block_ids[-1])
         table.num_tokens += num_new_tokens
         while len(table.block_ids) * bs < table.num_tokens:
             table.block_ids.append(pool.take(table.table_id).block_id)
@@ -141,6 +145,7 @@ class KVCacheManager:
         table = child.block_table = self._new_table(list(src.block_ids), src.num_tokens, list(src.block_hashes))
         for bid in table.block_ids:
             self.block_pool.share(bid, table.table_id)
+        self.events.record(FORK, child, parent_index=parent.index, num_blocks=len(table.block_ids))
 
     def free(self, seq) -> None:
         """Return ``seq``'s blocks (each ``ref_count`` - 1; blocks at 0 become free, tail blocks first so

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.kv_events import PREEMPT
 from rawpaged.core.sequence import Sequence, SequenceStatus
 
 
@@ -256,6 +257,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         if self.admission_policy is not None:
             self.admission_policy.released(seq)
+        if seq.block_table is not None:
+            self.kv_cache_manager.events.record(PREEMPT, seq, block_ids=list(seq.block_table.block_ids))
         self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

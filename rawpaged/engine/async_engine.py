@@ -26,6 +26,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from rawpaged.core import kv_cache_snapshot
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
@@ -194,6 +195,25 @@ class AsyncEngine:
         stats = await loop.run_in_executor(self._executor, self.engine.stats)
         stats["num_active_streams"] = len(self._streams)
         return stats
+
+    async def kv_cache_snapshot(
+        self, start: int = 0, count: int | None = None, since_event: int | None = None, replica: int | None = None
+    ) -> dict:
+        """A snapshot of the KV block pool (``rawpaged.core.kv_cache_snapshot.to_json``), copied between
+        steps on the engine thread and turned into JSON-ready data here.
+
+        Raises:
+            ValueError: a bad block range, or a ``replica`` other than None or 0 (one engine).
+            EngineDeadError: after ``close``.
+        """
+        if replica not in (None, 0):
+            raise ValueError(f"replica must be 0: this server runs one engine, got {replica}")
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        kv_cache_snapshot.check_range(self.engine.kv_cache_manager.num_blocks, start, count)
+        loop = asyncio.get_running_loop()
+        state = await loop.run_in_executor(self._executor, self.engine.kv_cache_state, start, count, since_event)
+        return kv_cache_snapshot.to_json(state)
 
     async def close(self) -> None:
         """Stop the loop, end every stream with EngineDeadError and release the engine thread."""

@@ -348,6 +348,28 @@ class DataParallelEngine:
 
         return list(await asyncio.gather(*(one(i) for i in range(len(self.replicas)))))
 
+    async def kv_cache_snapshot(
+        self, start: int = 0, count: int | None = None, since_event: int | None = None, replica: int | None = None
+    ) -> dict:
+        """The KV cache snapshot of ``replica`` (None: replica 0), with its ``replica`` index.
+
+        Raises:
+            ValueError: ``replica`` outside ``[0, data_parallel_size)`` or a bad block range.
+            ReplicaUnavailableError: the replica is down.
+        """
+        replica = 0 if replica is None else replica
+        if not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica must be in [0, {len(self.replicas)}), got {replica}")
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        self._ensure_health_checks()
+        if not self.router.ready[replica]:
+            raise ReplicaUnavailableError(f"replica {replica} is unavailable")
+        try:
+            return await self.replicas[replica].kv_cache_snapshot.remote(start, count, since_event)
+        except Exception as e:  # noqa: BLE001 - a Ray error, or the replica's own ValueError
+            raise self._replica_error(replica, e) from None
+
     async def stats(self) -> dict:
         """The replicas' counters summed (``kv_cache_usage``: used over total blocks), plus
         ``num_active_streams``, the router's counters and ``replicas`` (each replica's own)."""

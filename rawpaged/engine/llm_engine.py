@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from rawpaged.config import EngineConfig, resolve_dtypes
+from rawpaged.core import kv_cache_snapshot
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.scheduler import Scheduler, SchedulerStats
 from rawpaged.core.sequence import Sequence
@@ -330,6 +331,11 @@ class LLMEngine:
         )
 
     # --------------------------------------------------------------------- stats
+    def kv_cache_state(self, start: int = 0, count: int | None = None, since_event: int | None = None):
+        """A copy of the KV block pool's state between steps (``rawpaged.core.kv_cache_snapshot.capture``;
+        ``to_json`` makes the snapshot). Raises ValueError for a bad block range."""
+        return kv_cache_snapshot.capture(self.scheduler, start, count, since_event)
+
     def stats(self) -> dict:
         """Pool, cache and scheduler counters. ``num_running``/``num_waiting`` count sequences (n > 1 and
         beams have several per request); ``num_requests_running`` counts requests with a sequence in the

@@ -35,4 +35,10 @@ class EngineClient(Protocol):
     async def stats(self) -> dict:
         """The engine's counters (``LLMEngine.stats`` and more)."""
 
+    async def kv_cache_snapshot(
+        self, start: int = 0, count: int | None = None, since_event: int | None = None, replica: int | None = None
+    ) -> dict:
+        """A snapshot of a KV block pool (``rawpaged.core.kv_cache_snapshot.to_json``); raises ValueError
+        for a bad range or replica."""
+
     async def close(self) -> None: ...

@@ -79,6 +79,12 @@ class EngineReplica:
         stats["pid"] = os.getpid()
         return stats
 
+    async def kv_cache_snapshot(self, start: int = 0, count: int | None = None, since_event: int | None = None):
+        """This replica's KV cache snapshot (``AsyncEngine.kv_cache_snapshot``) with its ``replica`` index."""
+        snapshot = await self._async_engine().kv_cache_snapshot(start, count, since_event)
+        snapshot["replica"] = self.index
+        return snapshot
+
     async def close(self) -> None:
         if self._engine is not None:
             await self._engine.close()

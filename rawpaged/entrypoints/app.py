@@ -2,14 +2,14 @@
 ``serve`` (listen until stopped, then shut down cleanly).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (``openai/``), GET /v1/ws
-(``websocket``), GET /health, GET /metrics, GET /v1/debug/stats (``health``). The protocol is described
-in README.md ("Server").
+(``websocket``), GET /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``),
+and the playground page: GET / and /static/ (``playground``). The protocol is described in README.md
+("Server").
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import sys
@@ -22,7 +22,7 @@ from aiohttp import web
 
 from rawpaged.config import EngineConfig
 from rawpaged.engine.async_engine import AsyncEngine
-from rawpaged.entrypoints import cors, health
+from rawpaged.entrypoints import cors, health, playground
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
@@ -32,14 +32,19 @@ from rawpaged.entrypoints.server_state import (
     DEFAULT_MAX_TOKENS_LIMIT,
     STATE,
     ServerState,
+    authorization_matches,
     error_response,
+    unauthorized,
 )
 from rawpaged.entrypoints.websocket import websocket_handler
 from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 logger = logging.getLogger("rawpaged.server")
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/")
+#: a websocket handshake there checks the key itself: a browser cannot send the header, so the socket may
+#: authenticate by message
+SELF_AUTHENTICATED_PATHS = ("/v1/ws",)
 
 
 @web.middleware
@@ -57,17 +62,15 @@ async def _middleware(request: web.Request, handler):
             type="permission_error",
             param="Origin",
         )
-    if state.api_key and request.path not in OPEN_PATHS:
-        auth = request.headers.get("Authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-            return error_response(
-                state,
-                401,
-                "invalid or missing API key (Authorization: Bearer <key>)",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
+    if (
+        state.api_key
+        and request.path not in OPEN_PATHS
+        and not (request.path in SELF_AUTHENTICATED_PATHS and request.headers.get("Upgrade", "").lower() == "websocket")
+        and not playground.is_static_path(request.path)
+    ):
+        if not authorization_matches(state.api_key, request.headers.get("Authorization")):
+            e = unauthorized()
+            return error_response(state, e.status, e.message, e.type, code=e.code)
     try:
         return await handler(request)
     except ProtocolError as e:
@@ -232,6 +235,8 @@ def create_app(
     app.router.add_get("/v1/models", show_available_models)
     app.router.add_get("/v1/ws", websocket_handler)
     app.router.add_get("/v1/debug/stats", health.debug_stats)
+    app.router.add_get("/v1/debug/kv_cache", health.debug_kv_cache)
+    playground.add_routes(app)
     app.router.add_get("/health", health.health)
     app.router.add_get("/metrics", health.metrics)
     return app

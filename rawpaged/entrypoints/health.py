@@ -1,5 +1,6 @@
 """Operations routes: ``GET /health`` (503 while the model loads, then 200), ``GET /metrics``
-(Prometheus text) and ``GET /v1/debug/stats`` (the engine's counters as JSON)."""
+(Prometheus text), ``GET /v1/debug/stats`` (the engine's counters as JSON) and ``GET /v1/debug/kv_cache``
+(a snapshot of the KV block pool, ``rawpaged.core.kv_cache_snapshot``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from aiohttp import web
 
 from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rawpaged.entrypoints.openai.protocol import ProtocolError
 from rawpaged.entrypoints.server_state import STATE, json_response, require_engine
 from rawpaged.errors import EngineDeadError
 
@@ -43,3 +45,28 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def debug_stats(request: web.Request) -> web.Response:
     return json_response(await require_engine(request.app[STATE]).stats())
+
+
+def _int_query(request: web.Request, name: str) -> int | None:
+    value = request.query.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ProtocolError(f"{name} must be an integer, got {value!r}", param=name) from None
+
+
+async def debug_kv_cache(request: web.Request) -> web.Response:
+    """``?start=&count=`` (a block range, ``count`` at most 8192), ``?since_event=`` (events from that id;
+    default the last 64), ``?replica=`` (data parallel: whose pool, default 0)."""
+    engine = require_engine(request.app[STATE])
+    args = {name: _int_query(request, name) for name in ("start", "count", "since_event", "replica")}
+    try:
+        snapshot = await engine.kv_cache_snapshot(
+            args["start"] or 0, args["count"], args["since_event"], args["replica"]
+        )
+    except ValueError as e:
+        message = str(e)
+        raise ProtocolError(message, param=message.split(" ", 1)[0]) from None
+    return json_response(snapshot)

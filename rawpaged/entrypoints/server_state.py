@@ -4,6 +4,7 @@ around it (JSON and error responses, the model and engine checks)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,22 @@ def error_response(
     """An OpenAI error body with ``status``, counted in the metrics."""
     state.metrics.count_error(status)
     return json_response(error_body(message, type, param, code), status=status)
+
+
+def authorization_matches(api_key: str, header: str | None) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (compared in constant time)."""
+    given = header[7:].strip() if header and header[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(given.encode(), api_key.encode())
+
+
+def unauthorized() -> ProtocolError:
+    """The 401 for a missing or wrong API key."""
+    return ProtocolError(
+        "invalid or missing API key (Authorization: Bearer <key>)",
+        status=401,
+        type="authentication_error",
+        code="invalid_api_key",
+    )
 
 
 def require_engine(state: ServerState) -> EngineClient:

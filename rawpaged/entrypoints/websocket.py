@@ -1,30 +1,54 @@
 """``GET /v1/ws``: one websocket carries any number of concurrent requests, told apart by the client's
 ``id``; each choice streams ``delta`` messages and ends with ``done`` (README: "Websocket streaming").
 
-Client -> server: ``{"type": "generate", "id", "prompt" | "messages", ...completions parameters}`` and
-``{"type": "cancel", "id"}``. Server -> client: ``delta``, ``done`` (``finish_reason`` "abort" after a
-cancel) and ``error`` (with the HTTP ``status`` it would have had). Closing the socket aborts its requests.
+Client -> server: ``{"type": "generate", "id", "prompt" | "messages", ...completions parameters}``,
+``{"type": "subscribe_kv_cache", "id", ...}`` (the KV cache view: a snapshot, then deltas) and
+``{"type": "cancel", "id"}`` (ends either). With ``--api-key``, a client that sent no ``Authorization``
+header (a browser cannot) sends ``{"type": "auth", "api_key"}`` first. Server -> client: ``delta``,
+``done`` (``finish_reason`` "abort" after a cancel), ``kv_cache``, ``kv_cache_delta``, ``auth_ok`` and
+``error`` (with the HTTP ``status`` it would have had). Closing the socket aborts its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from dataclasses import dataclass
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
 from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerateRequest
 from rawpaged.entrypoints.openai.serving_chat import ChatFormat
 from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
 from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
-from rawpaged.entrypoints.server_state import STATE, check_model, require_engine
-from rawpaged.errors import EngineError
+from rawpaged.entrypoints.server_state import STATE, authorization_matches, check_model, require_engine, unauthorized
+from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 #: Keys of a ``generate`` message that are not request parameters (a socket always streams).
 _NOT_PARAMETERS = ("type", "id", "stream", "stream_options")
+#: a socket that must authenticate by message (``--api-key``, no header) is closed after this long without
+AUTH_TIMEOUT_S = 10.0
+#: close code for a socket that failed to authenticate (4000-4999: private use, RFC 6455 §7.4.2)
+CLOSE_UNAUTHORIZED = 4401
+
+
+class KVCacheSubscription(BaseModel):
+    """A ``subscribe_kv_cache`` message: snapshots of blocks ``start .. start + count - 1`` of
+    ``replica``'s pool every ``interval_ms`` while anything changes (``kv_cache`` first, then
+    ``kv_cache_delta``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    id: str | int
+    interval_ms: int = Field(250, ge=50, le=60_000)
+    start: int = Field(0, ge=0)
+    count: int | None = Field(None, ge=1)
+    replica: int | None = Field(None, ge=0)
 
 
 @dataclass
@@ -34,6 +58,14 @@ class _Job:
     task: asyncio.Task | None = None
     rid: str | None = None
     cancelled: bool = False
+    watcher: bool = False  # a KV cache subscription, not a request
+
+
+class _Unauthorized(ProtocolError):
+    """A message on a socket that has not authenticated: answered, then the socket is closed."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=401, type="authentication_error", code="invalid_api_key")
 
 
 class _MessageError(ProtocolError):
@@ -48,8 +80,23 @@ def _error_message(ws_id, e: ProtocolError) -> dict:
     return {"type": "error", "id": ws_id, "message": e.message, "param": e.param, "status": e.status}
 
 
+def _subscription(msg: dict) -> KVCacheSubscription:
+    try:
+        return KVCacheSubscription.model_validate(msg)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or None
+        raise ProtocolError(f"{field}: {err['msg']}", param=field) from None
+
+
 async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     state = request.app[STATE]
+    # with --api-key: a header must carry the key (else 401 before the upgrade); without a header (a
+    # browser's socket) the first message must
+    header = request.headers.get("Authorization")
+    authenticated = not state.api_key or header is not None
+    if state.api_key and header is not None and not authorization_matches(state.api_key, header):
+        raise unauthorized()
     ws = web.WebSocketResponse(max_msg_size=state.max_body_size)
     await ws.prepare(request)
     jobs: dict[str, _Job] = {}
@@ -74,6 +121,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             msg = {
                 "type": "done",
                 "id": job.id,
+                "request_id": job.rid,
                 "index": index,
                 "finish_reason": finish_reason,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tracker.num_tokens(index)},
@@ -100,6 +148,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                         msg = {
                             "type": "delta",
                             "id": job.id,
+                            "request_id": job.rid,
                             "index": d.index,
                             "text": d.text,
                             "token_ids": d.token_ids,
@@ -128,13 +177,56 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             if jobs.get(job.id) is job:
                 del jobs[job.id]
 
-    def on_message(data: str) -> None:
+    async def watch_kv_cache(job: _Job, sub: KVCacheSubscription) -> None:
+        """Send a snapshot, then every ``interval_ms`` the delta since the last one sent; an idle server
+        (no request in flight, and the last look saw none either) is not asked again."""
+        differ = KVCacheSnapshotDiffer()
+        since_event = None
+        was_busy = True
+        try:
+            while True:
+                engine = require_engine(state)
+                busy = engine.num_active_requests > 0
+                if busy or was_busy:
+                    snap = await engine.kv_cache_snapshot(sub.start, sub.count, since_event, sub.replica)
+                    since_event = snap["next_event_id"]
+                    kind, body = differ.update(snap)
+                    if body is not None:
+                        kind = "kv_cache" if kind == "snapshot" else "kv_cache_delta"
+                        await send({"type": kind, "id": job.id, **body})
+                was_busy = busy
+                await asyncio.sleep(sub.interval_ms / 1000)
+        except ValueError as e:
+            await send(_error_message(job.id, ProtocolError(str(e), param=str(e).split(" ", 1)[0])))
+        except ProtocolError as e:
+            await send(_error_message(job.id, e))
+        except ReplicaUnavailableError as e:
+            await send({"type": "error", "id": job.id, "message": str(e), "param": "replica", "status": 503})
+        except EngineError as e:
+            await send({"type": "error", "id": job.id, "message": str(e), "param": None, "status": 500})
+        finally:
+            if jobs.get(job.id) is job:
+                del jobs[job.id]
+
+    def on_message(data: str) -> dict | None:
+        """Act on one client message; returns the reply to send at once, if any."""
+        nonlocal authenticated
         try:
             msg = json.loads(data)
         except ValueError as e:
             raise ProtocolError(f"message is not valid JSON: {e}") from None
         if not isinstance(msg, dict):
             raise ProtocolError("message must be a JSON object")
+        if not authenticated:
+            key = msg.get("api_key")
+            if msg.get("type") != "auth" or not isinstance(key, str):
+                raise _Unauthorized('send {"type": "auth", "api_key": ...} first (--api-key is set)')
+            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
+                raise _Unauthorized("invalid API key")
+            authenticated = True
+            return {"type": "auth_ok"}
+        if msg.get("type") == "auth":
+            raise ProtocolError("this socket is already authenticated", param="type")
         mid = msg.get("id")
         if isinstance(mid, bool) or not isinstance(mid, (str, int)) or mid == "":
             raise ProtocolError("id must be a non-empty string", param="id")
@@ -151,22 +243,50 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             job = _Job(mid, req.num_choices)
             jobs[mid] = job
             job.task = asyncio.create_task(run(job, req))
+        elif kind == "subscribe_kv_cache":
+            if mid in jobs:
+                raise _MessageError(ProtocolError(f"id {mid!r} is already in use on this socket", param="id"), mid)
+            try:
+                sub = _subscription(msg)
+            except ProtocolError as e:
+                raise _MessageError(e, mid) from None
+            job = _Job(mid, 0, watcher=True)
+            jobs[mid] = job
+            job.task = asyncio.create_task(watch_kv_cache(job, sub))
         elif kind == "cancel":
             job = jobs.get(mid)
             if job is None:
                 raise _MessageError(ProtocolError(f"no active request with id {mid!r}", param="id"), mid)
+            if job.watcher:  # a subscription just stops
+                job.task.cancel()
+                del jobs[mid]
+                return
             # run() sees the flag (or its stream ends as aborted) and sends a "done" per choice
             job.cancelled = True
             if job.rid is not None and state.engine is not None:
                 state.engine.abort(job.rid)
         else:
-            raise _MessageError(ProtocolError("type must be 'generate' or 'cancel'", param="type"), mid)
+            raise _MessageError(
+                ProtocolError("type must be 'generate', 'subscribe_kv_cache' or 'cancel'", param="type"), mid
+            )
 
     try:
-        async for msg in ws:
+        while True:
+            try:
+                msg = await ws.receive(timeout=None if authenticated else AUTH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await send(_error_message(None, _Unauthorized("no auth message within the time allowed")))
+                await ws.close(code=CLOSE_UNAUTHORIZED, message=b"unauthorized")
+                break
             if msg.type == web.WSMsgType.TEXT:
                 try:
-                    on_message(msg.data)
+                    reply = on_message(msg.data)
+                    if reply is not None:
+                        await send(reply)
+                except _Unauthorized as e:
+                    await send(_error_message(None, e))
+                    await ws.close(code=CLOSE_UNAUTHORIZED, message=b"unauthorized")
+                    break
                 except ProtocolError as e:
                     await send(_error_message(getattr(e, "ws_id", None), e))
             elif msg.type == web.WSMsgType.BINARY:

@@ -72,6 +72,21 @@ def test_greedy_outputs_equal_one_engine_and_shared_prefixes_share_a_replica(dp,
     assert stats["num_total_blocks"] == 128 and stats["router"]["prefix_hits"] >= 3
 
 
+def test_kv_cache_snapshot_of_each_replica(dp):
+    async def main():
+        snaps = [await dp.kv_cache_snapshot(replica=i) for i in (0, 1)]
+        default = await dp.kv_cache_snapshot(count=8)
+        with pytest.raises(ValueError, match="^replica must be in"):
+            await dp.kv_cache_snapshot(replica=2)
+        with pytest.raises(ValueError, match="^start must be in"):  # checked by the replica, raised here
+            await dp.kv_cache_snapshot(start=64, replica=1)
+        return snaps, default
+
+    snaps, default = asyncio.run(main())
+    assert [s["replica"] for s in snaps] == [0, 1] and default["replica"] == 0 and default["count"] == 8
+    assert all(s["num_blocks"] == 64 and len(s["blocks"]) == 64 and s["requests"] == [] for s in snaps)
+
+
 def wait_idle(dp, timeout=20.0):
     deadline = time.monotonic() + timeout
     while True:

@@ -1,0 +1,571 @@
+// rawpaged playground: chat and completion over /v1/ws, and a live view of the KV block pool from the
+// same socket's subscribe_kv_cache (a snapshot, then deltas). No dependencies, no build step.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const KEY_STORAGE = "rawpaged.api_key";
+  const KV_INTERVAL_MS = 200;
+  const MAX_EVENTS_SHOWN = 60;
+
+  const state = {
+    mode: "chat",
+    ws: null,
+    open: false,
+    pending: [], // messages sent before the socket opened
+    nextId: 1,
+    job: null, // the generation in flight
+    last: null, // the last generation's request, for Regenerate
+    conversation: [], // chat turns sent to the model: {role, content}
+  };
+  const kv = {
+    subId: null,
+    replica: null,
+    start: 0,
+    count: 0,
+    numBlocks: 0,
+    blocks: [],
+    cells: [],
+    requests: [],
+    colors: new Map(),
+    highlighted: [],
+  };
+
+  // ------------------------------------------------------------------ API key
+  const apiKey = () => sessionStorage.getItem(KEY_STORAGE) || "";
+  const authHeaders = () => (apiKey() ? { Authorization: "Bearer " + apiKey() } : {});
+
+  function askKey() {
+    const dialog = $("key-dialog");
+    $("key-input").value = apiKey();
+    if (!dialog.open) dialog.showModal();
+  }
+
+  $("key-button").addEventListener("click", askKey);
+  $("key-dialog").addEventListener("close", () => {
+    if ($("key-dialog").returnValue !== "save") return;
+    const key = $("key-input").value.trim();
+    if (key) sessionStorage.setItem(KEY_STORAGE, key);
+    else sessionStorage.removeItem(KEY_STORAGE);
+    loadInfo();
+    if (state.ws) state.ws.close(); // reconnects with the new key
+    else connect();
+  });
+
+  async function getJson(path) {
+    const r = await fetch(path, { headers: authHeaders() });
+    if (r.status === 401) askKey();
+    if (!r.ok && r.status !== 503) throw new Error(`${path}: HTTP ${r.status}`);
+    return r.json();
+  }
+
+  async function loadInfo() {
+    try {
+      const models = await getJson("/v1/models");
+      if (models.data && models.data.length) $("model").textContent = models.data[0].id;
+    } catch (e) {
+      $("model").textContent = "";
+    }
+    try {
+      const health = await fetch("/health").then((r) => r.json());
+      const replicas = health.replicas || [];
+      const select = $("replica");
+      $("replica-row").hidden = replicas.length < 2;
+      if (replicas.length >= 2 && select.options.length !== replicas.length) {
+        select.textContent = "";
+        for (const r of replicas) select.add(new Option(String(r.replica), String(r.replica)));
+      }
+    } catch (e) {
+      /* health is informational here */
+    }
+  }
+
+  // ------------------------------------------------------------------ websocket
+  function setConn(on, text) {
+    const el = $("conn");
+    el.className = "badge " + (on ? "on" : "off");
+    el.textContent = text || (on ? "connected" : "disconnected");
+  }
+
+  function connect() {
+    const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/v1/ws");
+    state.ws = ws;
+    ws.onopen = () => {
+      if (apiKey()) ws.send(JSON.stringify({ type: "auth", api_key: apiKey() }));
+      state.open = true;
+      setConn(true);
+      subscribeKv();
+      for (const msg of state.pending.splice(0)) ws.send(JSON.stringify(msg));
+    };
+    ws.onmessage = (ev) => onMessage(JSON.parse(ev.data));
+    ws.onclose = (ev) => {
+      if (state.ws !== ws) return;
+      state.ws = null;
+      state.open = false;
+      kv.subId = null;
+      if (state.job) endJob("connection closed");
+      if (ev.code === 4401) {
+        setConn(false, "API key needed");
+        askKey();
+        return; // reconnects once a key is saved
+      }
+      setConn(false);
+      setTimeout(connect, 1000);
+    };
+  }
+
+  function send(msg) {
+    if (state.open) state.ws.send(JSON.stringify(msg));
+    else state.pending.push(msg);
+  }
+
+  function onMessage(msg) {
+    switch (msg.type) {
+      case "delta":
+        return onDelta(msg);
+      case "done":
+        return onDone(msg);
+      case "kv_cache":
+        return msg.id === kv.subId && applySnapshot(msg);
+      case "kv_cache_delta":
+        return msg.id === kv.subId && applyKvDelta(msg);
+      case "error":
+        return onError(msg);
+      default:
+        return undefined; // auth_ok and anything newer
+    }
+  }
+
+  function onError(msg) {
+    if (msg.status === 401) askKey();
+    if (state.job && msg.id === state.job.id) {
+      showError(`${msg.message}${msg.param ? ` (${msg.param})` : ""}`);
+      endJob("error");
+    } else if (msg.id === kv.subId) {
+      $("kv-range").textContent = `KV cache view: ${msg.message}`;
+    } else {
+      showError(msg.message);
+    }
+  }
+
+  // ------------------------------------------------------------------ generation
+  function num(id, parse) {
+    const v = $(id).value.trim();
+    return v === "" ? undefined : parse(v);
+  }
+
+  function samplingParams() {
+    const p = {
+      max_tokens: num("p-max_tokens", parseInt),
+      n: num("p-n", parseInt),
+      temperature: num("p-temperature", parseFloat),
+      top_p: num("p-top_p", parseFloat),
+      top_k: num("p-top_k", parseInt),
+      seed: num("p-seed", parseInt),
+    };
+    const stop = $("p-stop").value;
+    if (stop.trim()) p.stop = stop.split(",").map((s) => s.replace(/\\n/g, "\n")).filter((s) => s.length);
+    if ($("p-ignore_eos").checked) p.ignore_eos = true;
+    if ($("p-beam").checked) {
+      p.use_beam_search = true;
+      delete p.temperature; // beam search is greedy
+      delete p.top_p;
+      delete p.top_k;
+    }
+    for (const k of Object.keys(p)) if (p[k] === undefined || Number.isNaN(p[k])) delete p[k];
+    return p;
+  }
+
+  function makeChoices(n, container, promptText) {
+    const grid = document.createElement("div");
+    grid.className = "choices";
+    const choices = [];
+    for (let i = 0; i < n; i++) {
+      const el = document.createElement("div");
+      el.className = "choice" + (i === 0 ? " kept" : "");
+      const bubble = document.createElement("div");
+      bubble.className = "bubble";
+      if (promptText) {
+        const p = document.createElement("span");
+        p.className = "prompt";
+        p.textContent = promptText;
+        bubble.append(p);
+      }
+      const text = document.createElement("span");
+      text.className = "text";
+      bubble.append(text);
+      const meta = document.createElement("div");
+      meta.className = "meta";
+      el.append(bubble, meta);
+      grid.append(el);
+      choices.push({ el, textEl: text, metaEl: meta, text: "", tokens: 0, finish: null, firstAt: null, lastAt: null });
+    }
+    container.append(grid);
+    return choices;
+  }
+
+  function start(kind, request, container, promptText, onFinish) {
+    const id = "g" + state.nextId++;
+    const n = request.n || 1;
+    const job = { id, kind, requestId: null, t0: performance.now(), choices: makeChoices(n, container, promptText), onFinish };
+    state.job = job;
+    state.last = { kind, request };
+    $("send").disabled = true;
+    $("stop").disabled = false;
+    $("regenerate").disabled = true;
+    $("gen-error").hidden = true;
+    $("gen-stats").textContent = "waiting for the first token...";
+    send({ type: "generate", id, ...request });
+    return job;
+  }
+
+  function onDelta(msg) {
+    const job = state.job;
+    if (!job || msg.id !== job.id) return;
+    job.requestId = msg.request_id;
+    const c = job.choices[msg.index];
+    if (!c) return;
+    const now = performance.now();
+    if (job.ttft === undefined) job.ttft = now - job.t0;
+    if (c.firstAt === null) c.firstAt = now;
+    c.lastAt = now;
+    c.text += msg.text;
+    c.tokens += msg.token_ids.length;
+    c.textEl.textContent = c.text;
+    c.metaEl.textContent = `${c.tokens} tokens`;
+    if (job.kind === "chat") $("transcript").scrollTop = $("transcript").scrollHeight;
+    showStats(job);
+  }
+
+  function onDone(msg) {
+    const job = state.job;
+    if (!job || msg.id !== job.id) return;
+    const c = job.choices[msg.index];
+    if (!c) return;
+    c.finish = msg.finish_reason;
+    c.tokens = msg.usage ? msg.usage.completion_tokens : c.tokens;
+    c.metaEl.textContent = `${c.tokens} tokens · ${c.finish}`;
+    showStats(job);
+    if (job.choices.every((x) => x.finish)) endJob();
+  }
+
+  function showStats(job) {
+    const tokens = job.choices.reduce((s, c) => s + c.tokens, 0);
+    const firsts = job.choices.filter((c) => c.firstAt !== null);
+    let rate = "";
+    if (firsts.length) {
+      const t1 = Math.min(...firsts.map((c) => c.firstAt));
+      const t2 = Math.max(...firsts.map((c) => c.lastAt));
+      if (t2 > t1) rate = ` · ${((tokens - firsts.length) / ((t2 - t1) / 1000)).toFixed(1)} tok/s`;
+    }
+    const finishes = job.choices.map((c) => c.finish).filter(Boolean);
+    const ttft = job.ttft === undefined ? "" : `TTFT ${job.ttft.toFixed(0)} ms`;
+    const fin = finishes.length ? ` · finish_reason: ${[...new Set(finishes)].join(", ")}` : "";
+    $("gen-stats").textContent = `${ttft}${rate} · ${tokens} tokens${fin}`;
+  }
+
+  function endJob(reason) {
+    const job = state.job;
+    if (!job) return;
+    state.job = null;
+    for (const c of job.choices) {
+      if (!c.finish && reason) {
+        c.finish = reason;
+        c.metaEl.textContent = `${c.tokens} tokens · ${reason}`;
+      }
+    }
+    $("send").disabled = false;
+    $("stop").disabled = true;
+    $("regenerate").disabled = false;
+    if (job.onFinish) job.onFinish(job);
+  }
+
+  function showError(text) {
+    const el = $("gen-error");
+    el.textContent = text;
+    el.hidden = false;
+  }
+
+  // chat: the kept choice (the first, unless another is picked) continues the conversation
+  function addTurn(role, text) {
+    const turn = document.createElement("div");
+    turn.className = "turn " + role;
+    const label = document.createElement("div");
+    label.className = "role";
+    label.textContent = role;
+    turn.append(label);
+    if (text !== undefined) {
+      const bubble = document.createElement("div");
+      bubble.className = "bubble";
+      bubble.textContent = text;
+      turn.append(bubble);
+    }
+    $("transcript").append(turn);
+    return turn;
+  }
+
+  function sendChat() {
+    const messages = [];
+    const system = $("system").value.trim();
+    if (system) messages.push({ role: "system", content: system });
+    messages.push(...state.conversation);
+    const turn = addTurn("assistant");
+    start("chat", { messages, ...samplingParams() }, turn, "", (job) => {
+      const index = state.conversation.length;
+      state.conversation.push({ role: "assistant", content: job.choices[0].text });
+      turn.dataset.index = String(index);
+      if (job.choices.length > 1) {
+        job.choices.forEach((c, i) => {
+          const keep = document.createElement("button");
+          keep.type = "button";
+          keep.className = "keep";
+          keep.textContent = "continue with this";
+          keep.addEventListener("click", () => {
+            state.conversation[index].content = c.text;
+            job.choices.forEach((x, j) => x.el.classList.toggle("kept", i === j));
+          });
+          c.metaEl.append(" ", keep);
+        });
+      }
+    });
+  }
+
+  function sendCompletion(prompt) {
+    const out = $("completions");
+    out.textContent = "";
+    start("completion", { prompt, ...samplingParams() }, out, prompt);
+  }
+
+  $("composer").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    if (state.job) return;
+    if (state.mode === "chat") {
+      const text = $("input").value.trim();
+      if (!text) return;
+      $("input").value = "";
+      state.conversation.push({ role: "user", content: text });
+      addTurn("user", text);
+      sendChat();
+    } else {
+      sendCompletion($("prompt").value);
+    }
+  });
+
+  $("input").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey) {
+      ev.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+
+  $("stop").addEventListener("click", () => {
+    if (state.job) send({ type: "cancel", id: state.job.id });
+  });
+
+  $("regenerate").addEventListener("click", () => {
+    if (state.job || !state.last) return;
+    if (state.last.kind === "chat") {
+      const turns = $("transcript").querySelectorAll(".turn.assistant");
+      const lastTurn = turns[turns.length - 1];
+      const last = state.conversation[state.conversation.length - 1];
+      if (last && last.role === "assistant") state.conversation.pop();
+      if (lastTurn) lastTurn.remove();
+      sendChat();
+    } else {
+      sendCompletion(state.last.request.prompt);
+    }
+  });
+
+  $("clear").addEventListener("click", () => {
+    if (state.job) send({ type: "cancel", id: state.job.id });
+    state.conversation = [];
+    $("transcript").textContent = "";
+    $("completions").textContent = "";
+    $("gen-stats").textContent = "";
+    $("gen-error").hidden = true;
+  });
+
+  function setMode(mode) {
+    state.mode = mode;
+    $("mode-chat").classList.toggle("active", mode === "chat");
+    $("mode-completion").classList.toggle("active", mode === "completion");
+    $("chat-view").hidden = mode !== "chat";
+    $("completion-view").hidden = mode !== "completion";
+    $("input").hidden = mode !== "chat";
+  }
+  $("mode-chat").addEventListener("click", () => setMode("chat"));
+  $("mode-completion").addEventListener("click", () => setMode("completion"));
+
+  // ------------------------------------------------------------------ KV cache view
+  function subscribeKv() {
+    if (kv.subId) send({ type: "cancel", id: kv.subId });
+    kv.subId = "kv" + state.nextId++;
+    const msg = { type: "subscribe_kv_cache", id: kv.subId, interval_ms: KV_INTERVAL_MS };
+    if (kv.replica !== null) msg.replica = kv.replica;
+    send(msg);
+  }
+
+  $("replica").addEventListener("change", () => {
+    kv.replica = parseInt($("replica").value, 10);
+    subscribeKv();
+  });
+
+  function colorOf(requestId) {
+    let c = kv.colors.get(requestId);
+    if (!c) {
+      let h = 0;
+      for (let i = 0; i < requestId.length; i++) h = (h * 31 + requestId.charCodeAt(i)) >>> 0;
+      c = `hsl(${h % 360} 65% 52%)`;
+      kv.colors.set(requestId, c);
+    }
+    return c;
+  }
+
+  function paint(b) {
+    const el = kv.cells[b.block_id - kv.start];
+    if (!el) return;
+    const used = b.ref_count > 0;
+    el.classList.toggle("used", used);
+    el.classList.toggle("shared", b.ref_count > 1);
+    el.classList.toggle("cached", !used && b.cached);
+    el.classList.toggle("free", !used && !b.cached);
+    el.style.background = used && b.owners.length ? colorOf(b.owners[0]) : "";
+    el.dataset.refCount = String(b.ref_count);
+    let title = `block ${b.block_id} · ref_count ${b.ref_count}`;
+    if (b.owners.length) title += ` · ${b.owners.join(", ")}`;
+    if (b.cached) title += " · prefix cached";
+    el.title = title;
+  }
+
+  function applySnapshot(s) {
+    kv.start = s.start;
+    kv.count = s.count;
+    kv.numBlocks = s.num_blocks;
+    kv.blocks = s.blocks.slice();
+    const grid = $("kv-grid");
+    const frag = document.createDocumentFragment();
+    kv.cells = s.blocks.map((b) => {
+      const el = document.createElement("i");
+      el.className = "block";
+      el.dataset.blockId = String(b.block_id);
+      frag.append(el);
+      return el;
+    });
+    grid.textContent = "";
+    grid.append(frag);
+    for (const b of s.blocks) paint(b);
+    $("kv-range").textContent =
+      s.count < s.num_blocks ? `showing blocks ${s.start}-${s.start + s.count - 1} of ${s.num_blocks}` : "";
+    setRequests(s.requests);
+    addEvents(s.events, s.events_missed, false);
+    showCounts(s);
+  }
+
+  function applyKvDelta(d) {
+    for (const b of d.blocks) {
+      kv.blocks[b.block_id - kv.start] = b;
+      paint(b);
+    }
+    if (d.requests) setRequests(d.requests);
+    addEvents(d.events, d.events_missed, true);
+    showCounts(d);
+  }
+
+  function showCounts(s) {
+    let used = 0;
+    let shared = 0;
+    let cached = 0;
+    for (const b of kv.blocks) {
+      if (b.ref_count > 0) used++;
+      if (b.ref_count > 1) shared++;
+      if (b.ref_count === 0 && b.cached) cached++;
+    }
+    $("kv-counts").textContent =
+      `${s.num_blocks} blocks of ${s.block_size} tokens · used ${used} · shared ${shared} · ` +
+      `cached free ${cached} · free ${s.num_free_blocks} · step ${s.step}`;
+  }
+
+  function setRequests(requests) {
+    kv.requests = requests;
+    const list = $("kv-requests");
+    list.textContent = "";
+    for (const r of requests) {
+      const li = document.createElement("li");
+      const sw = document.createElement("span");
+      sw.className = "swatch";
+      sw.style.background = colorOf(r.request_id);
+      const tokens = r.sequences.reduce((s, q) => s + q.num_tokens, 0);
+      const blocks = new Set(r.sequences.flatMap((q) => q.block_table)).size;
+      li.append(sw, `${r.request_id} · ${r.sequences.length} seq · ${blocks} blocks · ${tokens} tokens`);
+      li.addEventListener("mouseenter", () => showTable(r));
+      li.addEventListener("mouseleave", clearHighlight);
+      list.append(li);
+    }
+    if (!requests.length) clearHighlight();
+  }
+
+  function showTable(r) {
+    clearHighlight();
+    const lines = [];
+    for (const q of r.sequences) {
+      lines.push(
+        `${r.request_id} choice ${q.index} (${q.status}, ${q.num_tokens} tokens, ${q.num_computed_tokens} computed):`,
+      );
+      lines.push("  " + (q.block_table.map((p, i) => `${i}→${p}`).join("  ") || "(no blocks)"));
+      for (const p of q.block_table) {
+        const el = kv.cells[p - kv.start];
+        if (el) {
+          el.classList.add("hl");
+          kv.highlighted.push(el);
+        }
+      }
+    }
+    $("kv-table").textContent = lines.join("\n");
+  }
+
+  function clearHighlight() {
+    for (const el of kv.highlighted) el.classList.remove("hl");
+    kv.highlighted = [];
+  }
+
+  function flash(blockIds, cls) {
+    for (const id of blockIds) {
+      const el = kv.cells[id - kv.start];
+      if (!el) continue;
+      el.classList.remove(cls);
+      void el.offsetWidth; // restart the animation
+      el.classList.add(cls);
+      setTimeout(() => el.classList.remove(cls), 900);
+    }
+  }
+
+  function addEvents(events, missed, live) {
+    const list = $("kv-events");
+    for (const e of events) {
+      const li = document.createElement("li");
+      li.className = e.type;
+      const who = `${e.request_id} choice ${e.index}`;
+      if (e.type === "copy") {
+        li.textContent = `copy-on-write: ${who} block ${e.src} → ${e.dst}`;
+        if (live) flash([e.src, e.dst], "flash-copy");
+      } else if (e.type === "preempt") {
+        li.textContent = `preempted: ${who} (${e.block_ids.length} blocks freed, recomputes later)`;
+        if (live) flash(e.block_ids, "flash-preempt");
+      } else if (e.type === "fork") {
+        li.textContent = `fork: ${who} shares ${e.num_blocks} blocks of choice ${e.parent_index}`;
+      } else {
+        li.textContent = `${e.type}: ${who}`;
+      }
+      list.prepend(li);
+    }
+    if (missed) {
+      const li = document.createElement("li");
+      li.textContent = `(${missed} events not shown)`;
+      list.prepend(li);
+    }
+    while (list.children.length > MAX_EVENTS_SHOWN) list.lastChild.remove();
+  }
+
+  loadInfo();
+  connect();
+})();
