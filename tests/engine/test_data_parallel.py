@@ -169,6 +169,11 @@ def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
                     texts.append((await r.json())["choices"][0]["text"])
             chunks, done = await sse(s, srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})
             async with s.ws_connect(srv.url + "/v1/ws") as ws:
+                # the KV cache view of the replica that served the shared prefix: its blocks stay cached
+                kv = {"type": "subscribe_kv_cache", "id": "kv", "replica": int(replicas[0])}
+                await ws.send_json(kv)
+                view = await ws.receive_json(timeout=60)
+                await ws.send_json({"type": "cancel", "id": "kv"})
                 await ws.send_json({"type": "generate", "id": "a", "prompt": "hello", "max_tokens": 3})
                 while (msg := await ws.receive_json(timeout=60))["type"] != "done":
                     assert msg["type"] == "delta", msg
@@ -201,12 +206,14 @@ def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
                     assert r.status == 503 and body["error"]["type"] == "service_unavailable_error", body
             async with s.get(srv.url + "/health") as r:
                 assert r.status == 503 and (await r.json())["status"] == "unavailable"
-            return replicas, texts, done, msg, stats, metrics, health
+            return replicas, texts, done, msg, stats, metrics, health, view
 
     try:
-        replicas, texts, done, last, stats, metrics, health = run(main())
+        replicas, texts, done, last, stats, metrics, health, view = run(main())
     finally:
         assert srv.stop() == 0
+    assert view["type"] == "kv_cache" and view["replica"] == int(replicas[0]) and view["num_blocks"] == 64
+    assert any(b["cached"] and b["ref_count"] == 0 for b in view["blocks"])
     assert texts == [expected] * 3 and len(set(replicas)) == 1 and replicas[0] in ("0", "1")
     assert done and last["replica"] in (0, 1)
     assert [s["replica"] for s in stats["replicas"]] == [0, 1] and stats["router"]["prefix_hits"] >= 2

@@ -31,6 +31,9 @@
     highlighted: [],
   };
 
+  // server request ids are long (ws-<32 hex digits>): lists show the start and the end, titles all of it
+  const short = (id) => (id.length > 16 ? `${id.slice(0, 7)}…${id.slice(-4)}` : id);
+
   // ------------------------------------------------------------------ API key
   const apiKey = () => sessionStorage.getItem(KEY_STORAGE) || "";
   const authHeaders = () => (apiKey() ? { Authorization: "Bearer " + apiKey() } : {});
@@ -496,7 +499,8 @@
       sw.style.background = colorOf(r.request_id);
       const tokens = r.sequences.reduce((s, q) => s + q.num_tokens, 0);
       const blocks = new Set(r.sequences.flatMap((q) => q.block_table)).size;
-      li.append(sw, `${r.request_id} · ${r.sequences.length} seq · ${blocks} blocks · ${tokens} tokens`);
+      li.append(sw, `${short(r.request_id)} · ${r.sequences.length} seq · ${blocks} blocks · ${tokens} tokens`);
+      li.title = r.request_id;
       li.addEventListener("mouseenter", () => showTable(r));
       li.addEventListener("mouseleave", clearHighlight);
       list.append(li);
@@ -509,7 +513,8 @@
     const lines = [];
     for (const q of r.sequences) {
       lines.push(
-        `${r.request_id} choice ${q.index} (${q.status}, ${q.num_tokens} tokens, ${q.num_computed_tokens} computed):`,
+        `${short(r.request_id)} choice ${q.index} (${q.status}, ${q.num_tokens} tokens, ` +
+          `${q.num_computed_tokens} computed):`,
       );
       lines.push("  " + (q.block_table.map((p, i) => `${i}→${p}`).join("  ") || "(no blocks)"));
       for (const p of q.block_table) {
@@ -544,7 +549,8 @@
     for (const e of events) {
       const li = document.createElement("li");
       li.className = e.type;
-      const who = `${e.request_id} choice ${e.index}`;
+      const who = `${short(e.request_id)} choice ${e.index}`;
+      li.title = e.request_id;
       if (e.type === "copy") {
         li.textContent = `copy-on-write: ${who} block ${e.src} → ${e.dst}`;
         if (live) flash([e.src, e.dst], "flash-copy");
