@@ -171,8 +171,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def warmup(self) -> float:
-        """Run two short requests (a 40-token prompt greedy, a 5-token one sampled; plain and tiled prefill,
-        decode, device sampling) so every kernel is compiled or loaded from its cache before serving, then
+        """Run two short requests (a 40-token prompt greedy, a 5-token one sampled one step longer; plain and
+        tiled prefill, decode, device sampling of two rows and of one) so every kernel is compiled or loaded
+        from its cache before serving, then
         reset the counters ``stats`` reports. Call with no requests queued. Returns the seconds taken."""
         if self.requests:
             raise RuntimeError("warmup() needs an idle engine")
@@ -180,7 +181,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         for n, params in (
             (40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
-            (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True)),
+            (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=4, ignore_eos=True)),
         ):
             self.add_request({"prompt_token_ids": [(7 * i + 3) % vocab for i in range(n)]}, params)
         while self.has_unfinished_requests():

@@ -26,6 +26,7 @@ from numba import types as nb_types
 from numba.extending import overload
 
 from rawpaged.dtypes import BFLOAT16
+from rawpaged.kernels import cpu_sampling
 from rawpaged.kernels.backend import sliding_window_arg
 from rawpaged.kernels.cpu_gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu_intrinsics import pow2_int
@@ -771,7 +772,7 @@ class CPUBackend:
     rms_norm = staticmethod(rms_norm)
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
-    sample = staticmethod(sample)
+    sample = staticmethod(cpu_sampling.sample)  # compiled; ``sample`` above is its reference
     apply_token_bitmask = staticmethod(apply_token_bitmask)
 
     @staticmethod

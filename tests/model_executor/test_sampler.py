@@ -145,3 +145,52 @@ def test_sampling_arrays_dtypes_even_when_empty():
             "sample_rows": np.int64, "temperature": np.float64, "top_k": np.int64, "top_p": np.float64,
             "min_p": np.float64, "uniforms": np.float64}  # fmt: skip
         assert all(len(a) == len(draws) for a in arrays.values())
+
+
+def _random_rows(rng, shape, scale):
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    x[:, :4] = x[:, 4:8]  # equal logits: ties in top-k, top-p and the draw
+    return x
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0], ids=["flat", "normal", "peaked"])
+def test_compiled_cpu_sampler_draws_as_the_reference(scale):
+    """``cpu_sampling.sample`` (the backend's) against ``cpu.sample`` (the NumPy reference): every case
+    of CASES plus greedy rows and rows sampled twice, on flat to peaked rows with ties."""
+    from rawpaged.kernels import cpu_sampling
+
+    rng = np.random.default_rng(11)
+    logits = _random_rows(rng, (6, 3000), scale)
+    cases = CASES + [
+        dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0),
+        dict(temperature=0.9, top_k=-1, top_p=0.5, min_p=0.2),
+    ]
+    draws = 400
+    rows = rng.integers(0, logits.shape[0], draws)
+    picked = [cases[i % len(cases)] for i in range(draws)]
+    args = (
+        logits,
+        rows,
+        np.array([c["temperature"] for c in picked]),
+        np.array([c["top_k"] for c in picked]),
+        np.array([c["top_p"] for c in picked]),
+        np.array([c["min_p"] for c in picked]),
+        rng.random(draws),
+    )
+    expected = cpu.sample(*args)
+    got = cpu_sampling.sample(*args)
+    assert got.dtype == np.int64 and got.tolist() == expected.tolist()
+    one = cpu_sampling.sample(*(a[:1] if i else a for i, a in enumerate(args)))  # one sample: the serial kernel
+    assert one.tolist() == expected[:1].tolist()
+    assert cpu_sampling.sample(logits, *(np.zeros(0) for _ in range(6))).shape == (0,)
+
+
+def test_compiled_cpu_sampler_top_p_cut_inside_ties():
+    from rawpaged.kernels import cpu_sampling
+
+    x = np.array([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]], dtype=np.float32)
+    n = 2000
+    u = (np.arange(n) + 0.5) / n
+    args = (x, np.zeros(n, np.int64), np.ones(n), np.full(n, -1), np.full(n, 0.65), np.zeros(n), u)
+    assert set(cpu_sampling.sample(*args).tolist()) == {1, 2, 3}  # the lowest-id 2.0 joins the two 3.0s
+    assert cpu_sampling.sample(*args).tolist() == cpu.sample(*args).tolist()
