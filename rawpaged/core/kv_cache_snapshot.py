@@ -49,13 +49,16 @@ class KVCacheState:
     next_event_id: int
 
 
-def check_range(num_blocks: int, start: int = 0, count: int | None = None) -> tuple:
+def check_range(num_blocks: int, start: int = 0, count: int | None = None, since_event: int | None = None) -> tuple:
     """``(start, stop)`` of the block range ``start .. start + count - 1``, ``count`` defaulting to (and
     capped at) ``MAX_SNAPSHOT_BLOCKS`` and to the pool's end.
 
     Raises:
-        ValueError: ``start`` outside ``[0, num_blocks)`` or ``count < 1`` (naming the field).
+        ValueError: ``start`` outside ``[0, num_blocks)``, ``count < 1`` or ``since_event < 0`` (naming
+        the field).
     """
+    if since_event is not None and since_event < 0:
+        raise ValueError(f"since_event must be >= 0, got {since_event}")
     if not 0 <= start < num_blocks:
         raise ValueError(f"start must be in [0, {num_blocks}), got {start}")
     if count is not None and count < 1:
@@ -74,7 +77,7 @@ def capture(scheduler, start: int = 0, count: int | None = None, since_event: in
     """
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    start, stop = check_range(pool.num_blocks, start, count)
+    start, stop = check_range(pool.num_blocks, start, count, since_event)
     blocks = pool.blocks[start:stop]
     log = kv.events
     if since_event is None:

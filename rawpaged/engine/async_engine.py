@@ -210,7 +210,7 @@ class AsyncEngine:
             raise ValueError(f"replica must be 0: this server runs one engine, got {replica}")
         if self._closed:
             raise EngineDeadError("the engine is shut down")
-        kv_cache_snapshot.check_range(self.engine.kv_cache_manager.num_blocks, start, count)
+        kv_cache_snapshot.check_range(self.engine.kv_cache_manager.num_blocks, start, count, since_event)
         loop = asyncio.get_running_loop()
         state = await loop.run_in_executor(self._executor, self.engine.kv_cache_state, start, count, since_event)
         return kv_cache_snapshot.to_json(state)

@@ -269,7 +269,7 @@ async def serve(
         return 1
     bound = runner.addresses[0][1] if runner.addresses else port
     logger.info(
-        "listening on http://%s:%d (health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s",
+        "listening on http://%s:%d (playground: /, health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s",
         host,
         bound,
         "serving" if state.engine is not None else "loading",

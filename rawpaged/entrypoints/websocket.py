@@ -42,7 +42,7 @@ class KVCacheSubscription(BaseModel):
     ``replica``'s pool every ``interval_ms`` while anything changes (``kv_cache`` first, then
     ``kv_cache_delta``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: str
     id: str | int
     interval_ms: int = Field(250, ge=50, le=60_000)

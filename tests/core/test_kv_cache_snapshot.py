@@ -106,9 +106,14 @@ def test_block_ranges():
     assert snap["requests"][0]["sequences"][0]["block_table"] == [0, 1, 2, 3]  # tables stay whole
     assert check_range(8, 6, 100) == (6, 8)
     assert check_range(10**6) == (0, MAX_SNAPSHOT_BLOCKS)
-    for start, count, field in ((8, None, "start"), (-1, None, "start"), (0, 0, "count")):
+    for start, count, since, field in (
+        (8, None, None, "start"),
+        (-1, None, None, "start"),
+        (0, 0, None, "count"),
+        (0, None, -1, "since_event"),
+    ):
         with pytest.raises(ValueError, match=f"^{field} "):
-            check_range(8, start, count)
+            check_range(8, start, count, since)
 
 
 def test_event_ring_reports_what_it_dropped():

@@ -52,6 +52,7 @@ def test_page_is_public_and_the_snapshot_is_not(server):
                 "bad_start": await fetch(s, server.url + "/v1/debug/kv_cache?start=96", headers=AUTH),
                 "bad_count": await fetch(s, server.url + "/v1/debug/kv_cache?count=0", headers=AUTH),
                 "bad_replica": await fetch(s, server.url + "/v1/debug/kv_cache?replica=1", headers=AUTH),
+                "bad_since": await fetch(s, server.url + "/v1/debug/kv_cache?since_event=-3", headers=AUTH),
             }
 
     out = run(main())
@@ -69,6 +70,7 @@ def test_page_is_public_and_the_snapshot_is_not(server):
     assert {"requests", "events", "next_event_id", "num_free_blocks", "step"} <= set(snap)
     assert [b["block_id"] for b in out["range"][2]["blocks"]] == list(range(90, 96))
     bad = (("bad_int", "start"), ("bad_start", "start"), ("bad_count", "count"), ("bad_replica", "replica"))
+    bad += (("bad_since", "since_event"),)
     for name, param in bad:
         status, _, body = out[name]
         assert status == 400 and body["error"]["param"] == param, (name, body)
@@ -212,6 +214,7 @@ def test_subscription_errors(server):
                     {"type": "subscribe_kv_cache", "id": "b", "start": 500},
                     {"type": "subscribe_kv_cache", "id": "c", "replica": 3},
                     {"type": "subscribe_kv_cache", "id": "d", "extra": 1},
+                    {"type": "subscribe_kv_cache", "id": "e", "replica": True},  # not a number
                 ):
                     await ws.send_json(msg)
                     out.append(await ws.receive_json(timeout=30))
@@ -223,4 +226,5 @@ def test_subscription_errors(server):
         ("error", "b", "start", 400),
         ("error", "c", "replica", 400),
         ("error", "d", "extra", 400),
+        ("error", "e", "replica", 400),
     ]

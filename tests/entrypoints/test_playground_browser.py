@@ -107,6 +107,16 @@ def test_playground_chat_and_kv_view(server, tmp_path):
         wait_for(lambda: len(cells(".block")) == 512, 30, "the KV grid")
         assert driver.execute_script("return sessionStorage.getItem('rawpaged.api_key')") == KEY
 
+        # a refused request leaves no turn behind, and its message goes back to the input box
+        set_value("p-top_p", "0")
+        by_id("input").send_keys("Hi")
+        by_id("send").click()
+        wait_for(lambda: by_id("gen-error").is_displayed(), 30, "the error")
+        assert "top_p" in by_id("gen-error").text
+        assert not driver.find_elements(By.CSS_SELECTOR, ".turn") and by_id("input").get_attribute("value") == "Hi"
+        set_value("p-top_p", "0.9")
+        by_id("input").clear()
+
         # a chat streams: the answer is seen growing before it is finished
         set_value("p-max_tokens", "32")
         set_value("p-temperature", "0")

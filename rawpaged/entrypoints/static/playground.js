@@ -17,6 +17,7 @@
     job: null, // the generation in flight
     last: null, // the last generation's request, for Regenerate
     conversation: [], // chat turns sent to the model: {role, content}
+    needKey: false, // the server refused this tab's key (or its lack of one): wait for a new one
   };
   const kv = {
     subId: null,
@@ -29,6 +30,7 @@
     requests: [],
     colors: new Map(),
     highlighted: [],
+    hovered: null, // the request id whose block tables are shown
   };
 
   // server request ids are long (ws-<32 hex digits>): lists show the start and the end, titles all of it
@@ -50,6 +52,7 @@
     const key = $("key-input").value.trim();
     if (key) sessionStorage.setItem(KEY_STORAGE, key);
     else sessionStorage.removeItem(KEY_STORAGE);
+    state.needKey = false;
     loadInfo();
     if (state.ws) state.ws.close(); // reconnects with the new key
     else connect();
@@ -108,6 +111,8 @@
       kv.subId = null;
       if (state.job) endJob("connection closed");
       if (ev.code === 4401) {
+        state.needKey = true;
+        state.pending = [];
         setConn(false, "API key needed");
         askKey();
         return; // reconnects once a key is saved
@@ -143,6 +148,7 @@
     if (msg.status === 401) askKey();
     if (state.job && msg.id === state.job.id) {
       showError(`${msg.message}${msg.param ? ` (${msg.param})` : ""}`);
+      $("gen-stats").textContent = "";
       endJob("error");
     } else if (msg.id === kv.subId) {
       $("kv-range").textContent = `KV cache view: ${msg.message}`;
@@ -166,8 +172,11 @@
       top_k: num("p-top_k", parseInt),
       seed: num("p-seed", parseInt),
     };
-    const stop = $("p-stop").value;
-    if (stop.trim()) p.stop = stop.split(",").map((s) => s.replace(/\\n/g, "\n")).filter((s) => s.length);
+    const stop = $("p-stop")
+      .value.split("\n")
+      .map((s) => s.replace(/\\n/g, "\n"))
+      .filter((s) => s.length);
+    if (stop.length) p.stop = stop;
     if ($("p-ignore_eos").checked) p.ignore_eos = true;
     if ($("p-beam").checked) {
       p.use_beam_search = true;
@@ -179,13 +188,13 @@
     return p;
   }
 
-  function makeChoices(n, container, promptText) {
+  function makeChoices(n, container, promptText, keepable) {
     const grid = document.createElement("div");
     grid.className = "choices";
     const choices = [];
     for (let i = 0; i < n; i++) {
       const el = document.createElement("div");
-      el.className = "choice" + (i === 0 ? " kept" : "");
+      el.className = "choice" + (keepable && n > 1 && i === 0 ? " kept" : "");
       const bubble = document.createElement("div");
       bubble.className = "bubble";
       if (promptText) {
@@ -210,14 +219,18 @@
   function start(kind, request, container, promptText, onFinish) {
     const id = "g" + state.nextId++;
     const n = request.n || 1;
-    const job = { id, kind, requestId: null, t0: performance.now(), choices: makeChoices(n, container, promptText), onFinish };
+    const choices = makeChoices(n, container, promptText, kind === "chat");
+    const beam = Boolean(request.use_beam_search);
+    const job = { id, kind, beam, requestId: null, replica: null, t0: performance.now(), choices, onFinish };
     state.job = job;
     state.last = { kind, request };
     $("send").disabled = true;
     $("stop").disabled = false;
     $("regenerate").disabled = true;
     $("gen-error").hidden = true;
-    $("gen-stats").textContent = "waiting for the first token...";
+    $("gen-stats").textContent = beam
+      ? "beam search: the beams are chosen at the end, so the text arrives all at once..."
+      : "waiting for the first token...";
     send({ type: "generate", id, ...request });
     return job;
   }
@@ -247,6 +260,7 @@
     if (!c) return;
     c.finish = msg.finish_reason;
     c.tokens = msg.usage ? msg.usage.completion_tokens : c.tokens;
+    if (msg.replica !== undefined) job.replica = msg.replica;
     c.metaEl.textContent = `${c.tokens} tokens · ${c.finish}`;
     showStats(job);
     if (job.choices.every((x) => x.finish)) endJob();
@@ -255,16 +269,23 @@
   function showStats(job) {
     const tokens = job.choices.reduce((s, c) => s + c.tokens, 0);
     const firsts = job.choices.filter((c) => c.firstAt !== null);
-    let rate = "";
-    if (firsts.length) {
-      const t1 = Math.min(...firsts.map((c) => c.firstAt));
-      const t2 = Math.max(...firsts.map((c) => c.lastAt));
-      if (t2 > t1) rate = ` · ${((tokens - firsts.length) / ((t2 - t1) / 1000)).toFixed(1)} tok/s`;
+    const parts = [];
+    if (job.beam) {
+      if (job.ttft !== undefined) parts.push(`result after ${job.ttft.toFixed(0)} ms`);
+    } else {
+      if (job.ttft !== undefined) parts.push(`TTFT ${job.ttft.toFixed(0)} ms`);
+      if (firsts.length) {
+        const t1 = Math.min(...firsts.map((c) => c.firstAt));
+        const t2 = Math.max(...firsts.map((c) => c.lastAt));
+        const each = job.choices.length > 1 ? " (all choices)" : "";
+        if (t2 > t1) parts.push(`${((tokens - firsts.length) / ((t2 - t1) / 1000)).toFixed(1)} tok/s${each}`);
+      }
     }
-    const finishes = job.choices.map((c) => c.finish).filter(Boolean);
-    const ttft = job.ttft === undefined ? "" : `TTFT ${job.ttft.toFixed(0)} ms`;
-    const fin = finishes.length ? ` · finish_reason: ${[...new Set(finishes)].join(", ")}` : "";
-    $("gen-stats").textContent = `${ttft}${rate} · ${tokens} tokens${fin}`;
+    parts.push(`${tokens} tokens`);
+    const finishes = [...new Set(job.choices.map((c) => c.finish).filter(Boolean))];
+    if (finishes.length) parts.push(`finish_reason: ${finishes.join(", ")}`);
+    if (job.replica !== null) parts.push(`replica ${job.replica}`);
+    $("gen-stats").textContent = parts.join(" · ");
   }
 
   function endJob(reason) {
@@ -280,7 +301,7 @@
     $("send").disabled = false;
     $("stop").disabled = true;
     $("regenerate").disabled = false;
-    if (job.onFinish) job.onFinish(job);
+    if (job.onFinish) job.onFinish(job, reason);
   }
 
   function showError(text) {
@@ -313,7 +334,19 @@
     if (system) messages.push({ role: "system", content: system });
     messages.push(...state.conversation);
     const turn = addTurn("assistant");
-    start("chat", { messages, ...samplingParams() }, turn, "", (job) => {
+    start("chat", { messages, ...samplingParams() }, turn, "", (job, reason) => {
+      if (reason === "error" && job.choices.every((c) => !c.text)) {
+        // refused (or failed before any text): the turn leaves the history, its message goes back
+        turn.remove();
+        const last = state.conversation[state.conversation.length - 1];
+        if (last && last.role === "user") {
+          state.conversation.pop();
+          const turns = $("transcript").querySelectorAll(".turn.user");
+          if (turns.length) turns[turns.length - 1].remove();
+          if (!$("input").value) $("input").value = last.content;
+        }
+        return;
+      }
       const index = state.conversation.length;
       state.conversation.push({ role: "assistant", content: job.choices[0].text });
       turn.dataset.index = String(index);
@@ -342,6 +375,11 @@
   $("composer").addEventListener("submit", (ev) => {
     ev.preventDefault();
     if (state.job) return;
+    if (state.needKey) {
+      showError("this server needs an API key (--api-key): enter it first");
+      askKey();
+      return;
+    }
     if (state.mode === "chat") {
       const text = $("input").value.trim();
       if (!text) return;
@@ -380,7 +418,12 @@
   });
 
   $("clear").addEventListener("click", () => {
-    if (state.job) send({ type: "cancel", id: state.job.id });
+    if (state.job) {
+      send({ type: "cancel", id: state.job.id });
+      const job = state.job;
+      job.onFinish = null; // cleared: nothing of it is kept
+      endJob("abort");
+    }
     state.conversation = [];
     $("transcript").textContent = "";
     $("completions").textContent = "";
@@ -402,6 +445,7 @@
   // ------------------------------------------------------------------ KV cache view
   function subscribeKv() {
     if (kv.subId) send({ type: "cancel", id: kv.subId });
+    $("kv-events").textContent = ""; // a new subscription (another replica, a new socket) lists its own
     kv.subId = "kv" + state.nextId++;
     const msg = { type: "subscribe_kv_cache", id: kv.subId, interval_ms: KV_INTERVAL_MS };
     if (kv.replica !== null) msg.replica = kv.replica;
@@ -483,9 +527,10 @@
       if (b.ref_count > 1) shared++;
       if (b.ref_count === 0 && b.cached) cached++;
     }
+    const replica = s.replica !== undefined ? `replica ${s.replica} · ` : "";
     $("kv-counts").textContent =
-      `${s.num_blocks} blocks of ${s.block_size} tokens · used ${used} · shared ${shared} · ` +
-      `cached free ${cached} · free ${s.num_free_blocks} · step ${s.step}`;
+      `${replica}${s.num_blocks} blocks of ${s.block_size} tokens · used ${used} (shared ${shared}) · ` +
+      `free ${s.num_free_blocks} (prefix cached ${cached}) · step ${s.step}`;
   }
 
   function setRequests(requests) {
@@ -494,26 +539,49 @@
     list.textContent = "";
     for (const r of requests) {
       const li = document.createElement("li");
+      li.dataset.requestId = r.request_id;
+      li.title = r.request_id;
       const sw = document.createElement("span");
       sw.className = "swatch";
       sw.style.background = colorOf(r.request_id);
-      const tokens = r.sequences.reduce((s, q) => s + q.num_tokens, 0);
+      const longest = Math.max(...r.sequences.map((q) => q.num_tokens));
       const blocks = new Set(r.sequences.flatMap((q) => q.block_table)).size;
-      li.append(sw, `${short(r.request_id)} · ${r.sequences.length} seq · ${blocks} blocks · ${tokens} tokens`);
-      li.title = r.request_id;
-      li.addEventListener("mouseenter", () => showTable(r));
-      li.addEventListener("mouseleave", clearHighlight);
+      const seqs = r.sequences.length === 1 ? "1 sequence" : `${r.sequences.length} sequences`;
+      li.append(sw, `${short(r.request_id)} · ${seqs} · ${blocks} blocks · longest ${longest} tokens`);
       list.append(li);
     }
-    if (!requests.length) clearHighlight();
+    showTable(); // the hovered request's tables, as of this look
   }
 
-  function showTable(r) {
+  // the list is rebuilt on every look, so hovering is tracked on the list itself
+  $("kv-requests").addEventListener("mouseover", (ev) => {
+    const li = ev.target.closest("li");
+    if (li && li.dataset.requestId !== kv.hovered) {
+      kv.hovered = li.dataset.requestId;
+      showTable();
+    }
+  });
+  $("kv-requests").addEventListener("mouseleave", () => {
+    kv.hovered = null;
+    showTable();
+  });
+
+  function showTable() {
     clearHighlight();
+    const table = $("kv-table");
+    if (kv.hovered === null) {
+      table.textContent = "Hover a request to see its block tables (logical → physical).";
+      return;
+    }
+    const r = kv.requests.find((x) => x.request_id === kv.hovered);
+    if (!r) {
+      table.textContent = `${short(kv.hovered)}: finished, its blocks returned to the pool.`;
+      return;
+    }
     const lines = [];
     for (const q of r.sequences) {
       lines.push(
-        `${short(r.request_id)} choice ${q.index} (${q.status}, ${q.num_tokens} tokens, ` +
+        `${short(r.request_id)} #${q.index} (${q.status}, ${q.num_tokens} tokens, ` +
           `${q.num_computed_tokens} computed):`,
       );
       lines.push("  " + (q.block_table.map((p, i) => `${i}→${p}`).join("  ") || "(no blocks)"));
@@ -525,7 +593,7 @@
         }
       }
     }
-    $("kv-table").textContent = lines.join("\n");
+    table.textContent = lines.join("\n");
   }
 
   function clearHighlight() {
@@ -544,29 +612,34 @@
     }
   }
 
+  const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+
   function addEvents(events, missed, live) {
     const list = $("kv-events");
     for (const e of events) {
       const li = document.createElement("li");
       li.className = e.type;
-      const who = `${short(e.request_id)} choice ${e.index}`;
       li.title = e.request_id;
+      // index: the sequence within its request (the choice for n > 1; a beam's own number)
+      const who = `${short(e.request_id)} #${e.index}`;
+      let text;
       if (e.type === "copy") {
-        li.textContent = `copy-on-write: ${who} block ${e.src} → ${e.dst}`;
+        text = `copy-on-write: ${who} block ${e.src} → ${e.dst}`;
         if (live) flash([e.src, e.dst], "flash-copy");
       } else if (e.type === "preempt") {
-        li.textContent = `preempted: ${who} (${e.block_ids.length} blocks freed, recomputes later)`;
+        text = `preempted: ${who}, ${plural(e.block_ids.length, "block")} freed (recomputed later)`;
         if (live) flash(e.block_ids, "flash-preempt");
       } else if (e.type === "fork") {
-        li.textContent = `fork: ${who} shares ${e.num_blocks} blocks of choice ${e.parent_index}`;
+        text = `fork: ${who} shares ${plural(e.num_blocks, "block")} of #${e.parent_index}`;
       } else {
-        li.textContent = `${e.type}: ${who}`;
+        text = `${e.type}: ${who}`;
       }
+      li.textContent = `${e.event_id}. ${text}`;
       list.prepend(li);
     }
     if (missed) {
       const li = document.createElement("li");
-      li.textContent = `(${missed} events not shown)`;
+      li.textContent = `(${missed} earlier events not shown)`;
       list.prepend(li);
     }
     while (list.children.length > MAX_EVENTS_SHOWN) list.lastChild.remove();
