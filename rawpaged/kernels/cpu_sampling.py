@@ -8,8 +8,9 @@ the mass. Every token of the nucleus has a probability of at least ``t`` (the nu
 descending prefix reaching ``top_p``), so the candidates, sorted stably by descending probability, are a
 prefix of the reference's order and give the same cut. ``t`` starts at the largest probability and is
 divided by 16 until its set holds ``top_p`` (one pass over the row each; a peaked distribution needs one
-or two). Sums run in float64 in the same orders as the reference, up to NumPy's pairwise summation of
-whole rows, so draws agree except where a uniform falls within rounding of a token's CDF boundary.
+or two). The softmax is the reference's own NumPy code; later sums run in float64 in the reference's
+orders, except the renormalizations after top-p and min-p (sequential here, pairwise in NumPy), so draws
+agree except where a uniform falls within rounding of a token's CDF boundary.
 """
 
 from __future__ import annotations
@@ -23,27 +24,13 @@ _THRESHOLD_STEP = 1.0 / 16.0
 
 
 @nb.njit(**_JIT)
-def _sample_row(row, temperature, top_k, top_p, min_p, uniform):
-    vocab = row.shape[0]
-    if not temperature > 0.0:  # greedy: the first maximum
-        return np.argmax(row)
-    x = np.empty(vocab, dtype=np.float64)
-    for i in range(vocab):
-        x[i] = np.float64(row[i]) / temperature
-    if 0 < top_k < vocab:
-        kth = np.partition(x.copy(), vocab - top_k)[vocab - top_k]
-        for i in range(vocab):
-            if not x[i] >= kth:
-                x[i] = -np.inf
-    m = np.max(x)
-    p = np.empty(vocab, dtype=np.float64)
-    total = 0.0
-    for i in range(vocab):
-        p[i] = np.exp(x[i] - m)
-        total += p[i]
+def _filter_and_draw(p, top_p, min_p, uniform):
+    """Top-p and min-p on one row of probabilities ``p`` (float64, sums to 1; changed in place), then
+    the inverse-CDF draw of ``uniform``: the first token whose running sum exceeds ``uniform`` times
+    the total."""
+    vocab = p.shape[0]
     pmax = 0.0
     for i in range(vocab):
-        p[i] /= total
         pmax = max(pmax, p[i])
     if top_p < 1.0:
         t = pmax
@@ -108,13 +95,13 @@ def _sample_row(row, temperature, top_k, top_p, min_p, uniform):
     return vocab - 1
 
 
-def _sample_kernel(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms, out):
-    for j in nb.prange(sample_rows.shape[0]):
-        out[j] = _sample_row(logits[sample_rows[j]], temperature[j], top_k[j], top_p[j], min_p[j], uniforms[j])
+def _draw_kernel(probs, top_p, min_p, uniforms, out):
+    for j in nb.prange(probs.shape[0]):
+        out[j] = _filter_and_draw(probs[j], top_p[j], min_p[j], uniforms[j])
 
 
-_sample_serial = nb.njit(**_JIT)(_sample_kernel)
-_sample_parallel = nb.njit(parallel=True, **_JIT)(_sample_kernel)
+_draw_serial = nb.njit(**_JIT)(_draw_kernel)
+_draw_parallel = nb.njit(parallel=True, **_JIT)(_draw_kernel)
 
 
 def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
@@ -123,21 +110,37 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
 
     logits: float32 ``[num_rows, vocab]``; sample_rows (int), temperature (``<= 0``: greedy), top_k,
     top_p, min_p, uniforms (in [0, 1)): ``[num_samples]`` each. Returns int64 ``[num_samples]``.
-    Samples run in parallel on Numba's threads when there are several.
+
+    Greedy samples take the first maximum; the others' temperature, top-k and softmax run in NumPy over
+    all of them at once (its vectorized ``exp``), their top-p, min-p and draw in Numba, one sample per
+    thread task.
     """
-    n = len(sample_rows)
-    out = np.empty(n, dtype=np.int64)
-    if n == 0:
+    rows = np.asarray(sample_rows, dtype=np.int64)
+    temperature = np.asarray(temperature, dtype=np.float64)
+    out = np.empty(rows.shape[0], dtype=np.int64)
+    greedy = ~(temperature > 0)
+    if greedy.any():
+        out[greedy] = np.argmax(logits[rows[greedy]], axis=1)
+    hot = np.flatnonzero(~greedy)
+    if hot.size == 0:
         return out
-    kernel = _sample_parallel if n > 1 else _sample_serial
+    x = np.asarray(logits[rows[hot]], dtype=np.float64) / temperature[hot, None]
+    vocab = x.shape[1]
+    top_k = np.asarray(top_k, dtype=np.int64)[hot]
+    for j in np.flatnonzero((top_k > 0) & (top_k < vocab)):
+        kth = np.partition(x[j], vocab - top_k[j])[vocab - top_k[j]]
+        x[j] = np.where(x[j] >= kth, x[j], -np.inf)
+    x -= x.max(axis=1, keepdims=True)
+    p = np.exp(x, out=x)
+    p /= p.sum(axis=1, keepdims=True)
+    drawn = np.empty(hot.size, dtype=np.int64)
+    kernel = _draw_parallel if hot.size > 1 else _draw_serial
     kernel(
-        np.ascontiguousarray(logits, dtype=np.float32),
-        np.asarray(sample_rows, dtype=np.int64),
-        np.asarray(temperature, dtype=np.float64),
-        np.asarray(top_k, dtype=np.int64),
-        np.asarray(top_p, dtype=np.float64),
-        np.asarray(min_p, dtype=np.float64),
-        np.asarray(uniforms, dtype=np.float64),
-        out,
+        p,
+        np.asarray(top_p, dtype=np.float64)[hot],
+        np.asarray(min_p, dtype=np.float64)[hot],
+        np.asarray(uniforms, dtype=np.float64)[hot],
+        drawn,
     )
+    out[hot] = drawn
     return out
