@@ -10,7 +10,7 @@ from aiohttp import web
 
 from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from rawpaged.entrypoints.openai.protocol import ProtocolError
-from rawpaged.entrypoints.server_state import STATE, json_response, require_engine
+from rawpaged.entrypoints.server_state import STATE, field_error, json_response, require_engine
 from rawpaged.errors import EngineDeadError
 
 
@@ -67,6 +67,5 @@ async def debug_kv_cache(request: web.Request) -> web.Response:
             args["start"] or 0, args["count"], args["since_event"], args["replica"]
         )
     except ValueError as e:
-        message = str(e)
-        raise ProtocolError(message, param=message.split(" ", 1)[0]) from None
+        raise field_error(e) from None
     return json_response(snapshot)

@@ -73,6 +73,13 @@ def unauthorized() -> ProtocolError:
     )
 
 
+def field_error(e: ValueError) -> ProtocolError:
+    """A 400 for a ``ValueError`` whose message starts with the field it names (``"start must be ..."``,
+    as the KV cache snapshot's checks word them)."""
+    message = str(e)
+    return ProtocolError(message, param=message.split(" ", 1)[0])
+
+
 def require_engine(state: ServerState) -> EngineClient:
     """The engine, or a 503 while the model loads (or after it failed to)."""
     if state.engine is None:

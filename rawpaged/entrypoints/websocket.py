@@ -26,7 +26,14 @@ from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerat
 from rawpaged.entrypoints.openai.serving_chat import ChatFormat
 from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
 from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
-from rawpaged.entrypoints.server_state import STATE, authorization_matches, check_model, require_engine, unauthorized
+from rawpaged.entrypoints.server_state import (
+    STATE,
+    authorization_matches,
+    check_model,
+    field_error,
+    require_engine,
+    unauthorized,
+)
 from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 #: Keys of a ``generate`` message that are not request parameters (a socket always streams).
@@ -197,7 +204,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                 was_busy = busy
                 await asyncio.sleep(sub.interval_ms / 1000)
         except ValueError as e:
-            await send(_error_message(job.id, ProtocolError(str(e), param=str(e).split(" ", 1)[0])))
+            await send(_error_message(job.id, field_error(e)))
         except ProtocolError as e:
             await send(_error_message(job.id, e))
         except ReplicaUnavailableError as e:
