@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 
 def sliding_window_arg(sliding_window) -> int:
     """The attention kernels' ``sliding_window`` argument: 0 for None (no window), else W. Raises
@@ -19,6 +21,27 @@ def sliding_window_arg(sliding_window) -> int:
     if int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     return int(sliding_window)
+
+
+def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
+    """``block_mapping`` as int64 ``[n, 2]`` ``(src, dst)`` pairs, checked on the host before a copy:
+    ids in ``[0, num_blocks)``, every dst distinct and none also a src of the same call (the kernels copy
+    the pairs concurrently, so a chain or two writes to one block would race; copy-on-write targets are
+    always fresh blocks).
+
+    Raises:
+        ValueError: a pair breaking one of those rules (naming it).
+    """
+    m = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
+    if m.size and (m.min() < 0 or m.max() >= num_blocks):
+        raise ValueError(f"block_mapping: block ids must be in [0, {num_blocks}), got {m.min()}..{m.max()}")
+    dst = m[:, 1]
+    if len(np.unique(dst)) != len(dst):
+        raise ValueError(f"block_mapping: a destination block appears twice in {m.tolist()}")
+    both = np.intersect1d(m[:, 0], dst)
+    if both.size:
+        raise ValueError(f"block_mapping: block {int(both[0])} is both a source and a destination")
+    return m
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ from numba.extending import overload
 
 from rawpaged.dtypes import BFLOAT16
 from rawpaged.kernels import cpu_sampling
-from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.backend import check_block_mapping, sliding_window_arg
 from rawpaged.kernels.cpu_gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu_intrinsics import pow2_int
 from rawpaged.kernels.cpu_quant import RepackedQuantized, quant_embedding, quant_linear, repack
@@ -545,8 +545,13 @@ def copy_blocks(key_caches, value_caches, block_mapping):
             head_dim]`` arrays, modified in place.
         block_mapping: int64 ``[n, 2]`` of ``(src, dst)`` pairs; every dst is distinct and no dst is
             a src of the same call (copy-on-write targets are fresh blocks).
+
+    Raises:
+        ValueError: a mapping breaking those rules (``backend.check_block_mapping``).
     """
-    block_mapping = np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2)
+    if not key_caches:
+        return
+    block_mapping = check_block_mapping(block_mapping, key_caches[0].shape[0])
     if block_mapping.shape[0] == 0:
         return
     for kc, vc in zip(key_caches, value_caches):

@@ -34,7 +34,7 @@ import numpy as np
 
 from rawpaged.dtypes import BFLOAT16, FLOAT32, FLOAT_TYPES, float_type, float_type_of
 from rawpaged.kernels import cuda_sources as src
-from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.backend import check_block_mapping, sliding_window_arg
 from rawpaged.kernels.quantization import QuantizedTensor
 
 _BF16 = BFLOAT16.numpy
@@ -493,10 +493,15 @@ class CudaBackend:
         """Copy whole blocks ``src -> dst`` in every layer's K and V cache with one launch.
 
         key_caches/value_caches: lists (one per layer) of C-contiguous caches of one shape and dtype;
-        block_mapping int64 ``[n, 2]`` (src, dst) pairs, dst distinct and never a src of the same call.
+        block_mapping int64 ``[n, 2]`` (src, dst) pairs, dst distinct and never a src of the same call: the
+        pairs run concurrently, so the mapping is checked on the host first (``check_block_mapping``,
+        ValueError).
         """
-        m = self._dev(block_mapping, np.int64).reshape(-1, 2)
-        if m.shape[0] == 0 or not key_caches:
+        if not key_caches:
+            return
+        host = block_mapping.get() if hasattr(block_mapping, "get") else block_mapping
+        m = self._dev(check_block_mapping(host, key_caches[0].shape[0]), np.int64)
+        if m.shape[0] == 0:
             return
         caches = list(key_caches) + list(value_caches)
         ref = caches[0]

@@ -149,6 +149,24 @@ def test_copy_blocks_all_layers(dtype):
         np.testing.assert_array_equal(vcs[layer], exp_v[layer])
 
 
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ([[2, 7], [3, 7]], "appears twice"),  # two writes to one block
+        ([[2, 7], [7, 9]], "both a source and a destination"),  # a chain: 7's old or new contents?
+        ([[2, 10]], r"in \[0, 10\)"),
+        ([[-1, 3]], r"in \[0, 10\)"),
+    ],
+)
+def test_copy_blocks_refuses_mappings_the_kernels_would_race_on(mapping, message):
+    shape = (10, 16, 3, 64)
+    kcs, vcs = [np.zeros(shape, np.float32)], [np.zeros(shape, np.float32)]
+    kcs[0][2] = 1.0
+    with pytest.raises(ValueError, match=message):
+        cpu.copy_blocks(kcs, vcs, np.array(mapping, np.int64))
+    assert not kcs[0][7].any() and not kcs[0][3].any()  # refused before anything was copied
+
+
 def test_rms_norm_rotary_silu_against_float64():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((5, 576)).astype(np.float32)
