@@ -37,6 +37,10 @@ from rawpaged.kernels import cuda_sources as src
 from rawpaged.kernels.backend import check_block_mapping, sliding_window_arg
 from rawpaged.kernels.quantization import QuantizedTensor
 
+#: device memory kept out of the KV pool for what a step allocates beside it: activations (for the default
+#: model at 2048 batched tokens, tens of MB), sampled rows' float32 logits, cuBLAS's workspace
+ACTIVATION_HEADROOM_BYTES = 1 << 30
+
 _BF16 = BFLOAT16.numpy
 #: Device storage dtype -> C++ element type.
 _CTYPES = {t.device: t.cxx for t in FLOAT_TYPES.values()}
@@ -695,13 +699,16 @@ class CudaBackend:
         )
 
     def default_kv_cache_memory(self, gpu_memory_utilization: float) -> int:
-        """Bytes the KV pool may take: ``gpu_memory_utilization`` of the device's total memory minus
-        what is already in use (weights, CuPy's pool; blocks CuPy holds but does not use count as free).
-        Call after the weights are loaded."""
+        """Bytes the KV pool may take: ``gpu_memory_utilization`` of the device's total memory, minus what
+        is in use (the weights), minus ``ACTIVATION_HEADROOM_BYTES`` for what the first steps allocate
+        next to the pool (activations, logits, cuBLAS's workspace). Call after the weights are loaded.
+
+        CuPy's pool first returns its cached free blocks to the driver: counting them as free would be
+        wrong, since fragments of the wrong sizes cannot hold a pool of large caches."""
+        self.xp.get_default_memory_pool().free_all_blocks()
         free, total = self.xp.cuda.runtime.memGetInfo()
-        reusable = self.xp.get_default_memory_pool().free_bytes()
-        in_use = total - free - reusable
-        return max(0, int(gpu_memory_utilization * total) - in_use)
+        in_use = total - free
+        return max(0, int(gpu_memory_utilization * total) - in_use - ACTIVATION_HEADROOM_BYTES)
 
     # ------------------------------------------------------------------ arrays, matmul, embedding
     def zeros(self, shape, dtype):

@@ -56,3 +56,30 @@ def test_cuda_unavailable_is_one_clear_line():
         pytest.skip("a CUDA device is available here")
     with pytest.raises(ValueError, match="device"):
         get_backend("tpu")
+
+
+def test_cuda_kv_cache_budget_frees_cupys_cache_first_and_keeps_headroom():
+    """No GPU needed: the budget's arithmetic on a stand-in for CuPy's memory calls. CuPy's cached free
+    blocks go back to the driver before the device is asked what is free (counting them as free was
+    wrong: fragments cannot hold the pool), and activation headroom stays out of the pool."""
+    from types import SimpleNamespace
+
+    from rawpaged.kernels import cuda
+
+    total, weights = 100 << 30, 2 << 30
+
+    class Pool:
+        cached = 3 << 30  # freed tensors CuPy keeps for reuse: not free for the driver until released
+
+        def free_all_blocks(self):
+            self.cached = 0
+
+    pool = Pool()
+    runtime = SimpleNamespace(memGetInfo=lambda: (total - weights - pool.cached, total))
+    be = SimpleNamespace(
+        xp=SimpleNamespace(get_default_memory_pool=lambda: pool, cuda=SimpleNamespace(runtime=runtime))
+    )
+    budget = cuda.CudaBackend.default_kv_cache_memory(be, 0.9)
+    assert pool.cached == 0
+    assert budget == int(0.9 * total) - weights - cuda.ACTIVATION_HEADROOM_BYTES
+    assert cuda.CudaBackend.default_kv_cache_memory(be, 0.0) == 0
