@@ -104,6 +104,39 @@ def _first_logits(llm, prompt_ids):
     return eng.runner.fetch_rows(logits, [0])[0]
 
 
+#: float32: a greedy divergence is a near-tie when the CPU's top two logits at that step are this close
+#: (relative to the step's largest |logit|); float32 kernels that sum in other orders may pick either
+NEAR_TIE_RELATIVE = 1e-4
+
+
+def classify_divergences(cpu_llm, prompts, cpu_ids, gpu_ids, relative=NEAR_TIE_RELATIVE) -> dict:
+    """Compare two backends' greedy outputs per prompt, allowing near-ties.
+
+    At each prompt's first differing token, the CPU engine's logits for that step (prompt plus the
+    shared prefix) decide: a gap between the CPU's top two logits of at most ``relative`` times the
+    step's largest |logit| is a near-tie (either pick is right; later tokens then differ anyway), any
+    larger gap a real divergence. Returns counts ``equal``, ``near_ties``, ``divergences`` and, per
+    prompt, the first divergence with its top-2 gap (None where equal).
+    """
+    equal = near = real = 0
+    details = []
+    for prompt, a, b in zip(prompts, cpu_ids, gpu_ids):
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None and len(a) == len(b):
+            equal += 1
+            details.append(None)
+            continue
+        i = min(len(a), len(b)) if i is None else i
+        logits = np.asarray(_first_logits(cpu_llm, list(prompt) + list(a[:i])), dtype=np.float64)
+        top2 = np.sort(logits)[-2:]
+        gap = float(top2[1] - top2[0])
+        tie = gap <= relative * float(np.max(np.abs(logits)))
+        near += tie
+        real += not tie
+        details.append({"index": i, "top2_gap": gap, "near_tie": bool(tie)})
+    return {"equal": equal, "near_ties": near, "divergences": real, "per_prompt": details}
+
+
 def _timings(llm, rng, batches=(1, 32), max_tokens=64) -> dict:
     from rawpaged import SamplingParams
 
@@ -123,9 +156,10 @@ PROMPT_LENS = (1, 15, 16, 17, 33, 100, 257, 600)
 def check_shape(
     name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24, timing_batches=(1, 32), timing_tokens=64
 ):
-    """float32 on CUDA must reproduce the CPU engine (logits within 1e-2, greedy ids equal for all but at
-    most one prompt); bfloat16 (the CUDA default) is held to its precision: first-step logits within 10%
-    of their largest magnitude. Seeded top-p sampling must run and return valid ids on both."""
+    """float32 on CUDA must reproduce the CPU engine (logits within 1e-2, greedy ids equal up to near-ties,
+    ``classify_divergences``); bfloat16 (the CUDA default) is held to its precision: first-step logits
+    within 10% of their largest magnitude, with its first-step top-1 agreement and its divergences
+    reported. Seeded top-p sampling must run and return valid ids on both."""
     from rawpaged import LLM, SamplingParams
     from rawpaged.random_model import write_random_model
 
@@ -143,10 +177,13 @@ def check_shape(
     result = {"shape": shape, "quantization": quantization, "num_prompts": len(prompts), "ok": True}
     for dtype in ("float32", "bfloat16"):
         gpu = LLM(device="cuda", dtype=dtype, **kw)
-        diffs = [float(np.max(np.abs(c - _first_logits(gpu, p)))) for c, p in zip(cpu_logits, prompts)]
         scale = max(float(np.max(np.abs(c))) for c in cpu_logits)
         gpu_ids = [o.outputs[0].token_ids for o in gpu.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        equal = sum(a == b for a, b in zip(cpu_ids, gpu_ids))
+        agreement = classify_divergences(cpu, prompts, cpu_ids, gpu_ids)
+        equal = agreement["equal"]
+        gpu_logits = [_first_logits(gpu, p) for p in prompts]
+        diffs = [float(np.max(np.abs(c - g))) for c, g in zip(cpu_logits, gpu_logits)]
+        top1 = sum(int(np.argmax(c)) == int(np.argmax(g)) for c, g in zip(cpu_logits, gpu_logits))
         draws = [o.outputs[0].token_ids for o in gpu.generate([{"prompt_token_ids": p} for p in prompts[:4]], sampled)]
         vocab = shape["vocab_size"]
         stats = gpu.stats()
@@ -156,14 +193,18 @@ def check_shape(
             "max_abs_logit": scale,
             "per_prompt_logit_diff": diffs,
             "ids_equal": equal,
-            "first_divergence": [
-                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(cpu_ids, gpu_ids)
-            ],
+            "near_ties": agreement["near_ties"],
+            "divergences": agreement["divergences"],
+            "divergence_details": agreement["per_prompt"],
+            "first_step_top1_agreement": top1 / len(prompts),
             "sampled_ids_valid": all(len(d) == 16 and all(0 <= t < vocab for t in d) for d in draws),
             "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"],
             **timings,
         }
-        close = (max(diffs) < 1e-2 and equal >= len(prompts) - 1) if dtype == "float32" else max(diffs) < 0.1 * scale
+        if dtype == "float32":  # equal greedy ids up to near-ties
+            close = max(diffs) < 1e-2 and agreement["divergences"] == 0
+        else:  # bfloat16 is held to its precision; its agreement is reported
+            close = max(diffs) < 0.1 * scale
         r["ok"] = bool(close and r["sampled_ids_valid"] and r["blocks_all_free"])
         result[dtype] = r
         result["ok"] = result["ok"] and r["ok"]
@@ -193,6 +234,8 @@ def main(argv=None) -> int:
                 print(
                     f"{name} {dtype}: ok={d['ok']} max|dlogit|={d['max_abs_logit_diff']:.2e} "
                     f"(max|logit| {d['max_abs_logit']:.2e}) ids_equal={d['ids_equal']}/{r['num_prompts']} "
+                    f"near_ties={d['near_ties']} divergences={d['divergences']} "
+                    f"top1={d['first_step_top1_agreement']:.2f} "
                     + (
                         f" b1={d['batch1_tok_per_s']:.0f} b32={d['batch32_tok_per_s']:.0f} tok/s"
                         if "batch1_tok_per_s" in d

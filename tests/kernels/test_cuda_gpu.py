@@ -293,6 +293,7 @@ def test_default_kv_cache_memory_within_device_memory(be):
 def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
     """The whole engine (loader, model, runner, kernels) on the device against the CPU engine."""
     from rawpaged import LLM, SamplingParams
+    from rawpaged.check_cuda_engine import classify_divergences
     from rawpaged.random_model import write_random_model
 
     model = write_random_model(
@@ -308,10 +309,14 @@ def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 16, 17, 40)]
     kw = dict(model=str(model), num_kv_blocks=64, max_model_len=256)
-    cpu = [o.outputs[0].token_ids for o in LLM(device="cpu", **kw).generate(prompts, params)]
+    cpu_llm = LLM(device="cpu", **kw)
+    cpu = [o.outputs[0].token_ids for o in cpu_llm.generate(prompts, params)]
     gpu_llm = LLM(device="cuda", dtype="float32", **kw)
     gpu = [o.outputs[0].token_ids for o in gpu_llm.generate(prompts, params)]
-    assert gpu == cpu
+    # equal up to near-ties: random weights give near-uniform logits, whose top two float32 kernels that
+    # sum in other orders may swap
+    agreement = classify_divergences(cpu_llm, [p["prompt_token_ids"] for p in prompts], cpu, gpu)
+    assert agreement["divergences"] == 0, agreement
     s = gpu_llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
     bf16 = LLM(device="cuda", **kw)  # the CUDA default: bfloat16 weights, activations and KV cache
