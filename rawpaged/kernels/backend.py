@@ -79,8 +79,10 @@ class Backend(Protocol):
         """Wait for weight uploads and release what loading needed."""
 
     # ---------------------------------------------------------------- dense math
-    def linear(self, x, weight, bias=None):
-        """``x [n, in]`` times a weight from ``load_linear`` (+ bias) -> ``[n, out]``."""
+    def linear(self, x, weight, bias=None, float32_out: bool = False):
+        """``x [n, in]`` times a weight from ``load_linear`` (+ bias) -> ``[n, out]`` in the activations'
+        dtype, or in float32 with ``float32_out`` (the LM head: sampling and greedy ties see float32
+        logits, not values rounded to bf16's 8 bits)."""
 
     def embedding(self, token_ids, table):
         """Rows of ``table [vocab, hidden]`` for int64 ``token_ids [T]``."""

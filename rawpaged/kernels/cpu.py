@@ -837,11 +837,12 @@ class CPUBackend:
         self._loaded.clear()
 
     @staticmethod
-    def linear(x, weight, bias=None):
+    def linear(x, weight, bias=None, float32_out=False):
         """``x [M, in] @ weight.T (+ bias)`` -> float32 ``[M, out]`` for a weight ``[out, in]`` from
         ``load_linear``: float32 through ``cpu_gemm.gemm_nt`` for M <= ``cpu_gemm.SMALL_M`` (decode
         batches), through BLAS's SGEMM above; a ``RepackedQuantized`` weight through
-        ``cpu_quant.quant_linear``."""
+        ``cpu_quant.quant_linear``. Always float32 (the CPU's only activation dtype), so ``float32_out``
+        changes nothing."""
         if isinstance(weight, RepackedQuantized):
             y = quant_linear(x, weight)
         elif x.shape[0] <= SMALL_M:

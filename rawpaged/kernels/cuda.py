@@ -48,7 +48,7 @@ _DEFAULT_SMEM = 48 * 1024
 
 # cuBLAS / CUDA enum values (cublas_api.h, library_types.h); stable across CUDA 11-13.
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUDA_R_16BF = 14
+_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 _MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
@@ -821,25 +821,46 @@ class CudaBackend:
             self._stager = PinnedStager(self.xp)
         self._stager.copy(dst, host)
 
-    def linear(self, x, weight, bias=None):
+    def linear(self, x, weight, bias=None, float32_out=False):
         """``x @ weight.T (+ bias)``; x ``[n, in]``, weight ``[out, in]`` (HF layout), same dtype.
 
         float32/float16: CuPy matmul (cuBLAS). bfloat16 (uint16 bits): ``cublasGemmEx`` with
         CUDA_R_16BF A/B/C and CUBLAS_COMPUTE_32F (float32 accumulation, one rounding to bf16 at the end;
         a bias is preloaded into C and added in the float32 epilogue with beta = 1).
+
+        ``float32_out`` (the LM head): the float32 accumulator is written as it is, with a CUDA_R_32F C
+        (bfloat16 and float16 inputs through gemmEx; no bias then), so logits keep float32's resolution;
+        a quantized weight's product is converted after its kernel.
+
+        Raises:
+            ValueError: mismatched dtypes or shapes, or a bias with ``float32_out`` on 16-bit inputs.
         """
         if x.dtype != weight.dtype:
             raise ValueError(f"x {x.dtype} and weight {weight.dtype} must have the same dtype")
         if isinstance(weight, DeviceQuantized):
-            return self._quant_linear(x, weight, bias)
-        if x.dtype != np.uint16:
+            y = self._quant_linear(x, weight, bias)
+            if not float32_out or y.dtype == np.float32:
+                return y
+            out = self.xp.empty(y.shape, dtype=np.float32)
+            self.convert(out, y)
+            return out
+        if x.dtype == np.float32 or (x.dtype == np.float16 and not float32_out):
             y = x @ weight.T
             if bias is not None:
                 y += bias
             return y
-        return self._linear_bf16(x, weight, bias)
+        if float32_out and bias is not None:
+            raise ValueError("a bias with float32_out needs float32 inputs (an LM head has no bias)")
+        if x.dtype == np.float16:
+            return self._gemm_ex(x, weight, None, _CUDA_R_16F, float32_out=True)
+        return self._linear_bf16(x, weight, bias, float32_out)
 
-    def _linear_bf16(self, x, weight, bias):
+    def _linear_bf16(self, x, weight, bias, float32_out=False):
+        return self._gemm_ex(x, weight, bias, _CUDA_R_16BF, float32_out)
+
+    def _gemm_ex(self, x, weight, bias, in_type, float32_out):
+        """``cublasGemmEx`` of 16-bit ``x`` and ``weight`` (``in_type``: CUDA_R_16BF or CUDA_R_16F) with
+        float32 accumulation, written in the inputs' type or, with ``float32_out``, in float32."""
         xp = self.xp
         try:
             from cupy_backends.cuda.libs import cublas
@@ -851,7 +872,8 @@ class CudaBackend:
         m = weight.shape[0]
         if weight.shape[1] != k:
             raise ValueError(f"x {x.shape} and weight {weight.shape} do not chain")
-        y = xp.empty((n, m), dtype=np.uint16)
+        y = xp.empty((n, m), dtype=np.float32 if float32_out else x.dtype)
+        out_type = _CUDA_R_32F if float32_out else in_type
         beta_v = 0.0
         if bias is not None:
             y[...] = bias  # plain copy of the bf16 bits, broadcast over rows
@@ -871,14 +893,14 @@ class CudaBackend:
             k,
             alpha.ctypes.data,
             weight.data.ptr,
-            _CUDA_R_16BF,
+            in_type,
             k,
             x.data.ptr,
-            _CUDA_R_16BF,
+            in_type,
             k,
             beta.ctypes.data,
             y.data.ptr,
-            _CUDA_R_16BF,
+            out_type,
             m,
             _CUBLAS_COMPUTE_32F,
             _CUBLAS_GEMM_DEFAULT,

@@ -565,12 +565,13 @@ def test_quant_linear_and_embedding_on_blocks(emu, qtype, act):
 
 
 # ------------------------------------------------------------------------------------------ the engine
-def _numpy_linear_bf16(self, x, weight, bias):
-    """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, one rounding to bf16)."""
+def _numpy_linear_bf16(self, x, weight, bias, float32_out=False):
+    """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, then one rounding to bf16,
+    or none with ``float32_out``)."""
     y = x.view(BF16).astype(np.float32) @ weight.view(BF16).astype(np.float32).T
     if bias is not None:
         y += bias.view(BF16).astype(np.float32)
-    return y.astype(BF16).view(np.uint16)
+    return y if float32_out else y.astype(BF16).view(np.uint16)
 
 
 def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypatch):
@@ -635,6 +636,8 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     bf16 = LLM(device="cuda", **kw)
     assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")
     assert bf16.engine.model.embed_tokens.dtype == np.uint16
+    hidden = bf16.engine.backend.asarray(np.ones((2, 128), np.float32), dtype=BF16)
+    assert bf16.engine.model.compute_logits(hidden).dtype == np.float32  # logits keep float32's resolution
     from rawpaged.check_cuda_engine import _first_logits
 
     for p in prompts:

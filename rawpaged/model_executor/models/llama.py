@@ -155,4 +155,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden):
         """float32 logits ``[n, vocab]`` for hidden ``[n, hidden_size]``."""
-        return self.backend.linear(hidden, self.lm_head)
+        return self.backend.linear(hidden, self.lm_head, float32_out=True)
