@@ -35,6 +35,7 @@
 
   // server request ids are long (ws-<32 hex digits>): lists show the start and the end, titles all of it
   const short = (id) => (id.length > 16 ? `${id.slice(0, 7)}…${id.slice(-4)}` : id);
+  const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 
   // ------------------------------------------------------------------ API key
   const apiKey = () => sessionStorage.getItem(KEY_STORAGE) || "";
@@ -147,7 +148,8 @@
   function onError(msg) {
     if (msg.status === 401) askKey();
     if (state.job && msg.id === state.job.id) {
-      showError(`${msg.message}${msg.param ? ` (${msg.param})` : ""}`);
+      const named = msg.param && !msg.message.startsWith(msg.param);
+      showError(named ? `${msg.message} (${msg.param})` : msg.message);
       $("gen-stats").textContent = "";
       endJob("error");
     } else if (msg.id === kv.subId) {
@@ -248,7 +250,7 @@
     c.text += msg.text;
     c.tokens += msg.token_ids.length;
     c.textEl.textContent = c.text;
-    c.metaEl.textContent = `${c.tokens} tokens`;
+    c.metaEl.textContent = plural(c.tokens, "token");
     if (job.kind === "chat") $("transcript").scrollTop = $("transcript").scrollHeight;
     showStats(job);
   }
@@ -261,7 +263,7 @@
     c.finish = msg.finish_reason;
     c.tokens = msg.usage ? msg.usage.completion_tokens : c.tokens;
     if (msg.replica !== undefined) job.replica = msg.replica;
-    c.metaEl.textContent = `${c.tokens} tokens · ${c.finish}`;
+    c.metaEl.textContent = `${plural(c.tokens, "token")} · ${c.finish}`;
     showStats(job);
     if (job.choices.every((x) => x.finish)) endJob();
   }
@@ -278,10 +280,11 @@
         const t1 = Math.min(...firsts.map((c) => c.firstAt));
         const t2 = Math.max(...firsts.map((c) => c.lastAt));
         const each = job.choices.length > 1 ? " (all choices)" : "";
-        if (t2 > t1) parts.push(`${((tokens - firsts.length) / ((t2 - t1) / 1000)).toFixed(1)} tok/s${each}`);
+        const after = tokens - firsts.length; // tokens after each choice's first
+        if (t2 > t1 && after > 0) parts.push(`${(after / ((t2 - t1) / 1000)).toFixed(1)} tok/s${each}`);
       }
     }
-    parts.push(`${tokens} tokens`);
+    parts.push(plural(tokens, "token"));
     const finishes = [...new Set(job.choices.map((c) => c.finish).filter(Boolean))];
     if (finishes.length) parts.push(`finish_reason: ${finishes.join(", ")}`);
     if (job.replica !== null) parts.push(`replica ${job.replica}`);
@@ -295,7 +298,7 @@
     for (const c of job.choices) {
       if (!c.finish && reason) {
         c.finish = reason;
-        c.metaEl.textContent = `${c.tokens} tokens · ${reason}`;
+        c.metaEl.textContent = `${plural(c.tokens, "token")} · ${reason}`;
       }
     }
     $("send").disabled = false;
@@ -425,6 +428,8 @@
       endJob("abort");
     }
     state.conversation = [];
+    state.last = null;
+    $("regenerate").disabled = true;
     $("transcript").textContent = "";
     $("completions").textContent = "";
     $("gen-stats").textContent = "";
@@ -547,7 +552,7 @@
       const longest = Math.max(...r.sequences.map((q) => q.num_tokens));
       const blocks = new Set(r.sequences.flatMap((q) => q.block_table)).size;
       const seqs = r.sequences.length === 1 ? "1 sequence" : `${r.sequences.length} sequences`;
-      li.append(sw, `${short(r.request_id)} · ${seqs} · ${blocks} blocks · longest ${longest} tokens`);
+      li.append(sw, `${short(r.request_id)} · ${seqs} · ${plural(blocks, "block")} · longest ${longest} tokens`);
       list.append(li);
     }
     showTable(); // the hovered request's tables, as of this look
@@ -562,8 +567,10 @@
     }
   });
   $("kv-requests").addEventListener("mouseleave", () => {
+    // the list empties when the hovered request ends: its "finished" line stays until the next hover
+    const live = kv.requests.some((r) => r.request_id === kv.hovered);
     kv.hovered = null;
-    showTable();
+    if (live) showTable();
   });
 
   function showTable() {
@@ -611,8 +618,6 @@
       setTimeout(() => el.classList.remove(cls), 900);
     }
   }
-
-  const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 
   function addEvents(events, missed, live) {
     const list = $("kv-events");
