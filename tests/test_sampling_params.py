@@ -121,3 +121,21 @@ def test_temperature_thresholds():
     assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
     assert SamplingParams(temperature=0.5).temperature == 0.5
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+def test_structured_outputs_from_a_dict_and_its_refusals():
+    from rawpaged.structured_output.params import StructuredOutputsParams
+
+    p = SamplingParams(structured_outputs={"regex": "[ab]+"})
+    assert p.structured_outputs == StructuredOutputsParams(regex="[ab]+")
+    same = StructuredOutputsParams(choice=["x", "y"])
+    assert SamplingParams(structured_outputs=same).structured_outputs is same
+    with pytest.raises(InvalidRequestError, match=r"unknown fields \['pattern'\]; it takes \[") as e:
+        SamplingParams(structured_outputs={"pattern": "a", "regex": "b"})
+    assert e.value.param == "structured_outputs" and "'regex'" in str(e.value)
+    with pytest.raises(InvalidRequestError, match="StructuredOutputsParams or a dict") as e:
+        SamplingParams(structured_outputs="[ab]+")
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(InvalidRequestError, match="cannot be combined with beam search") as e:
+        SamplingParams(structured_outputs={"regex": "a"}, use_beam_search=True, beam_width=2)
+    assert e.value.param == "structured_outputs"

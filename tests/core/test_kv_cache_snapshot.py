@@ -104,7 +104,7 @@ def test_block_ranges():
         (4, 0, []),
     ]
     assert snap["requests"][0]["sequences"][0]["block_table"] == [0, 1, 2, 3]  # tables stay whole
-    assert check_range(8, 6, 100) == (6, 8)
+    assert check_range(8, 6, 100) == (6, 8) and check_range(8, 7, 1) == (7, 8)
     assert check_range(10**6) == (0, MAX_SNAPSHOT_BLOCKS)
     for start, count, since, field in (
         (8, None, None, "start"),
@@ -129,6 +129,27 @@ def test_event_ring_reports_what_it_dropped():
     assert log.since(5) == ([], 0)
     with pytest.raises(ValueError, match="capacity"):
         KVCacheEventLog(0)
+    one = KVCacheEventLog(capacity=1)
+    one.record("copy", s, src=1, dst=2)
+    one.record("copy", s, src=3, dst=4)
+    assert [e["src"] for e in one.since(0)[0]] == [3] and one.since(0)[1] == 1
+
+
+def test_snapshot_counters_and_the_default_recent_events():
+    from rawpaged.core.kv_cache_snapshot import DEFAULT_RECENT_EVENTS
+
+    sched = make(num_blocks=8, block_size=4)
+    s = seq(0, 5)
+    sched.add(s)
+    run_step(sched)
+    for i in range(DEFAULT_RECENT_EVENTS + 6):
+        sched.kv_cache_manager.events.record("copy", s, src=i, dst=i)
+    snap = snapshot(sched)
+    assert (snap["block_size"], snap["num_blocks"], snap["step"]) == (4, 8, 1)
+    assert [e["src"] for e in snap["events"]] == list(range(6, DEFAULT_RECENT_EVENTS + 6))  # the last 64
+    assert snap["events_missed"] == 0 and snap["next_event_id"] == DEFAULT_RECENT_EVENTS + 6
+    with pytest.raises(ValueError, match="^since_event "):
+        capture(sched, since_event=-1)
 
 
 def test_differ_sends_a_snapshot_then_only_what_changed():
