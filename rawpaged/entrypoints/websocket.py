@@ -12,7 +12,6 @@ header (a browser cannot) sends ``{"type": "auth", "api_key"}`` first. Server ->
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from dataclasses import dataclass
 
@@ -228,7 +227,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             key = msg.get("api_key")
             if msg.get("type") != "auth" or not isinstance(key, str):
                 raise _Unauthorized('send {"type": "auth", "api_key": ...} first (--api-key is set)')
-            if not hmac.compare_digest(key.encode(), state.api_key.encode()):
+            if not authorization_matches(state.api_key, f"Bearer {key}"):
                 raise _Unauthorized("invalid API key")
             authenticated = True
             return {"type": "auth_ok"}
