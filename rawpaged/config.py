@@ -45,6 +45,11 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int | None = None
     """prefill tokens per step at most while sequences decode: a prompt that arrives then is chunked
     instead of stalling their next token for its whole prefill (none: max_num_batched_tokens)"""
+    enforce_eager: bool = True
+    """run every step kernel by kernel; --no-enforce-eager runs decode steps of up to max_num_seqs
+    sequences on static input buffers, replayed on CUDA as graphs captured per batch size (padded to
+    1, 2, 4, 8, 16, 24, ...). Eager is the default until graphs have run on a GPU; the CPU has no
+    graphs and runs the static-buffer path kernel by kernel"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of identical prompt prefixes across requests"""
     seed: int = 0

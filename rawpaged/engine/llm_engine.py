@@ -84,7 +84,15 @@ class LLMEngine:
             self.eos_token_ids,
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks,
+            config.block_size,
+            kv_dtype,
+            enforce_eager=config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.input_processor = InputProcessor(
             self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks
         )

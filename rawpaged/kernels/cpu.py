@@ -759,6 +759,8 @@ class CPUBackend:
     name = "cpu"
     xp = np
     dtype_pairs = (("float32", "float32"), ("float32", "bfloat16"))
+    #: no graphs to capture: a decode step on static buffers runs kernel by kernel (``cuda_graph``)
+    supports_cuda_graphs = False
 
     @staticmethod
     def auto_dtype(checkpoint_dtype: str | None) -> str:
@@ -797,6 +799,12 @@ class CPUBackend:
     @staticmethod
     def to_numpy(x):
         return np.asarray(x)
+
+    @staticmethod
+    def upload(dst, host) -> None:
+        """Copy ``host``'s bytes into C-contiguous ``dst`` (same nbytes): the CUDA backend's one
+        host-to-device copy, here a memory copy."""
+        dst.reshape(-1).view(np.uint8)[...] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
 
     def __init__(self):
         # id(host tensor) -> (it, what it became) while a model loads: a tied embedding and LM head

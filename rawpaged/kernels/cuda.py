@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from rawpaged.dtypes import BFLOAT16, FLOAT32, FLOAT_TYPES, float_type, float_type_of
+from rawpaged.kernels import cublas
 from rawpaged.kernels import cuda_sources as src
 from rawpaged.kernels.backend import check_block_mapping, sliding_window_arg
 from rawpaged.kernels.quantization import QuantizedTensor
@@ -46,11 +47,10 @@ _BF16 = BFLOAT16.numpy
 _CTYPES = {t.device: t.cxx for t in FLOAT_TYPES.values()}
 _DEFAULT_SMEM = 48 * 1024
 
-# cuBLAS / CUDA enum values (cublas_api.h, library_types.h); stable across CUDA 11-13.
-_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
-_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_GEMM_DEFAULT = -1
+# cuBLAS / CUDA enum values: rawpaged.kernels.cublas
+_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = cublas.CUDA_R_32F, cublas.CUDA_R_16F, cublas.CUDA_R_16BF
+_CUBLAS_COMPUTE_32F = cublas.COMPUTE_32F
+_CUBLAS_GEMM_DEFAULT = cublas.GEMM_DEFAULT
 _MEMCPY_HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
 
 
@@ -236,6 +236,8 @@ class CudaBackend:
         self._address = self._launch.address
         self._stager = None
         self._copy_to_device = self._staged_copy
+        self._capture_blas = None
+        self._graph_state = None
 
     @classmethod
     def _with_launcher(cls, xp, launch, address, num_sms: int, max_smem_optin: int = 227 * 1024, copy_to_device=None):
@@ -252,7 +254,64 @@ class CudaBackend:
         self._address = address
         self._stager = None
         self._copy_to_device = copy_to_device or _host_byte_copy
+        self._capture_blas = None
+        self._graph_state = None
         return self
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether :meth:`capture_graph` can record launches (a real device; not the CPU emulation)."""
+        return self.device is not None
+
+    def upload(self, dst, host) -> None:
+        """Copy NumPy array ``host``'s bytes into C-contiguous device array ``dst`` (same nbytes), on the
+        current stream: kernels launched after it, and graphs replayed after it, see the data."""
+        self._copy_to_device(dst, host)
+
+    def capture_graph(self, fn):
+        """Record the kernels ``fn()`` launches as a CUDA graph; returns ``(replay, output)``:
+        ``replay()`` relaunches them all on the current stream, ``output`` is what ``fn`` returned
+        (device arrays the replays write again).
+
+        ``fn`` runs twice on a private, non-default stream: once eagerly (compiles kernels, picks
+        cuBLAS's algorithms, fills the graphs' memory pool) and once under capture (relaxed mode).
+        Arrays ``fn`` allocates come from one memory pool kept for the graphs alone: what a graph's
+        kernels read and write stays reserved for it, and graphs share those buffers (they never run
+        concurrently). Products go through a cuBLAS handle bound to that stream
+        (:mod:`rawpaged.kernels.cublas`). Everything ``fn`` reads must stay at the addresses it read them
+        from (static input buffers), and ``fn`` must not synchronize with the host.
+
+        Raises RuntimeError without a device (the emulation records no graph) or when capture fails.
+        """
+        if not self.supports_cuda_graphs:
+            raise RuntimeError("CUDA graphs need a GPU: this backend emulates its kernels")
+        xp = self.xp
+        if self._graph_state is None:
+            stream = xp.cuda.Stream(non_blocking=True)
+            pool = xp.cuda.MemoryPool()
+            workspace = xp.empty(cublas.WORKSPACE_BYTES, dtype=np.uint8)
+            handle = cublas.CublasHandle(cublas.load_library(), stream.ptr, self._address(workspace), workspace.nbytes)
+            self._graph_state = (stream, pool, workspace, handle)
+        stream, pool, _, handle = self._graph_state
+        xp.cuda.get_current_stream().synchronize()  # the inputs' uploads, on the current stream
+        self._capture_blas = handle
+        try:
+            with xp.cuda.using_allocator(pool.malloc), stream:
+                fn()
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    output = fn()
+                finally:
+                    graph = stream.end_capture()
+        finally:
+            self._capture_blas = None
+
+        def replay():
+            graph.launch(stream=xp.cuda.get_current_stream())
+
+        return replay, output
 
     # ------------------------------------------------------------------ helpers
     def _kernel(self, act, cache, name, grid, block, args, smem_bytes=0):
@@ -844,6 +903,11 @@ class CudaBackend:
             out = self.xp.empty(y.shape, dtype=np.float32)
             self.convert(out, y)
             return out
+        if self._capture_blas is not None:  # CuPy's matmul cannot be captured
+            if float32_out and bias is not None and x.dtype != np.float32:
+                raise ValueError("a bias with float32_out needs float32 inputs (an LM head has no bias)")
+            in_type = {np.dtype(np.float32): _CUDA_R_32F, np.dtype(np.float16): _CUDA_R_16F}.get(x.dtype, _CUDA_R_16BF)
+            return self._gemm_ex(x, weight, bias, in_type, float32_out)
         if x.dtype == np.float32 or (x.dtype == np.float16 and not float32_out):
             y = x @ weight.T
             if bias is not None:
@@ -859,13 +923,11 @@ class CudaBackend:
         return self._gemm_ex(x, weight, bias, _CUDA_R_16BF, float32_out)
 
     def _gemm_ex(self, x, weight, bias, in_type, float32_out):
-        """``cublasGemmEx`` of 16-bit ``x`` and ``weight`` (``in_type``: CUDA_R_16BF or CUDA_R_16F) with
-        float32 accumulation, written in the inputs' type or, with ``float32_out``, in float32."""
+        """``cublasGemmEx`` of ``x`` and ``weight`` (``in_type``: CUDA_R_16BF, CUDA_R_16F or, while a graph
+        captures, CUDA_R_32F) with float32 accumulation, written in the inputs' type or, with
+        ``float32_out``, in float32. Through CuPy's handle, or through :attr:`_capture_blas` (a
+        :class:`~rawpaged.kernels.cublas.CublasHandle` bound to the capturing stream) while one is set."""
         xp = self.xp
-        try:
-            from cupy_backends.cuda.libs import cublas
-        except ImportError:  # older CuPy
-            from cupy.cuda import cublas
         x = xp.ascontiguousarray(x)
         weight = xp.ascontiguousarray(weight)
         n, k = x.shape
@@ -876,34 +938,38 @@ class CudaBackend:
         out_type = _CUDA_R_32F if float32_out else in_type
         beta_v = 0.0
         if bias is not None:
-            y[...] = bias  # plain copy of the bf16 bits, broadcast over rows
+            y[...] = bias  # plain copy of the bias bits, broadcast over rows
             beta_v = 1.0
         if n == 0 or m == 0:
             return y
+        # host scalars: cuBLAS reads them when the call is made (or captured)
         alpha = np.array(1.0, dtype=np.float32)
         beta = np.array(beta_v, dtype=np.float32)
-        handle = xp.cuda.device.get_cublas_handle()
-        # Row-major y[n, m] = x[n, k] W[m, k]^T is column-major y^T[m, n] = W (col-major [k, m])^T x^T.
-        cublas.gemmEx(
-            handle,
-            _CUBLAS_OP_T,
-            _CUBLAS_OP_N,
-            m,
+        if self._capture_blas is not None:
+            gemm_ex = self._capture_blas.gemm_ex
+        else:
+            try:
+                from cupy_backends.cuda.libs import cublas as cupy_cublas
+            except ImportError:  # older CuPy
+                from cupy.cuda import cublas as cupy_cublas
+            handle = xp.cuda.device.get_cublas_handle()
+
+            def gemm_ex(*args):
+                cupy_cublas.gemmEx(handle, *args, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+        address = self._address
+        cublas.gemm_nt(
+            gemm_ex,
+            address(x),
+            address(weight),
+            address(y),
             n,
-            k,
-            alpha.ctypes.data,
-            weight.data.ptr,
-            in_type,
-            k,
-            x.data.ptr,
-            in_type,
-            k,
-            beta.ctypes.data,
-            y.data.ptr,
-            out_type,
             m,
-            _CUBLAS_COMPUTE_32F,
-            _CUBLAS_GEMM_DEFAULT,
+            k,
+            in_type,
+            out_type,
+            alpha.ctypes.data,
+            beta.ctypes.data,
         )
         return y
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from rawpaged.core.scheduler import SchedulerOutput
+from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
 from rawpaged.model_executor.sampler import sampling_arrays
 
@@ -23,9 +24,23 @@ class ModelRunner:
         model: the ``LlamaModel`` (weights already on ``model.backend``).
         num_blocks, block_size: KV pool geometry; caches per layer are
             ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``.
+        enforce_eager: run every step kernel by kernel. Otherwise pure-decode steps of up to
+            ``max_num_seqs`` sequences run on static input buffers (``cuda_graph``), replayed as CUDA
+            graphs captured here on a backend that has them (``backend.supports_cuda_graphs``).
+        max_num_seqs, max_model_len: size the static decode buffers (needed unless ``enforce_eager``).
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype="float32"):
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype="float32",
+        *,
+        enforce_eager: bool = True,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+    ):
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
@@ -34,6 +49,20 @@ class ModelRunner:
         be = self.backend
         self.key_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
         self.value_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.cuda_graph = None
+        if not enforce_eager:
+            if max_num_seqs is None or max_model_len is None:
+                raise ValueError("the static decode path needs max_num_seqs and max_model_len")
+            self.cuda_graph = CUDAGraphRunner(
+                model,
+                self.key_caches,
+                self.value_caches,
+                cudagraph_capture_sizes(max_num_seqs),
+                max_model_len,
+                block_size,
+            )
+            if be.supports_cuda_graphs:
+                self.cuda_graph.capture_all()
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
@@ -51,6 +80,10 @@ class ModelRunner:
         decodes, prefills = [], []
         for s, n in scheduled:  # a decode computes exactly the last token
             (decodes if n == 1 and s.num_computed_tokens == s.num_tokens - 1 else prefills).append((s, n))
+        graph = self.cuda_graph
+        if graph is not None and not prefills and 0 < len(decodes) <= graph.max_batch_size:
+            seqs = [s for s, _ in decodes]  # every decode samples, in scheduled order
+            return graph.run(seqs), seqs
         ordered = decodes + prefills
         ids, positions, slots = [], [], []
         for seq, n in ordered:

@@ -845,3 +845,39 @@ def test_tsan_replay_detects_a_missing_syncthreads(tmp_path):
         raced = "ThreadSanitizer: data race" in r.stderr
         assert raced == expect_race, r.stderr[-3000:]
         assert (r.returncode == 66) == expect_race
+
+
+def test_static_decode_path_on_emulated_cuda_matches_the_eager_cpu_engine(emu, tmp_path, monkeypatch):
+    """``enforce_eager=False`` on the CUDA kernels (the emulation captures no graph, so each step runs the
+    graph's forward on the static buffers): padded rows with context 0 and slot -1, decode attention
+    sized for max_model_len (more flash-decoding partitions than the contexts fill), block tables as wide
+    as max_model_len. Greedy and sampled ids equal the eager CPU engine's, float32."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.random_model import write_random_model
+
+    model = write_random_model(
+        tmp_path / "m", num_layers=2, hidden_size=128, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=64
+    )
+    kw = dict(model=str(model), num_kv_blocks=64, block_size=16, max_model_len=512, max_num_seqs=6)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 16, 33)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 5, 7)]
+    sampled = SamplingParams(n=2, temperature=0.9, top_p=0.9, seed=5, max_tokens=4, ignore_eos=True)
+
+    def run(llm):
+        g = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        s = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[1:2], sampled)]
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        return g, s
+
+    ref = run(LLM(device="cpu", **kw))
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    gpu = LLM(device="cuda", dtype="float32", enforce_eager=False, **kw)
+    emu.launches.clear()
+    assert run(gpu) == ref
+    steps = gpu.engine.runner.cuda_graph.num_steps
+    # 3 greedy sequences decode 2 steps padded to 4, then 2 steps of 2, 2 of 1; n=2 sampling 3 steps of 2
+    assert steps == {1: 2, 2: 5, 4: 2, 6: 0}
+    grids = {tuple(g) for n, g, *_ in emu.launches if n.startswith("paged_attention_kernel")}
+    assert any(g[2] > 1 for g in grids), grids  # split for max_model_len, not for the contexts
