@@ -3,7 +3,9 @@
 For the default model's shapes and a larger Llama-like shape (head_dim 128), runs the same greedy
 requests on ``device="cpu"`` and on ``device="cuda"`` in float32 and in bfloat16 (the CUDA default),
 compares first-step logits (max abs difference) and generated ids, runs seeded top-p sampling on the
-device, then times CUDA decode at batch 1 and 32. ``FEATURE_SHAPES`` add the families' features (a
+device, then times CUDA decode at batch 1, 8, 32 and 64 and a 512-token prefill. On the default model's
+shape it does the same with decode replayed from CUDA graphs (``enforce_eager=False``) and prints the
+graphs/eager decode ratios. ``FEATURE_SHAPES`` add the families' features (a
 Mistral sliding window with YaRN, Qwen3 q/k norms with Llama 3 RoPE, Q8_0 weights quantized on load: the
 blocks stay quantized on both backends), checked the same way without timings.
 Writes ``engine_check.json`` to ``--out``.
@@ -137,16 +139,28 @@ def classify_divergences(cpu_llm, prompts, cpu_ids, gpu_ids, relative=NEAR_TIE_R
     return {"equal": equal, "near_ties": near, "divergences": real, "per_prompt": details}
 
 
-def _timings(llm, rng, batches=(1, 32), max_tokens=64) -> dict:
+def _timings(llm, rng, batches=(1, 32), max_tokens=64, prefill_len=512) -> dict:
+    """Decode tok/s per batch size (``batch`` 32-token prompts: the time of ``max_tokens + 1`` tokens
+    minus that of the prefill and first token alone, so prefill is not counted) and, with
+    ``prefill_len``, one prompt of that many tokens' prefill time in ms."""
     from rawpaged import SamplingParams
+
+    def timed(prompts, n):
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t0
 
     timing = {}
     for batch in batches:
-        batch_prompts = [{"prompt_token_ids": rng.integers(3, 259, 32).tolist()} for _ in range(batch)]
-        llm.generate(batch_prompts[:1], SamplingParams(max_tokens=2))
-        t0 = time.perf_counter()
-        llm.generate(batch_prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        timing[f"batch{batch}_tok_per_s"] = batch * max_tokens / (time.perf_counter() - t0)
+        prompts = [{"prompt_token_ids": rng.integers(3, 259, 32).tolist()} for _ in range(batch)]
+        timed(prompts[:1], 2)  # warm-up
+        first = timed(prompts, 1)
+        total = timed(prompts, max_tokens + 1)
+        timing[f"batch{batch}_tok_per_s"] = batch * max_tokens / max(total - first, 1e-9)
+    if prefill_len:
+        prompt = [{"prompt_token_ids": rng.integers(3, 259, prefill_len).tolist()}]
+        timed(prompt, 1)
+        timing[f"prefill{prefill_len}_ms"] = 1e3 * min(timed(prompt, 1) for _ in range(3))
     return timing
 
 
@@ -154,12 +168,25 @@ PROMPT_LENS = (1, 15, 16, 17, 33, 100, 257, 600)
 
 
 def check_shape(
-    name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24, timing_batches=(1, 32), timing_tokens=64
+    name,
+    shape,
+    tmp,
+    rng,
+    prompt_lens=PROMPT_LENS,
+    max_tokens=24,
+    timing_batches=(1, 32),
+    timing_tokens=64,
+    graphs=(),
+    prefill_len=512,
 ):
     """float32 on CUDA must reproduce the CPU engine (logits within 1e-2, greedy ids equal up to near-ties,
     ``classify_divergences``); bfloat16 (the CUDA default) is held to its precision: first-step logits
     within 10% of their largest magnitude, with its first-step top-1 agreement and its divergences
-    reported. Seeded top-p sampling must run and return valid ids on both."""
+    reported. Seeded top-p sampling must run and return valid ids on both.
+
+    For each dtype in ``graphs`` it also runs with ``enforce_eager=False`` (decode replayed from CUDA
+    graphs): float32 held to the same rule against the CPU, its ids compared with eager's on the device
+    (equal, or divergent only where eager diverges from the CPU too), and the same timings."""
     from rawpaged import LLM, SamplingParams
     from rawpaged.random_model import write_random_model
 
@@ -187,7 +214,7 @@ def check_shape(
         draws = [o.outputs[0].token_ids for o in gpu.generate([{"prompt_token_ids": p} for p in prompts[:4]], sampled)]
         vocab = shape["vocab_size"]
         stats = gpu.stats()
-        timings = _timings(gpu, rng, timing_batches, timing_tokens) if timing_batches else {}
+        timings = _timings(gpu, rng, timing_batches, timing_tokens, prefill_len) if timing_batches else {}
         r = {
             "max_abs_logit_diff": max(diffs),
             "max_abs_logit": scale,
@@ -206,10 +233,52 @@ def check_shape(
         else:  # bfloat16 is held to its precision; its agreement is reported
             close = max(diffs) < 0.1 * scale
         r["ok"] = bool(close and r["sampled_ids_valid"] and r["blocks_all_free"])
+        del gpu
+        if dtype in graphs:
+            r["graphs"] = _check_graphs(
+                kw, dtype, prompts, params, cpu, cpu_ids, gpu_ids, rng, timing_batches, timing_tokens
+            )
+            r["ok"] = r["ok"] and r["graphs"]["ok"]
         result[dtype] = r
         result["ok"] = result["ok"] and r["ok"]
-        del gpu
     return result
+
+
+def _check_graphs(kw, dtype, prompts, params, cpu, cpu_ids, eager_ids, rng, timing_batches, timing_tokens) -> dict:
+    """The engine with CUDA graphs for decode (``enforce_eager=False``) against the CPU and eager."""
+    from rawpaged import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(device="cuda", dtype=dtype, enforce_eager=False, **kw)
+    startup = time.perf_counter() - t0
+    runner = llm.engine.runner.cuda_graph
+    ids = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    agreement = classify_divergences(cpu, prompts, cpu_ids, ids)
+    stats = llm.stats()
+    r = {
+        "captured_sizes": sorted(runner.graphs),
+        "startup_s": startup,
+        "ids_equal_cpu": agreement["equal"],
+        "near_ties": agreement["near_ties"],
+        "divergences": agreement["divergences"],
+        "ids_equal_eager": sum(a == b for a, b in zip(ids, eager_ids)),
+        "replayed_steps": sum(runner.num_steps.values()),
+        "blocks_all_free": stats["num_free_blocks"] == stats["num_total_blocks"],
+    }
+    r.update(_timings(llm, rng, timing_batches, timing_tokens, 0) if timing_batches else {})
+    # every size captured on a device; the CPU emulation captures none and runs the same static path
+    expected = runner.capture_sizes if llm.engine.backend.supports_cuda_graphs else []
+    replayed = r["replayed_steps"] > 0 and r["captured_sizes"] == expected
+    if dtype == "float32":
+        r["ok"] = bool(replayed and r["blocks_all_free"] and agreement["divergences"] == 0)
+    else:  # bf16 ids may part at near-ties of bf16 precision; the run and its blocks must be sound
+        r["ok"] = bool(replayed and r["blocks_all_free"])
+    del llm
+    return r
+
+
+def _rates(d: dict) -> str:
+    return " ".join(f"{k.split('_')[0]}={v:.0f}" for k, v in d.items() if k.endswith("_tok_per_s"))
 
 
 def main(argv=None) -> int:
@@ -221,8 +290,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in {**SHAPES, **FEATURE_SHAPES}.items():
             try:
-                timing = () if name in FEATURE_SHAPES else (1, 32)
-                results[name] = check_shape(name, shape, tmp, rng, timing_batches=timing)
+                timing = () if name in FEATURE_SHAPES else (1, 8, 32, 64)
+                graphs = ("float32", "bfloat16") if name == "smollm2-135m-shape" else ()
+                results[name] = check_shape(name, shape, tmp, rng, timing_batches=timing, graphs=graphs)
             except Exception as e:  # report every shape, then fail
                 results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             r = results[name]
@@ -236,12 +306,21 @@ def main(argv=None) -> int:
                     f"(max|logit| {d['max_abs_logit']:.2e}) ids_equal={d['ids_equal']}/{r['num_prompts']} "
                     f"near_ties={d['near_ties']} divergences={d['divergences']} "
                     f"top1={d['first_step_top1_agreement']:.2f} "
-                    + (
-                        f" b1={d['batch1_tok_per_s']:.0f} b32={d['batch32_tok_per_s']:.0f} tok/s"
-                        if "batch1_tok_per_s" in d
-                        else ""
-                    )
+                    + (" decode tok/s " + _rates(d) + f" prefill512={d['prefill512_ms']:.1f} ms" if _rates(d) else "")
                 )
+                if "graphs" in d:
+                    g = d["graphs"]
+                    print(
+                        f"{name} {dtype} graphs: ok={g['ok']} sizes={g['captured_sizes']} "
+                        f"startup={g['startup_s']:.1f}s "
+                        f"ids_equal_cpu={g['ids_equal_cpu']} near_ties={g['near_ties']} divergences={g['divergences']} "
+                        f"ids_equal_eager={g['ids_equal_eager']}/{r['num_prompts']} decode tok/s {_rates(g)}"
+                        + "".join(
+                            f" b{b}x{g[f'batch{b}_tok_per_s'] / d[f'batch{b}_tok_per_s']:.2f}"
+                            for b in (1, 8, 32, 64)
+                            if f"batch{b}_tok_per_s" in g and f"batch{b}_tok_per_s" in d
+                        )
+                    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "engine_check.json").write_text(json.dumps(results, indent=2))

@@ -6,7 +6,9 @@
 #      `pytest -m cuda tests` would import every test module first, and those needing gguf or openai
 #      (absent on a GPU host without a package index) would end the run with collection errors,
 #   3. the kernel microbenchmark (benchmarks/kernels_cuda.py: paged_attention bandwidth vs copy bandwidth),
-#   4. the engine's greedy-equality check (rawpaged/check_cuda_engine.py),
+#   4. the engine's greedy-equality check (rawpaged/check_cuda_engine.py): CUDA vs CPU engine on seeded random
+#      weights, eager and with decode replayed from CUDA graphs (--no-enforce-eager), decode tok/s at batch
+#      1, 8, 32 and 64 for both and a 512-token prefill,
 # then prints the benchmark table and a PASS/FAIL summary last.
 #
 # Usage: scripts/gpu_check.sh [--out DIR] [--quick] [--collect-only]      (default DIR: gpu_check_out)

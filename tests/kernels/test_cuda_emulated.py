@@ -698,10 +698,16 @@ def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, mon
         max_tokens=3,
         timing_batches=(2,),
         timing_tokens=2,
+        graphs=("float32",),
+        prefill_len=20,
     )
     assert r["ok"], r
     assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
     assert r["bfloat16"]["sampled_ids_valid"] and r["bfloat16"]["batch2_tok_per_s"] > 0
+    assert r["bfloat16"]["prefill20_ms"] > 0
+    g = r["float32"]["graphs"]
+    assert g["ok"] and g["ids_equal_cpu"] == 2 and g["ids_equal_eager"] == 2 and g["replayed_steps"] > 0, g
+    assert g["batch2_tok_per_s"] > 0
     q = check_cuda_engine.check_shape(
         "tiny-q8", {**shape, "quantization": "q8_0"}, tmp_path, np.random.default_rng(0), (3, 17), 3, ()
     )
