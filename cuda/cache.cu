@@ -63,3 +63,54 @@ __global__ void convert_kernel(D* __restrict__ out, const S* __restrict__ in, lo
         out[i] = rp::Convert<D, S>::apply(in[i]);
     }
 }
+
+// RoPE (HF rotate-half, as rotary_embedding_kernel in layers.cu) fused with the cache write of
+// reshape_and_cache_kernel: the query heads are rotated in place; the key heads are rotated in registers
+// and stored straight into slot slot_mapping[t] (key itself is not written); the value row is copied there.
+// A negative slot rotates the query only. Each key element is read once and written once, where the two
+// kernels read it, write it back rotated and read it again.
+// grid: (num_tokens), block: multiple of 32 (host: min(512, round_up(max((H + Hkv) * D/2, Hkv * D), 32))).
+// query: [num_tokens, num_heads, D] (token stride q_stride); key/value: [num_tokens, num_kv_heads, D]
+// (token strides k_stride/v_stride); positions: int64 [num_tokens]; cos_sin_cache: float32
+// [max_position, D]; caches [num_blocks, block_size, num_kv_heads, D] (slot = block * block_size + offset).
+template <typename T, typename C>
+__global__ void rotary_embedding_and_cache_kernel(const long long* __restrict__ positions, T* __restrict__ query,
+                                                  long long q_stride, const T* __restrict__ key, long long k_stride,
+                                                  const T* __restrict__ value, long long v_stride,
+                                                  C* __restrict__ key_cache, C* __restrict__ value_cache,
+                                                  const long long* __restrict__ slot_mapping,
+                                                  const float* __restrict__ cos_sin_cache, int num_heads,
+                                                  int num_kv_heads, int head_dim) {
+    const rp::i64 t = blockIdx.x;
+    const int half = head_dim / 2;
+    const float* __restrict__ cs = cos_sin_cache + positions[t] * (rp::i64)head_dim;
+    const rp::i64 slot = slot_mapping[t];
+    const rp::i64 row_elems = (rp::i64)num_kv_heads * head_dim;
+    const int pairs = (num_heads + (slot >= 0 ? num_kv_heads : 0)) * half;
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        const int h = i / half;
+        const int j = i - h * half;
+        const float c = cs[j];
+        const float s = cs[j + half];
+        if (h < num_heads) {
+            T* row = query + t * q_stride + (rp::i64)h * head_dim;
+            const float x1 = rp::to_float<T>(row[j]);
+            const float x2 = rp::to_float<T>(row[j + half]);
+            row[j] = rp::from_float<T>(x1 * c - x2 * s);
+            row[j + half] = rp::from_float<T>(x2 * c + x1 * s);
+        } else {
+            const rp::i64 off = (rp::i64)(h - num_heads) * head_dim;
+            const T* src = key + t * k_stride + off;
+            C* dst = key_cache + slot * row_elems + off;
+            const float x1 = rp::to_float<T>(src[j]);
+            const float x2 = rp::to_float<T>(src[j + half]);
+            // through T first, as the unfused kernels round the rotated key into the activation dtype
+            dst[j] = rp::Convert<C, T>::apply(rp::from_float<T>(x1 * c - x2 * s));
+            dst[j + half] = rp::Convert<C, T>::apply(rp::from_float<T>(x2 * c + x1 * s));
+        }
+    }
+    if (slot < 0) return;
+    const T* __restrict__ vsrc = value + t * v_stride;
+    C* __restrict__ vdst = value_cache + slot * row_elems;
+    for (rp::i64 i = threadIdx.x; i < row_elems; i += blockDim.x) vdst[i] = rp::Convert<C, T>::apply(vsrc[i]);
+}

@@ -121,6 +121,13 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
         _reshape_and_cache_f32(key, value, kc, vc, slot_mapping)
 
 
+def rotary_embedding_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache):
+    """``rotary_embedding`` of query and key (both in place), then ``reshape_and_cache`` of the rotated
+    key and the value: the CUDA backend's fused kernel, composed. Arguments as those two take them."""
+    rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
 # ---------------------------------------------------------------- attention core
 # Numba indexes with wraparound (a negative index counts from the end), so a loop whose index LLVM
 # cannot prove non-negative reads element by element; the loops below run from 0 over slices, which
@@ -773,6 +780,7 @@ class CPUBackend:
         return DEFAULT_KV_CACHE_MEMORY
 
     reshape_and_cache = staticmethod(reshape_and_cache)
+    rotary_embedding_and_cache = staticmethod(rotary_embedding_and_cache)
     paged_attention = staticmethod(paged_attention)
     prefill_attention = staticmethod(prefill_attention)
     copy_blocks = staticmethod(copy_blocks)

@@ -393,6 +393,55 @@ class CudaBackend:
             ),
         )
 
+    def rotary_embedding_and_cache(
+        self, positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache
+    ) -> None:
+        """``rotary_embedding`` of query and key, then ``reshape_and_cache`` of the rotated key and the
+        value, in one kernel (``cuda/cache.cu``; same results bit for bit): query is rotated in place, key
+        and value are only read (key is not rotated in place, unlike the CPU's composition). Arguments as
+        those two methods take them; ``-1`` slots rotate the query only."""
+        act, cache = _ctype(key, "key"), _ctype(key_cache, "key_cache")
+        if query.dtype != key.dtype or key.shape != value.shape or key.dtype != value.dtype:
+            raise ValueError(f"query {query.dtype}, key {key.shape}/{key.dtype}, value {value.shape}/{value.dtype}")
+        if key.shape[1:] != key_cache.shape[2:] or query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
+            raise ValueError(f"query {query.shape} / key {key.shape} do not match cache {key_cache.shape}")
+        if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+            raise ValueError("key_cache and value_cache must have the same shape and dtype")
+        if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
+            raise ValueError("KV caches must be C-contiguous")
+        if slot_mapping.shape[0] != key.shape[0]:
+            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        num_tokens, num_heads, head_dim = query.shape
+        if cos_sin_cache.dtype != np.float32 or cos_sin_cache.shape[-1] != head_dim:
+            raise ValueError("cos_sin_cache must be float32 [max_position, head_dim]")
+        if num_tokens == 0:
+            return
+        num_kv_heads = key.shape[1]
+        work = max((num_heads + num_kv_heads) * head_dim // 2, num_kv_heads * head_dim)
+        self._kernel(
+            act,
+            cache,
+            f"rotary_embedding_and_cache_kernel<{act}, {cache}>",
+            (num_tokens, 1, 1),
+            (src.round_threads(work, 512), 1, 1),
+            (
+                self._dev(positions, np.int64),
+                query,
+                _i64(_row_stride(query, "query", 2)),
+                key,
+                _i64(_row_stride(key, "key", 2)),
+                value,
+                _i64(_row_stride(value, "value", 2)),
+                key_cache,
+                value_cache,
+                self._dev(slot_mapping, np.int64),
+                self.xp.ascontiguousarray(cos_sin_cache),
+                _i32(num_heads),
+                _i32(num_kv_heads),
+                _i32(head_dim),
+            ),
+        )
+
     def paged_attention(
         self,
         out,

@@ -111,7 +111,7 @@ def name_expressions(act: str, cache: str) -> list[str]:
     """Every instantiation the runtime may launch for activations ``act`` and a KV cache of ``cache``."""
     if (act, cache) not in DTYPE_PAIRS:
         raise ValueError(f"unsupported (activation, cache) dtypes: {(act, cache)}; supported: {DTYPE_PAIRS}")
-    names = [f"reshape_and_cache_kernel<{act}, {cache}>"]
+    names = [f"reshape_and_cache_kernel<{act}, {cache}>", f"rotary_embedding_and_cache_kernel<{act}, {cache}>"]
     names += [f"copy_blocks_kernel<{b}>" for b in COPY_WORD_BYTES] + convert_names()
     for d in HEAD_DIMS:
         names += [f"paged_attention_kernel<{act}, {cache}, {d}, {g}>" for g in DECODE_GMAX if g <= gmax_cap(d)]

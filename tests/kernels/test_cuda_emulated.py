@@ -275,6 +275,58 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(emu, act, cache):
     assert_cache_rows_written(kc, vc, key, value, slots)
 
 
+@pytest.mark.parametrize(
+    "act,cache",
+    [(np.float32, np.float32), (np.float32, BF16), (np.float32, F16), (BF16, BF16), (F16, F16)],
+    ids=["f32", "f32-bf16", "f32-f16", "bf16", "f16"],
+)
+def test_rotary_embedding_and_cache_equals_the_two_kernels_it_fuses(emu, act, cache):
+    """The fused kernel against rotary_embedding_kernel + reshape_and_cache_kernel (bit for bit: query and
+    both caches) and against float64 RoPE; -1 slots rotate the query and write nothing; the key and value
+    inputs (views into a fused QKV output) are left as they were."""
+    rng = np.random.default_rng(4)
+    num_blocks, block_size, Hq, H, D, T, theta = 6, 16, 6, 2, 64, 20, 10000.0
+    cos_sin = rope_cache(D, 300, theta)
+    pos = rng.integers(0, 300, T).astype(np.int64)
+    slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int64)
+    slots[[2, 11]] = -1
+    qkv = rng.standard_normal((T, (Hq + 2 * H) * D)).astype(np.float32).astype(act)
+
+    def views(a):
+        return (
+            a[:, : Hq * D].reshape(T, Hq, D),
+            a[:, Hq * D : (Hq + H) * D].reshape(T, H, D),
+            a[:, (Hq + H) * D :].reshape(T, H, D),
+        )
+
+    nan_cache = np.full((num_blocks, block_size, H, D), np.nan, np.float32).astype(cache)
+    be = backend(emu)
+    fused_qkv = qkv.copy()
+    fq, fk, fv = views(fused_qkv)
+    kc, vc = nan_cache.copy(), nan_cache.copy()
+    emu.launches.clear()
+    be.rotary_embedding_and_cache(pos, dev(fq), dev(fk), dev(fv), dev(kc), dev(vc), slots, cos_sin)
+    assert [n.split("<")[0] for n, *_ in emu.launches] == ["rotary_embedding_and_cache_kernel"]
+    np.testing.assert_array_equal(fused_qkv[:, Hq * D :].view(np.uint8), qkv[:, Hq * D :].view(np.uint8))
+
+    two_qkv = qkv.copy()
+    q2, k2, v2 = views(two_qkv)
+    kc2, vc2 = nan_cache.copy(), nan_cache.copy()
+    be.rotary_embedding(pos, dev(q2), dev(k2), cos_sin)
+    be.reshape_and_cache(dev(k2), dev(v2), dev(kc2), dev(vc2), slots)
+    np.testing.assert_array_equal(fused_qkv[:, : Hq * D].view(np.uint8), two_qkv[:, : Hq * D].view(np.uint8))
+    np.testing.assert_array_equal(kc.view(np.uint8), kc2.view(np.uint8))
+    np.testing.assert_array_equal(vc.view(np.uint8), vc2.view(np.uint8))
+
+    q0, k0, v0 = views(qkv)
+    np.testing.assert_allclose(fq.astype(np.float64), rope_ref(q0, pos, theta), **tol(act))
+    assert_cache_rows_written(kc, vc, k2, v0, slots)  # the rotated key rows, in their slots only
+    rotated = rope_ref(k0, pos, theta)
+    for t in np.flatnonzero(slots >= 0):
+        b, o = divmod(int(slots[t]), block_size)
+        np.testing.assert_allclose(kc[b, o].astype(np.float64), rotated[t], **tol(cache if act == np.float32 else act))
+
+
 def test_bf16_rounding_is_nearest_even(emu):
     vals = np.array([1.0, 1.00390625, 1.01171875, -3.3e38, 1e-40, 65504.0, np.inf, -np.inf], np.float32)
     key = np.tile(vals[:, None, None], (1, 1, 2)).astype(np.float32)
@@ -623,10 +675,9 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     assert {
         "paged_attention_kernel",
         "prefill_attention_kernel",
-        "reshape_and_cache_kernel",
+        "rotary_embedding_and_cache_kernel",
         "copy_blocks_kernel",
         "rms_norm_kernel",
-        "rotary_embedding_kernel",
         "silu_and_mul_kernel",
         "sample_kernel",
         "apply_token_bitmask_kernel",

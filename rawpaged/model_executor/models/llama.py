@@ -121,8 +121,9 @@ class LlamaModel:
             if layer["q_norm"] is not None:
                 q = be.rms_norm(q.reshape(T * Hq, D), layer["q_norm"], cfg.rms_norm_eps).reshape(T, Hq, D)
                 k = be.rms_norm(k.reshape(T * Hkv, D), layer["k_norm"], cfg.rms_norm_eps).reshape(T, Hkv, D)
-            be.rotary_embedding(positions, q, k, self.cos_sin_cache)
-            be.reshape_and_cache(k, v, key_caches[i], value_caches[i], attn.slot_mapping)
+            be.rotary_embedding_and_cache(
+                positions, q, k, v, key_caches[i], value_caches[i], attn.slot_mapping, self.cos_sin_cache
+            )
             if nd:
                 be.paged_attention(
                     attn_out[:nd],
