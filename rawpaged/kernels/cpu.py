@@ -809,6 +809,18 @@ class CPUBackend:
         return np.asarray(x)
 
     @staticmethod
+    def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """A fused QKV projection ``[num_tokens, (num_heads + 2 num_kv_heads) head_dim]`` as contiguous
+        ``q [T, num_heads, D]``, ``k``, ``v [T, num_kv_heads, D]`` copies (the Numba kernels are compiled
+        for contiguous arrays)."""
+        T, hq, hk = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+        return (
+            np.ascontiguousarray(qkv[:, :hq]).reshape(T, num_heads, head_dim),
+            np.ascontiguousarray(qkv[:, hq : hq + hk]).reshape(T, num_kv_heads, head_dim),
+            np.ascontiguousarray(qkv[:, hq + hk :]).reshape(T, num_kv_heads, head_dim),
+        )
+
+    @staticmethod
     def upload(dst, host) -> None:
         """Copy ``host``'s bytes into C-contiguous ``dst`` (same nbytes): the CUDA backend's one
         host-to-device copy, here a memory copy."""

@@ -264,6 +264,18 @@ class CudaBackend:
         """Whether :meth:`capture_graph` can record launches (a real device; not the CPU emulation)."""
         return self.device is not None
 
+    @staticmethod
+    def split_qkv(qkv, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """A fused QKV projection ``[num_tokens, (num_heads + 2 num_kv_heads) head_dim]`` (C-contiguous) as
+        views ``q [T, num_heads, D]``, ``k``, ``v [T, num_kv_heads, D]`` with the projection's token stride:
+        the kernels that read them take strides, so no copy is made."""
+        T, hq, hk = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+        return (
+            qkv[:, :hq].reshape(T, num_heads, head_dim),
+            qkv[:, hq : hq + hk].reshape(T, num_kv_heads, head_dim),
+            qkv[:, hq + hk :].reshape(T, num_kv_heads, head_dim),
+        )
+
     def upload(self, dst, host) -> None:
         """Copy NumPy array ``host``'s bytes into C-contiguous device array ``dst`` (same nbytes), on the
         current stream: kernels launched after it, and graphs replayed after it, see the data."""

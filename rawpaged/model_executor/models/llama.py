@@ -115,9 +115,7 @@ class LlamaModel:
             else:
                 x = be.rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps, residual=residual)
             qkv = be.linear(x, layer["qkv_proj"], layer["qkv_bias"])
-            q = be.xp.ascontiguousarray(qkv[:, : Hq * D]).reshape(T, Hq, D)
-            k = be.xp.ascontiguousarray(qkv[:, Hq * D : (Hq + Hkv) * D]).reshape(T, Hkv, D)
-            v = be.xp.ascontiguousarray(qkv[:, (Hq + Hkv) * D :]).reshape(T, Hkv, D)
+            q, k, v = be.split_qkv(qkv, Hq, Hkv, D)
             if layer["q_norm"] is not None:
                 q = be.rms_norm(q.reshape(T * Hq, D), layer["q_norm"], cfg.rms_norm_eps).reshape(T, Hq, D)
                 k = be.rms_norm(k.reshape(T * Hkv, D), layer["k_norm"], cfg.rms_norm_eps).reshape(T, Hkv, D)
