@@ -9,10 +9,12 @@ Dtype names here are the C++ ones (``rawpaged.dtypes``: ``float``, ``__half``, `
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 from rawpaged.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT_TYPES
 
@@ -67,6 +69,9 @@ QUANT_GEMV_MAX_M = 8
 QG_BM, QG_BN, QG_THREADS = 32, 64, 256
 #: Shortest context a decode partition gets (shorter partitions cost more in the merge than they save).
 MIN_SPLIT_TOKENS = 128
+#: ... unless the grid at MIN_SPLIT_TOKENS leaves SMs idle (batch 1: 3 KV heads x 8 partitions of a
+#: 1024-token context are 24 blocks on 132 SMs); then partitions go down to this length
+SMALL_GRID_MIN_SPLIT_TOKENS = 32
 
 
 def read_source(name: str) -> str:
@@ -183,6 +188,7 @@ def decode_smem_floats(head_dim: int, gmax: int) -> int:
     return work + max(gmax * DEC_CHUNK, DEC_WARPS * gmax * head_dim)
 
 
+@functools.lru_cache(maxsize=1024)
 def decode_config(
     num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int, num_sms: int
 ) -> dict:
@@ -190,7 +196,9 @@ def decode_config(
 
     The base grid has one block per (sequence, KV head, chunk of <= GMAX query heads). When that is too
     few blocks to fill the GPU (2 blocks per SM) the context is split into partitions of at least
-    MIN_SPLIT_TOKENS positions, merged by ``paged_attention_reduce_kernel``.
+    MIN_SPLIT_TOKENS positions (SMALL_GRID_MIN_SPLIT_TOKENS when that still leaves SMs idle), merged by
+    ``paged_attention_reduce_kernel``. Cached (every layer of a
+    step asks the same): the mapping returned is read-only.
     """
     group = num_heads // num_kv_heads
     gmax = decode_gmax(group, head_dim)
@@ -199,18 +207,22 @@ def decode_config(
     max_ctx = max(1, int(max_context_len))
     want = -(-2 * num_sms // base_blocks)
     splits = max(1, min(want, -(-max_ctx // MIN_SPLIT_TOKENS)))
+    if splits > 1 and base_blocks * splits < num_sms:
+        splits = max(1, min(want, -(-max_ctx // SMALL_GRID_MIN_SPLIT_TOKENS)))
     split_len = -(-max_ctx // splits)
     split_len = -(-split_len // 16) * 16
     splits = -(-max_ctx // split_len)
-    return dict(
-        gmax=gmax,
-        gchunks=gchunks,
-        num_splits=splits,
-        split_len=split_len,
-        grid=(num_kv_heads * gchunks, num_seqs, splits),
-        block=(DEC_THREADS, 1, 1),
-        smem_bytes=4 * decode_smem_floats(head_dim, gmax),
-        reduce_block=(min(256, -(-head_dim // 32) * 32), 1, 1),
+    return MappingProxyType(
+        dict(
+            gmax=gmax,
+            gchunks=gchunks,
+            num_splits=splits,
+            split_len=split_len,
+            grid=(num_kv_heads * gchunks, num_seqs, splits),
+            block=(DEC_THREADS, 1, 1),
+            smem_bytes=4 * decode_smem_floats(head_dim, gmax),
+            reduce_block=(min(256, -(-head_dim // 32) * 32), 1, 1),
+        )
     )
 
 
@@ -226,20 +238,24 @@ def prefill_smem_floats(head_dim: int) -> int:
     return rows * qs + 2 * PF_KT * qs + rows * (PF_KT + 1)
 
 
+@functools.lru_cache(maxsize=1024)
 def prefill_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int) -> dict:
-    """Grid of ``prefill_attention_kernel``: query tiles of ROWS (token, head) rows per KV head."""
+    """Grid of ``prefill_attention_kernel``: query tiles of ROWS (token, head) rows per KV head (cached,
+    read-only)."""
     group = num_heads // num_kv_heads
     rows = prefill_rows(head_dim)
     heads_per_block = min(group, rows)
     hchunks = -(-group // heads_per_block)
     tokens_per_tile = rows // heads_per_block
     tiles = max(1, -(-int(max_query_len) // tokens_per_tile))
-    return dict(
-        heads_per_block=heads_per_block,
-        tokens_per_tile=tokens_per_tile,
-        grid=(tiles, num_kv_heads * hchunks, num_seqs),
-        block=(PF_THREADS, 1, 1),
-        smem_bytes=4 * prefill_smem_floats(head_dim),
+    return MappingProxyType(
+        dict(
+            heads_per_block=heads_per_block,
+            tokens_per_tile=tokens_per_tile,
+            grid=(tiles, num_kv_heads * hchunks, num_seqs),
+            block=(PF_THREADS, 1, 1),
+            smem_bytes=4 * prefill_smem_floats(head_dim),
+        )
     )
 
 

@@ -34,6 +34,17 @@ def test_decode_splits_fill_the_gpu_only_when_needed():
     assert short["num_splits"] == 1, "a context shorter than one partition is never split"
 
 
+def test_a_small_decode_grid_takes_shorter_partitions():
+    """Batch 1 of the default model's heads (9/3) at 1024 tokens: 128-token partitions would give 24 blocks
+    on 132 SMs; shorter ones (not below SMALL_GRID_MIN_SPLIT_TOKENS) fill most of them."""
+    cfg = src.decode_config(1, 9, 3, 64, 1024, num_sms=132)
+    assert np.prod(cfg["grid"]) >= 96, cfg["grid"]
+    assert src.SMALL_GRID_MIN_SPLIT_TOKENS <= cfg["split_len"] < src.MIN_SPLIT_TOKENS
+    assert cfg["num_splits"] * cfg["split_len"] >= 1024
+    eight = src.decode_config(8, 9, 3, 64, 1024, num_sms=132)
+    assert eight["split_len"] >= src.MIN_SPLIT_TOKENS, "24 x 8 blocks fill the SMs at the usual length"
+
+
 @pytest.mark.parametrize("head_dim", src.HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 3, 6, 16, 80])
 def test_prefill_config(head_dim, group):
