@@ -35,11 +35,19 @@ template <int D, int GMAX> struct DecodeSmem {
     static constexpr int TOTAL = WORK + (SCORES > PARTIALS ? SCORES : PARTIALS);
 };
 
+// log2 of a power-of-two block size (the host checks that it is one): positions split into block and row
+// with a shift and a mask instead of an integer division in the inner loops.
+__device__ __forceinline__ int log2_pow2(int n) {
+    int s = 0;
+    while ((1 << s) < n) ++s;
+    return s;
+}
+
 // Element offset of (position t, kv head) in a cache, through the sequence's block-table row.
-__device__ __forceinline__ i64 kv_offset(const int* __restrict__ bt_row, int t, int block_size,
+__device__ __forceinline__ i64 kv_offset(const int* __restrict__ bt_row, int t, int block_shift,
                                          int num_kv_heads, int kv_head, int head_dim) {
-    const i64 blk = bt_row[t / block_size];
-    return ((blk * block_size + (t % block_size)) * num_kv_heads + kv_head) * (i64)head_dim;
+    const i64 blk = bt_row[t >> block_shift];
+    return (((blk << block_shift) + (t & ((1 << block_shift) - 1))) * num_kv_heads + kv_head) * (i64)head_dim;
 }
 
 }  // namespace rp
@@ -71,6 +79,9 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
     constexpr int VK = 16 / (int)sizeof(C);                // cache elements per 16-byte load
     constexpr int KCH = HEAD_DIM / (VK * DEC_TPK);         // 16-byte chunks per lane per key
     constexpr int DPL = HEAD_DIM / 32;                     // value dims per lane
+    // value rows a warp loads before it accumulates them: 4 while the GMAX x DPL accumulators leave room
+    // in registers, fewer for the largest head groups (no spills: tests/kernels/test_cuda_compile.py)
+    constexpr int PV_ROWS = GMAX * DPL >= 64 ? 1 : (GMAX * DPL >= 32 ? 2 : 4);
     constexpr int KEYS_PER_ITER = DEC_THREADS / DEC_TPK;
     static_assert(HEAD_DIM % (VK * DEC_TPK) == 0 && HEAD_DIM % 32 == 0, "unsupported head_dim");
     static_assert(VK % 4 == 0, "query reads use float4");
@@ -120,6 +131,7 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
         corr_s[tid] = 1.f;
     }
     const int* __restrict__ bt_row = block_tables + seq * max_blocks_per_seq;
+    const int block_shift = log2_pow2(block_size);
     float acc[GMAX][DPL];
 #pragma unroll
     for (int g = 0; g < GMAX; ++g)
@@ -141,7 +153,7 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
             for (int g = 0; g < GMAX; ++g) dot[g] = 0.f;
             if (i < clen) {
                 const C* __restrict__ krow =
-                    key_cache + kv_offset(bt_row, c0 + i, block_size, num_kv_heads, kv_head, HEAD_DIM);
+                    key_cache + kv_offset(bt_row, c0 + i, block_shift, num_kv_heads, kv_head, HEAD_DIM);
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {
                     const int d0 = (c * DEC_TPK + klane) * VK;
@@ -200,17 +212,30 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
 #pragma unroll
             for (int e = 0; e < DPL; ++e) acc[g][e] *= corr;
         }
-        for (int i = warp; i < clen; i += DEC_WARPS) {
-            const C* __restrict__ vrow = value_cache +
-                                         kv_offset(bt_row, c0 + i, block_size, num_kv_heads, kv_head, HEAD_DIM) +
-                                         lane * DPL;
-            float v[DPL];
-            load_floats<C, DPL>(vrow, v);
+        // PV_ROWS value rows in flight per warp: their loads are issued before any is used
+        for (int i0 = warp; i0 < clen; i0 += DEC_WARPS * PV_ROWS) {
+            float v[PV_ROWS][DPL];
 #pragma unroll
-            for (int g = 0; g < GMAX; ++g) {
-                const float p = work[g * DEC_CHUNK + i];
+            for (int r = 0; r < PV_ROWS; ++r) {
+                const int i = i0 + r * DEC_WARPS;
+                if (i < clen) {
+                    const C* __restrict__ vrow =
+                        value_cache + kv_offset(bt_row, c0 + i, block_shift, num_kv_heads, kv_head, HEAD_DIM) +
+                        lane * DPL;
+                    load_floats<C, DPL>(vrow, v[r]);
+                }
+            }
 #pragma unroll
-                for (int e = 0; e < DPL; ++e) acc[g][e] += p * v[e];
+            for (int r = 0; r < PV_ROWS; ++r) {
+                const int i = i0 + r * DEC_WARPS;
+                if (i < clen) {
+#pragma unroll
+                    for (int g = 0; g < GMAX; ++g) {
+                        const float p = work[g * DEC_CHUNK + i];
+#pragma unroll
+                        for (int e = 0; e < DPL; ++e) acc[g][e] += p * v[r][e];
+                    }
+                }
             }
         }
         __syncthreads();
@@ -326,6 +351,7 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
     constexpr int CPR = HEAD_DIM / VK;  // 16-byte chunks per K/V row
     static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM % VK == 0, "unsupported head_dim");
 
+    const int block_shift = log2_pow2(block_size);
     RP_DYNAMIC_SMEM(smem);
     float* Qs = smem;
     float* Ks = smem + Cfg::K_OFF;
@@ -387,7 +413,7 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
             const int c = i - j * CPR;
             float kf[VK], vf[VK];
             if (kt0 + j <= last_pos) {
-                const i64 off = kv_offset(bt_row, kt0 + j, block_size, num_kv_heads, kv_head, HEAD_DIM) + c * VK;
+                const i64 off = kv_offset(bt_row, kt0 + j, block_shift, num_kv_heads, kv_head, HEAD_DIM) + c * VK;
                 load_floats<C, VK>(key_cache + off, kf);
                 load_floats<C, VK>(value_cache + off, vf);
             } else {

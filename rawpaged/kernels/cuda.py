@@ -361,6 +361,9 @@ class CudaBackend:
             )
         if block_tables.ndim != 2:
             raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
+        block_size = key_cache.shape[1]
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two for the attention kernels, got {block_size}")
 
     # ------------------------------------------------------------------ paged KV kernels
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):

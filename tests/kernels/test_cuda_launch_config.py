@@ -192,3 +192,17 @@ def test_dtype_auto_resolution_and_unsupported_pairs():
     names = {"float32": src.F32, "float16": src.F16, "bfloat16": src.BF16}
     assert {(names[a], names[c]) for a, c in CudaBackend.dtype_pairs} == set(src.DTYPE_PAIRS)
     assert names == {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+def test_attention_refuses_a_block_size_that_is_not_a_power_of_two():
+    """The kernels split positions into block and row with a shift and a mask."""
+    from rawpaged.kernels.cuda import CudaBackend
+
+    be = CudaBackend._with_launcher(np, lambda *a: pytest.fail("launched"), lambda a: a.ctypes.data, num_sms=4)
+    q = np.zeros((1, 4, 64), np.float32)
+    cache = np.zeros((4, 12, 2, 64), np.float32)
+    bt, ctx = np.zeros((1, 2), np.int32), np.array([5], np.int32)
+    with pytest.raises(ValueError, match="power of two"):
+        be.paged_attention(np.empty_like(q), q, cache, cache.copy(), bt, ctx, 0.125)
+    with pytest.raises(ValueError, match="power of two"):
+        be.prefill_attention(np.empty_like(q), q, cache, cache.copy(), bt, np.array([0, 1], np.int32), ctx, 0.125)
