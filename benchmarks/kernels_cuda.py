@@ -6,6 +6,8 @@ Grid: batch 1/8/32 x context 128/1024/4096 x {head_dim 64 with 9 query / 3 KV he
 32 / 8} x {bf16, fp32} (activations and cache of one dtype), block_size 16. Effective bandwidth = bytes of
 K and V the kernel must read (batch * context * kv_heads * head_dim * 2 * itemsize) / time; the copy
 bandwidth counts bytes read + written by a device-to-device cudaMemcpy, the usual "achievable" figure.
+Kernel times are replays of a CUDA graph of 20 calls (device time, without Python dispatch and launch
+latency); "eager us" is one call as an eager step makes it.
 
 Second table: token sampling for a batch of bf16 logits rows (vocab 49152, the default model's): the device
 ``sample_kernel`` (only ids come back) against copying the rows to the host and sampling there with the
@@ -74,6 +76,26 @@ class Timer:
             iters = min(max_iters, max(iters * 2, int(iters * min_time / max(total, 1e-9)) + 1))
 
 
+#: kernel calls recorded in one CUDA graph by ``device_time``
+CALLS_PER_GRAPH = 20
+
+
+def device_time(be, timer, fn) -> float:
+    """Seconds per call of the kernels ``fn`` launches. On a GPU, ``CALLS_PER_GRAPH`` calls are captured in
+    one CUDA graph and the replays timed, so a small kernel's time is not its Python dispatch and launch
+    latency (``fn`` must launch only raw kernels: no cuBLAS, no host synchronization); otherwise ``fn``
+    itself is timed."""
+    if not getattr(be, "supports_cuda_graphs", False):
+        return timer(fn)
+
+    def calls():
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+
+    replay, _ = be.capture_graph(calls)
+    return timer(replay) / CALLS_PER_GRAPH
+
+
 def copy_bandwidth(be, timer, nbytes) -> float:
     """GB/s of a device-to-device copy, counting bytes read + written."""
     xp = be.xp
@@ -107,7 +129,9 @@ def bench_case(be, timer, dtype, head_dim, num_heads, num_kv_heads, batch, conte
     identity = np.arange(num_blocks, dtype=np.int32).reshape(batch, bps)
     tables = {"paged": xp.asarray(perm), "contiguous": xp.asarray(identity)}
     scale = head_dim**-0.5
-    times = {k: timer(lambda bt=bt: be.paged_attention(out, q, kc, vc, bt, ctx, scale)) for k, bt in tables.items()}
+    calls = {k: (lambda bt=bt: be.paged_attention(out, q, kc, vc, bt, ctx, scale)) for k, bt in tables.items()}
+    times = {k: device_time(be, timer, fn) for k, fn in calls.items()}
+    eager = timer(calls["paged"])  # with Python dispatch and launch latency, as an eager step pays them
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * np.dtype(dtype).itemsize
     cfg = src.decode_config(batch, num_heads, num_kv_heads, head_dim, bps * BLOCK_SIZE, be.num_sms)
     return dict(
@@ -120,6 +144,7 @@ def bench_case(be, timer, dtype, head_dim, num_heads, num_kv_heads, batch, conte
         splits=cfg["num_splits"],
         kv_bytes=kv_bytes,
         paged_us=times["paged"] * 1e6,
+        paged_eager_us=eager * 1e6,
         contiguous_us=times["contiguous"] * 1e6,
         paged_GBps=kv_bytes / times["paged"] / 1e9,
         contiguous_GBps=kv_bytes / times["contiguous"] / 1e9,
@@ -223,13 +248,14 @@ def main(argv=None):
     lines = [
         f"paged_attention on {device} ({be.num_sms} SMs); device copy {copy_gbps:.0f} GB/s (read+write)",
         f"{'dtype':5} {'D':>3} {'H/Hkv':>6} {'batch':>5} {'ctx':>5} {'splits':>6} {'paged us':>9} "
-        f"{'GB/s':>7} {'%copy':>6} {'contig us':>9} {'GB/s':>7}",
+        f"{'GB/s':>7} {'%copy':>6} {'contig us':>9} {'GB/s':>7} {'eager us':>9}",
     ]
     for r in rows:
         lines.append(
             f"{r['dtype']:5} {r['head_dim']:>3} {r['heads']:>3}/{r['kv_heads']:<2} {r['batch']:>5} "
             f"{r['context']:>5} {r['splits']:>6} {r['paged_us']:>9.1f} {r['paged_GBps']:>7.0f} "
-            f"{100 * r['paged_frac_of_copy']:>5.0f}% {r['contiguous_us']:>9.1f} {r['contiguous_GBps']:>7.0f}"
+            f"{100 * r['paged_frac_of_copy']:>5.0f}% {r['contiguous_us']:>9.1f} {r['contiguous_GBps']:>7.0f} "
+            f"{r['paged_eager_us']:>9.1f}"
         )
     lines += [
         "",

@@ -780,6 +780,17 @@ def test_kernel_benchmark_script_dry_run(tmp_path, capsys):
     assert len(result["results"]) == 16 and len(result["sampling"]) == 4
     assert all(r["paged_us"] > 0 and r["contiguous_us"] > 0 for r in result["results"])
     assert all(r["device_us"] > 0 and r["host_us"] > 0 for r in result["sampling"])
+
+    class Capturing:  # a backend that records graphs: capture runs fn twice, a replay runs it again
+        supports_cuda_graphs = True
+
+        def capture_graph(self, fn):
+            fn(), fn()
+            return fn, None
+
+    calls = []
+    per_call = mod.device_time(Capturing(), lambda replay: (replay(), 2.0)[1], lambda: calls.append(1))
+    assert per_call == 2.0 / mod.CALLS_PER_GRAPH and len(calls) == 3 * mod.CALLS_PER_GRAPH
     assert "sampling bf16 logits" in capsys.readouterr().out
 
 
