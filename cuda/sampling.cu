@@ -12,9 +12,10 @@
 //          seeded generator, so a seed gives the same tokens on both backends up to float32 rounding).
 // temperature <= 0 is greedy: the first index of the largest logit. NaN logits are never chosen.
 //
-// No sort: thresholds are found by bisection on the bits of an order-preserving 32-bit key, with block
-// reductions in a fixed order (deterministic; sums of non-negative floats over nested subsets in the same
-// order are monotone, so the bisection is consistent). Top-k: 32 passes; top-p: 31 passes over p.
+// No sort: thresholds come from the bits of an order-preserving 32-bit key. Top-k: radix select, a byte per
+// pass (4 passes, integer histograms). Top-p: bisection on the bits of p (31 passes), with block reductions
+// in a fixed order (deterministic; sums of non-negative floats over nested subsets in the same order are
+// monotone, so the bisection is consistent).
 //
 // grid: (num_samples), block: a multiple of 32, at most 512 (host: see cuda_sources.sample_threads).
 // logits: [num_rows, vocab] of T, row stride logits_stride (elements).
@@ -85,8 +86,10 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float* scratch, f
 
 }  // namespace rp
 
+// __launch_bounds__(512, 1): one resident block per SM is enough (a block per sample), so ptxas may use up
+// to 128 registers; with (512) alone it aimed at more resident blocks and spilled at 40.
 template <typename T>
-__global__ void __launch_bounds__(512) sample_kernel(int* __restrict__ out_ids, const T* __restrict__ logits,
+__global__ void __launch_bounds__(512, 1) sample_kernel(int* __restrict__ out_ids, const T* __restrict__ logits,
                                                       long long logits_stride, const int* __restrict__ sample_ints,
                                                       const float* __restrict__ sample_floats,
                                                       float* __restrict__ probs, int vocab) {
@@ -120,14 +123,35 @@ __global__ void __launch_bounds__(512) sample_kernel(int* __restrict__ out_ids, 
         return;
     }
 
-    // Top-k: the largest key t with count(key >= t) >= k is the k-th largest logit's key.
+    // Top-k: the k-th largest logit's key (the largest t with count(key >= t) >= k), found a byte at a
+    // time from the top (radix select): per pass, a 256-bin histogram of the next byte of the keys that
+    // share the bytes fixed so far (integer counts: the same in any order), then the bin where the count
+    // from the top reaches the k still wanted. 4 passes over the row.
     unsigned kth = 0u;
     if (top_k > 0 && top_k < vocab) {
-        for (int bit = 31; bit >= 0; --bit) {
-            const unsigned cand = kth | (1u << bit);
-            int count = 0;
-            for (int i = tid; i < vocab; i += nt) count += rp::ordered_key(rp::to_float<T>(x[i])) >= cand;
-            if (rp::block_reduce(count, iscratch, rp::SumOp()) >= top_k) kth = cand;
+        __shared__ int hist[256];
+        __shared__ int digit_above[2];
+        unsigned fixed_mask = 0u;
+        int wanted = top_k;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int b = tid; b < 256; b += nt) hist[b] = 0;
+            __syncthreads();
+            for (int i = tid; i < vocab; i += nt) {
+                const unsigned key = rp::ordered_key(rp::to_float<T>(x[i]));
+                if ((key & fixed_mask) == kth) atomicAdd(&hist[(key >> shift) & 255u], 1);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                int above = 0;
+                int d = 255;
+                for (; d > 0 && above + hist[d] < wanted; --d) above += hist[d];
+                digit_above[0] = d;
+                digit_above[1] = above;
+            }
+            __syncthreads();
+            kth |= (unsigned)digit_above[0] << shift;
+            fixed_mask |= 255u << shift;
+            wanted -= digit_above[1];
         }
     }
 

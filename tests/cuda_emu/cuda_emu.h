@@ -270,6 +270,8 @@ inline float __uint_as_float(unsigned u) {
     std::memcpy(&x, &u, sizeof x);
     return x;
 }
+// The block's threads are real threads: atomics are the compiler's (returns the old value, as CUDA's).
+inline int atomicAdd(int* address, int v) { return __atomic_fetch_add(address, v, __ATOMIC_RELAXED); }
 
 // C entry points for ctypes (defined in exactly one translation unit of the library).
 #ifdef EMU_DEFINE_API
