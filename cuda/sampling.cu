@@ -21,7 +21,8 @@
 // logits: [num_rows, vocab] of T, row stride logits_stride (elements).
 // sample_ints: int32 [num_samples, 2] = (logits row, top_k; top_k <= 0 or >= vocab keeps all).
 // sample_floats: float32 [num_samples, 4] = (temperature, top_p, min_p, uniform).
-// probs: float32 [num_samples, vocab] workspace. out_ids: int32 [num_samples].
+// probs: float32 [num_samples, vocab] workspace, unused (may be null) with stage_in_smem, where the launch
+// gives vocab floats of dynamic shared memory instead. out_ids: int32 [num_samples].
 #include "common.cuh"
 
 namespace rp {
@@ -92,7 +93,7 @@ template <typename T>
 __global__ void __launch_bounds__(512, 1) sample_kernel(int* __restrict__ out_ids, const T* __restrict__ logits,
                                                       long long logits_stride, const int* __restrict__ sample_ints,
                                                       const float* __restrict__ sample_floats,
-                                                      float* __restrict__ probs, int vocab) {
+                                                      float* __restrict__ probs, int vocab, int stage_in_smem) {
     __shared__ float fscratch[32];
     __shared__ int iscratch[32];
     const int s = blockIdx.x;
@@ -104,7 +105,10 @@ __global__ void __launch_bounds__(512, 1) sample_kernel(int* __restrict__ out_id
     const float top_p = sample_floats[4 * s + 1];
     const float min_p = sample_floats[4 * s + 2];
     const float uniform = sample_floats[4 * s + 3];
-    float* __restrict__ p = probs + (rp::i64)s * vocab;
+    // p: the tempered probabilities, in dynamic shared memory when the row fits (the top-p bisection reads
+    // them 32 times), else in the global workspace
+    RP_DYNAMIC_SMEM(p_smem);
+    float* __restrict__ p = stage_in_smem ? p_smem : probs + (rp::i64)s * vocab;
 
     // Largest logit and its first index (the greedy answer).
     float best = rp::NEG_BIG;

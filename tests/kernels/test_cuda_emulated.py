@@ -427,23 +427,28 @@ def test_dense_layers_half_precision(emu, act):
 
 
 # ------------------------------------------------------------------------------------------ sampling
+@pytest.mark.parametrize("staged", [True, False], ids=["smem", "global"])
 @pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("vocab", [1, 37, 1000, 5003])
-def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab):
+def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab, staged):
     """Greedy, temperature, top-k, top-p, min-p and their combinations; one row of integer logits (ties at
     every threshold); bf16 rows are full of ties too. Exact ids wherever the reference is not on a
-    rounding boundary, and those must be the large majority."""
+    rounding boundary, and those must be the large majority. Probabilities staged in shared memory (a
+    row fits) and in the global workspace (a device with less shared memory than a row needs)."""
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
     logits[2] = np.round(logits[2])
     logits = logits.astype(act)
     args = sample_args(3, SAMPLE_CASES, rng)
     be = backend(emu)
+    if not staged:
+        be.max_smem_optin = 4 * vocab - 4
     emu.launches.clear()
     got = be.sample(dev(logits), **args)
     assert [n for n, *_ in emu.launches] == [
         f"sample_kernel<{src.F32 if act == np.float32 else src.F16 if act == F16 else src.BF16}>"
     ]
+    assert emu.launches[0][3] == (4 * vocab if staged else 0)
     assert got.dtype == np.int64 and ((got >= 0) & (got < vocab)).all()
     assert_draws_match(got, logits.astype(np.float32), args, min_stable=0.9)
     greedy = args["temperature"] == 0
