@@ -98,16 +98,16 @@ class DecodeInputBuffers:
         if not n <= bucket <= self.max_batch_size:
             raise ValueError(f"{n} sequences do not fit a bucket of {bucket} (max {self.max_batch_size})")
         ids, positions, slots, ctx, tables = self.host_views
+        pos = [seq.num_computed_tokens for seq in seqs]
+        positions[:n] = pos
+        ids[:n] = [seq.token_at(p) for seq, p in zip(seqs, pos)]
+        slots[:n] = [seq.block_table.slots(p, p + 1)[0] for seq, p in zip(seqs, pos)]
+        ctx[:n] = [seq.num_tokens for seq in seqs]
         for row, seq in enumerate(seqs):
-            p = seq.num_computed_tokens
             block_ids = seq.block_table.block_ids
             width = len(block_ids)
             if width > self.max_blocks_per_seq:
                 raise ValueError(f"a block table of {width} blocks exceeds the width {self.max_blocks_per_seq}")
-            ids[row] = seq.token_at(p)
-            positions[row] = p
-            slots[row] = seq.block_table.slots(p, p + 1)[0]
-            ctx[row] = seq.num_tokens
             tables[row, :width] = block_ids
             if self._row_width[row] > width:
                 tables[row, width : self._row_width[row]] = 0

@@ -4,12 +4,16 @@ copy-on-write block copies, the model, the LM head and the sampling kernel. Owns
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from rawpaged.core.scheduler import SchedulerOutput
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
 from rawpaged.model_executor.sampler import sampling_arrays
+
+logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -63,6 +67,11 @@ class ModelRunner:
             )
             if be.supports_cuda_graphs:
                 self.cuda_graph.capture_all()
+            else:
+                logger.info(
+                    "the %s backend has no CUDA graphs: decode steps run on static buffers, kernel by kernel",
+                    be.name,
+                )
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
