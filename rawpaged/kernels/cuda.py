@@ -300,6 +300,7 @@ class CudaBackend:
             raise RuntimeError("CUDA graphs need a GPU: this backend emulates its kernels")
         xp = self.xp
         if self._graph_state is None:
+            xp.cuda.device.get_cublas_handle()  # CuPy loads libcublas; load_library finds it in the process
             stream = xp.cuda.Stream(non_blocking=True)
             pool = xp.cuda.MemoryPool()
             workspace = xp.empty(cublas.WORKSPACE_BYTES, dtype=np.uint8)

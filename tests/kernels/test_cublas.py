@@ -176,6 +176,7 @@ class _FakeCuda:
 class _FakeCupy:
     def __init__(self):
         self.cuda = _FakeCuda()
+        self.cuda.device = type("Device", (), {"get_cublas_handle": staticmethod(lambda: 1)})()
 
     def empty(self, n, dtype):
         return np.empty(n, dtype)  # the cuBLAS workspace
