@@ -49,15 +49,15 @@ class EngineConfig:
     """run every step kernel by kernel; --no-enforce-eager runs decode steps of up to max_num_seqs
     sequences on static input buffers, replayed on CUDA as graphs captured per batch size (padded to
     1, 2, 4, 8, 16, 24, ...). Eager is the default until graphs have run on a GPU; the CPU has no
-    graphs and runs the static-buffer path kernel by kernel"""
+    graphs and runs the static-buffer path kernel by kernel (padding only costs time there)"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of identical prompt prefixes across requests"""
     seed: int = 0
     """seed of the generator for requests that give none"""
     quantization: Quantization | None = None
     """weights: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1 blocks (the default for GGUF files; other types
-    are dequantized); q8_0 quantizes a safetensors checkpoint on load. The CPU computes on the blocks;
-    CUDA dequantizes them for now"""
+    are dequantized); q8_0 quantizes a safetensors checkpoint on load. Both backends compute on the
+    blocks (CUDA: cuda/quant.cu)"""
 
     def __post_init__(self):
         if self.device not in Device.__args__:

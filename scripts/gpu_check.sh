@@ -12,7 +12,8 @@
 # then prints the benchmark table and a PASS/FAIL summary last.
 #
 # Usage: scripts/gpu_check.sh [--out DIR] [--quick] [--collect-only]      (default DIR: gpu_check_out)
-#   --collect-only: only collect the CUDA tests (no GPU needed; CI runs it without gguf/openai)
+#   --collect-only: only collect the CUDA tests (no GPU needed, pytest is: pip install -e ".[test]"; CI runs it
+#                   without gguf/openai)
 # Needs: python3 with cupy-cuda12x or cupy-cuda13x, numpy, numba, ml_dtypes, pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,6 @@ while [ $# -gt 0 ]; do
         *) echo "usage: $0 [--out DIR] [--quick] [--collect-only]" >&2; exit 2 ;;
     esac
 done
-mkdir -p "$OUT_DIR"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export RAWPAGED_REQUIRE_CUDA=1  # tests/kernels/test_cuda_gpu.py fails instead of skipping without a GPU
@@ -41,6 +41,7 @@ if [ "$COLLECT_ONLY" = 1 ]; then
     RAWPAGED_REQUIRE_CUDA=0 $PY -m pytest -m cuda --collect-only -q -p no:cacheprovider "${CUDA_TEST_FILES[@]}"
     exit $?
 fi
+mkdir -p "$OUT_DIR"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT_DIR/env.txt"

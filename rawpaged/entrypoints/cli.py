@@ -169,7 +169,8 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer <key>' on every route except /health and /metrics",
+        help="require 'Authorization: Bearer <key>' on every route except /health, /metrics and the "
+        "playground page (/ and /static/)",
     )
     p.add_argument(
         "--max-tokens-limit",

@@ -328,7 +328,8 @@ def paged_attention(
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         context_lens: int32 ``[num_seqs]``, tokens of K/V to attend (including the current one).
         scale: softmax scale, usually ``head_dim ** -0.5``.
-        max_context_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
+        max_context_len: an upper bound on ``context_lens`` (as the CUDA backend takes it); with the
+            batch's size it picks the serial or the thread-parallel kernel.
         sliding_window: W or None; with W the query sees only the last W positions (itself and the
             W - 1 before it, as HF's Mistral), and blocks wholly before them are not read.
     Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``

@@ -158,9 +158,10 @@ class CUDAGraphRunner:
     def max_batch_size(self) -> int:
         return self.capture_sizes[-1]
 
-    def forward(self, bucket: int):
+    def forward(self, bucket: int, max_context_len: int | None = None):
         """The decode forward of the first ``bucket`` rows of the device buffers: float32 logits
-        ``[bucket, vocab]``. What a graph captures."""
+        ``[bucket, vocab]``. What a graph captures, with decode attention sized for ``max_model_len``
+        (a step run without a graph passes its own longest context instead)."""
         b = self.buffers
         attn = AttentionMetadata(
             slot_mapping=b.slot_mapping[:bucket],
@@ -171,7 +172,7 @@ class CUDAGraphRunner:
             query_start_loc=self._query_start_loc,
             prefill_seq_lens=self._no_prefill_lens,
             max_query_len=0,
-            max_context_len=self.max_model_len,
+            max_context_len=self.max_model_len if max_context_len is None else max_context_len,
         )
         hidden = self.model.forward(
             b.input_ids[:bucket], b.positions[:bucket], attn, self.key_caches, self.value_caches
@@ -201,7 +202,7 @@ class CUDAGraphRunner:
         self.num_steps[bucket] += 1
         graph = self.graphs.get(bucket)
         if graph is None:
-            return self.forward(bucket)[: len(seqs)]
+            return self.forward(bucket, max(seq.num_tokens for seq in seqs))[: len(seqs)]
         replay, logits = graph
         replay()
         return logits[: len(seqs)]

@@ -921,12 +921,13 @@ def test_tsan_replay_detects_a_missing_syncthreads(tmp_path):
 
 
 def test_static_decode_path_on_emulated_cuda_matches_the_eager_cpu_engine(emu, tmp_path, monkeypatch):
-    """``enforce_eager=False`` on the CUDA kernels (the emulation captures no graph, so each step runs the
-    graph's forward on the static buffers): padded rows with context 0 and slot -1, decode attention
-    sized for max_model_len (more flash-decoding partitions than the contexts fill), block tables as wide
-    as max_model_len. Greedy and sampled ids equal the eager CPU engine's, float32."""
+    """``enforce_eager=False`` on the CUDA kernels, with a stand-in capture (a replay reruns the captured
+    forward into the captured output): padded rows with context 0 and slot -1, decode attention sized for
+    max_model_len as a graph captures it (more flash-decoding partitions than the contexts fill), block
+    tables as wide as max_model_len. Greedy and sampled ids equal the eager CPU engine's, float32."""
     from rawpaged import LLM, SamplingParams
     from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.kernels.cuda import CudaBackend
     from rawpaged.random_model import write_random_model
 
     model = write_random_model(
@@ -946,7 +947,19 @@ def test_static_decode_path_on_emulated_cuda_matches_the_eager_cpu_engine(emu, t
 
     ref = run(LLM(device="cpu", **kw))
     monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+
+    def capture_graph(self, fn):
+        output = fn()
+
+        def replay():
+            output[...] = fn()
+
+        return replay, output
+
+    monkeypatch.setattr(CudaBackend, "supports_cuda_graphs", True)
+    monkeypatch.setattr(CudaBackend, "capture_graph", capture_graph)
     gpu = LLM(device="cuda", dtype="float32", enforce_eager=False, **kw)
+    assert sorted(gpu.engine.runner.cuda_graph.graphs) == [1, 2, 4, 6]
     emu.launches.clear()
     assert run(gpu) == ref
     steps = gpu.engine.runner.cuda_graph.num_steps

@@ -135,10 +135,11 @@ def test_decode_steps_read_their_inputs_at_fixed_addresses(tiny_dir):
     """What a replayed graph relies on: every static decode step of a bucket reads the same arrays."""
     llm = tiny_engine(tiny_dir, enforce_eager=False, max_num_seqs=4)
     model = llm.engine.model
-    seen = []
+    seen, max_context = [], []
     forward = model.forward
 
     def recording(input_ids, positions, attn, kc, vc):
+        max_context.append(attn.max_context_len)
         seen.append(
             (
                 len(input_ids),
@@ -157,6 +158,8 @@ def test_decode_steps_read_their_inputs_at_fixed_addresses(tiny_dir):
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     decode_steps = [s for s in seen[1:] if s[0] == 4]  # the first forward is the prefill
     assert len(decode_steps) == 5 and len(set(decode_steps)) == 1 and decode_steps[0][-1]
+    # without a graph, attention is sized for the step's longest context (4..8 tokens), not max_model_len
+    assert max_context[1:] == [4, 5, 6, 7, 8]
 
 
 class _CapturingCPU(CPUBackend):
