@@ -107,6 +107,19 @@ def _row_stride(a, what: str, inner_dims: int) -> int:
     return a.strides[0] // item if a.shape[0] > 1 else int(np.prod(a.shape[1:]))
 
 
+def _check_cache_write(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Raises ValueError unless K/V rows ``[num_tokens, num_kv_heads, head_dim]`` of one dtype fit C-contiguous
+    caches of one shape and dtype, with one ``slot_mapping`` entry per token."""
+    if key.shape != value.shape or key.dtype != value.dtype or key.shape[1:] != key_cache.shape[2:]:
+        raise ValueError(f"key {key.shape} / value {value.shape} do not match cache {key_cache.shape}")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
+        raise ValueError("KV caches must be C-contiguous")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
 def _host_byte_copy(dst, host) -> None:
     """``copy_to_device`` for array modules whose arrays live on the host (the emulation tests)."""
     dst.reshape(-1).view(np.uint8)[...] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
@@ -376,14 +389,7 @@ class CudaBackend:
         ``[num_tokens]``, ``-1`` skips a token.
         """
         act, cache = _ctype(key, "key"), _ctype(key_cache, "key_cache")
-        if key.shape != value.shape or key.dtype != value.dtype or key.shape[1:] != key_cache.shape[2:]:
-            raise ValueError(f"key {key.shape} / value {value.shape} do not match cache {key_cache.shape}")
-        if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
-            raise ValueError("key_cache and value_cache must have the same shape and dtype")
-        if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
-            raise ValueError("KV caches must be C-contiguous")
-        if slot_mapping.shape[0] != key.shape[0]:
-            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
         num_tokens, num_kv_heads, head_dim = key.shape
         if num_tokens == 0:
             return
@@ -417,16 +423,9 @@ class CudaBackend:
         and value are only read (key is not rotated in place, unlike the CPU's composition). Arguments as
         those two methods take them; ``-1`` slots rotate the query only."""
         act, cache = _ctype(key, "key"), _ctype(key_cache, "key_cache")
-        if query.dtype != key.dtype or key.shape != value.shape or key.dtype != value.dtype:
-            raise ValueError(f"query {query.dtype}, key {key.shape}/{key.dtype}, value {value.shape}/{value.dtype}")
-        if key.shape[1:] != key_cache.shape[2:] or query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
-            raise ValueError(f"query {query.shape} / key {key.shape} do not match cache {key_cache.shape}")
-        if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
-            raise ValueError("key_cache and value_cache must have the same shape and dtype")
-        if not (key_cache.flags.c_contiguous and value_cache.flags.c_contiguous):
-            raise ValueError("KV caches must be C-contiguous")
-        if slot_mapping.shape[0] != key.shape[0]:
-            raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+        if query.dtype != key.dtype or query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
+            raise ValueError(f"query {query.shape}/{query.dtype} and key {key.shape}/{key.dtype} disagree")
         num_tokens, num_heads, head_dim = query.shape
         if cos_sin_cache.dtype != np.float32 or cos_sin_cache.shape[-1] != head_dim:
             raise ValueError("cos_sin_cache must be float32 [max_position, head_dim]")
