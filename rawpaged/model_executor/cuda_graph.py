@@ -54,9 +54,10 @@ class DecodeInputBuffers:
     the same layout, filled per step and copied with one upload.
 
     Layout: int64 ``input_ids``, ``positions``, ``slot_mapping`` (``[max_batch_size]`` each), then int32
-    ``context_lens [max_batch_size]`` and ``block_tables [max_batch_size, max_blocks_per_seq]``. The
-    device attributes of the same names are views of the device buffer; ``[:bucket]`` slices of them are
-    a step's inputs. Initially every row is padding.
+    ``context_lens [max_batch_size]`` and ``block_tables [max_batch_size, max_blocks_per_seq]``, last, so
+    that a step of ``bucket`` rows needs only the buffer's first :meth:`used_bytes` (the block tables are
+    most of it: 256 rows x 512 blocks are 512 KiB). The device attributes of the same names are views of
+    the device buffer; ``[:bucket]`` slices of them are a step's inputs. Initially every row is padding.
 
     Args:
         backend: provides ``zeros`` and ``upload``.
@@ -73,7 +74,8 @@ class DecodeInputBuffers:
         self.max_batch_size = B = max_batch_size
         self.max_blocks_per_seq = W = max_blocks_per_seq
         i64_bytes = 3 * B * 8
-        self.nbytes = i64_bytes + (B + B * W) * 4
+        self._tables_offset = i64_bytes + B * 4
+        self.nbytes = self._tables_offset + B * W * 4
         self.host = np.zeros(self.nbytes, np.uint8)
         self.device = backend.zeros((self.nbytes,), np.uint8)
         self.host_views = self._views(self.host, i64_bytes)
@@ -121,9 +123,15 @@ class DecodeInputBuffers:
                 tables[row, : self._row_width[row]] = 0
                 self._row_width[row] = 0
 
-    def upload(self) -> None:
-        """Copy the whole host buffer to the device buffer (one copy, on the current stream)."""
-        self.backend.upload(self.device, self.host)
+    def used_bytes(self, bucket: int) -> int:
+        """Bytes at the start of the buffer that hold everything rows ``0 .. bucket-1`` read."""
+        return self._tables_offset + bucket * self.max_blocks_per_seq * 4
+
+    def upload(self, bucket: int | None = None) -> None:
+        """Copy the host buffer's first :meth:`used_bytes` (all of it without ``bucket``) to the device
+        buffer: one copy, on the current stream."""
+        n = self.nbytes if bucket is None else self.used_bytes(bucket)
+        self.backend.upload(self.device[:n], self.host[:n])
 
 
 class CUDAGraphRunner:
@@ -198,7 +206,7 @@ class CUDAGraphRunner:
         if bucket is None or not seqs:
             raise ValueError(f"{len(seqs)} sequences: the static decode path takes 1 to {self.max_batch_size}")
         self.buffers.fill(seqs, bucket)
-        self.buffers.upload()
+        self.buffers.upload(bucket)
         self.num_steps[bucket] += 1
         graph = self.graphs.get(bucket)
         if graph is None:

@@ -73,9 +73,13 @@ def test_buffers_start_as_padding_and_fill_rows_then_padding():
     np.testing.assert_array_equal(slots[:4], [9 * 4 + 0, 2 * 4 + 0, 8 * 4 + 3, -1])
     np.testing.assert_array_equal(ctx[:4], [9, 1, 16, 0])
     np.testing.assert_array_equal(tables[:4], [[7, 3, 9, 0, 0], [2, 0, 0, 0, 0], [1, 4, 6, 8, 0], [0] * 5])
-    bufs.upload()
-    np.testing.assert_array_equal(bufs.device, bufs.host)
+    bufs.upload(4)
+    used = bufs.used_bytes(4)
+    np.testing.assert_array_equal(bufs.device[:used], bufs.host[:used])
     np.testing.assert_array_equal(bufs.block_tables[:4], tables[:4])  # the device views see the upload
+    np.testing.assert_array_equal(bufs.block_tables[4:], 0)  # rows past the bucket were not copied
+    np.testing.assert_array_equal(ids[:4], bufs.input_ids[:4])
+    np.testing.assert_array_equal(ctx[:4], bufs.context_lens[:4])
 
 
 def test_a_smaller_step_clears_what_the_larger_one_left():
