@@ -26,8 +26,9 @@ def sliding_window_arg(sliding_window) -> int:
 def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
     """``block_mapping`` as int64 ``[n, 2]`` ``(src, dst)`` pairs, checked on the host before a copy:
     ids in ``[0, num_blocks)``, every dst distinct and none also a src of the same call (the kernels copy
-    the pairs concurrently, so a chain or two writes to one block would race; copy-on-write targets are
-    always fresh blocks).
+    the pairs concurrently, so a chain or two writes to one block would race). A step's copy-on-write
+    list can break the last two rules (a source freed and allocated again as another copy's target):
+    :func:`split_block_mapping` cuts it into calls that keep them.
 
     Raises:
         ValueError: a pair breaking one of those rules (naming it).
@@ -42,6 +43,24 @@ def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
     if both.size:
         raise ValueError(f"block_mapping: block {int(both[0])} is both a source and a destination")
     return m
+
+
+def split_block_mapping(block_mapping) -> list:
+    """``(src, dst)`` pairs, to be copied in their order, as consecutive int64 ``[k, 2]`` groups that
+    ``copy_blocks`` may copy concurrently: a new group starts at a pair that reads a block the group
+    writes, or writes a block the group reads or writes. Copying the groups one after another gives the
+    in-order result."""
+    groups, current, reads, writes = [], [], set(), set()
+    for src, dst in np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2).tolist():
+        if src in writes or dst in reads or dst in writes:
+            groups.append(np.array(current, dtype=np.int64))
+            current, reads, writes = [], set(), set()
+        current.append((src, dst))
+        reads.add(src)
+        writes.add(dst)
+    if current:
+        groups.append(np.array(current, dtype=np.int64))
+    return groups
 
 
 @runtime_checkable

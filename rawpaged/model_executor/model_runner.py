@@ -9,6 +9,7 @@ import logging
 import numpy as np
 
 from rawpaged.core.scheduler import SchedulerOutput
+from rawpaged.kernels.backend import split_block_mapping
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
 from rawpaged.model_executor.sampler import sampling_arrays
@@ -82,10 +83,8 @@ class ModelRunner:
         """
         be = self.backend
         scheduled = scheduler_output.scheduled
-        if scheduler_output.blocks_to_copy:
-            be.copy_blocks(
-                self.key_caches, self.value_caches, np.asarray(scheduler_output.blocks_to_copy, dtype=np.int64)
-            )
+        for group in split_block_mapping(scheduler_output.blocks_to_copy):
+            be.copy_blocks(self.key_caches, self.value_caches, group)
         decodes, prefills = [], []
         for s, n in scheduled:  # a decode computes exactly the last token
             (decodes if n == 1 and s.num_computed_tokens == s.num_tokens - 1 else prefills).append((s, n))

@@ -83,3 +83,36 @@ def test_cuda_kv_cache_budget_frees_cupys_cache_first_and_keeps_headroom():
     assert pool.cached == 0
     assert budget == int(0.9 * total) - weights - cuda.ACTIVATION_HEADROOM_BYTES
     assert cuda.CudaBackend.default_kv_cache_memory(be, 0.0) == 0
+
+
+def test_split_block_mapping_keeps_order_where_pairs_would_race():
+    from rawpaged.kernels.backend import check_block_mapping, split_block_mapping
+
+    def groups(pairs):
+        return [g.tolist() for g in split_block_mapping(pairs)]
+
+    assert groups([]) == []
+    assert groups([(1, 2), (3, 4), (5, 6)]) == [[[1, 2], [3, 4], [5, 6]]]  # independent: one call
+    # a COW source freed and allocated again as a later copy's target: read it before it is overwritten
+    assert groups([(12, 13), (5, 12)]) == [[[12, 13]], [[5, 12]]]
+    assert groups([(1, 2), (2, 3)]) == [[[1, 2]], [[2, 3]]]  # a chain: 2 is written before it is read
+    assert groups([(1, 2), (3, 2), (4, 5)]) == [[[1, 2]], [[3, 2], [4, 5]]]  # two writes to 2: in order
+    for g in split_block_mapping([(12, 13), (5, 12), (7, 8), (13, 7)]):
+        check_block_mapping(g, 16)  # every group passes the kernels' rule
+
+
+def test_copy_in_groups_equals_copying_in_order():
+    from rawpaged.kernels import cpu
+    from rawpaged.kernels.backend import split_block_mapping
+
+    rng = np.random.default_rng(0)
+    caches = [rng.standard_normal((16, 4, 2, 8)).astype(np.float32) for _ in range(4)]
+    pairs = [(12, 13), (5, 12), (13, 7), (7, 3), (1, 2), (3, 2)]
+    expected = [c.copy() for c in caches]
+    for src, dst in pairs:  # one at a time, in order
+        for c in expected:
+            c[dst] = c[src]
+    for group in split_block_mapping(pairs):
+        cpu.copy_blocks(caches[:2], caches[2:], group)
+    for got, want in zip(caches, expected):
+        np.testing.assert_array_equal(got, want)
