@@ -120,6 +120,15 @@ def _check_cache_write(key, value, key_cache, value_cache, slot_mapping) -> None
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
 
 
+def _check_rope(query, key, cos_sin_cache) -> None:
+    """Raises ValueError unless query ``[T, H, D]`` and key ``[T, Hkv, D]`` share T, D and dtype and
+    ``cos_sin_cache`` is float32 ``[max_position, D]``."""
+    if key.dtype != query.dtype or key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
+        raise ValueError(f"query {query.shape}/{query.dtype} and key {key.shape}/{key.dtype} disagree")
+    if cos_sin_cache.dtype != np.float32 or cos_sin_cache.shape[-1] != query.shape[2]:
+        raise ValueError("cos_sin_cache must be float32 [max_position, head_dim]")
+
+
 def _host_byte_copy(dst, host) -> None:
     """``copy_to_device`` for array modules whose arrays live on the host (the emulation tests)."""
     dst.reshape(-1).view(np.uint8)[...] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
@@ -424,11 +433,8 @@ class CudaBackend:
         those two methods take them; ``-1`` slots rotate the query only."""
         act, cache = _ctype(key, "key"), _ctype(key_cache, "key_cache")
         _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
-        if query.dtype != key.dtype or query.shape[0] != key.shape[0] or query.shape[2] != key.shape[2]:
-            raise ValueError(f"query {query.shape}/{query.dtype} and key {key.shape}/{key.dtype} disagree")
+        _check_rope(query, key, cos_sin_cache)
         num_tokens, num_heads, head_dim = query.shape
-        if cos_sin_cache.dtype != np.float32 or cos_sin_cache.shape[-1] != head_dim:
-            raise ValueError("cos_sin_cache must be float32 [max_position, head_dim]")
         if num_tokens == 0:
             return
         num_kv_heads = key.shape[1]
@@ -699,11 +705,8 @@ class CudaBackend:
         ``[num_tokens]``; query ``[num_tokens, num_heads, head_dim]``, key ``[num_tokens, num_kv_heads,
         head_dim]`` (token strides free); cos_sin_cache float32 ``[max_position, head_dim]``."""
         act = _ctype(query, "query")
-        if key.dtype != query.dtype or key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
-            raise ValueError(f"query {query.shape}/{query.dtype} and key {key.shape}/{key.dtype} disagree")
+        _check_rope(query, key, cos_sin_cache)
         num_tokens, num_heads, head_dim = query.shape
-        if cos_sin_cache.dtype != np.float32 or cos_sin_cache.shape[-1] != head_dim:
-            raise ValueError("cos_sin_cache must be float32 [max_position, head_dim]")
         if num_tokens == 0:
             return
         pos = self._dev(positions, np.int64)
