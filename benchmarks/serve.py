@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -366,6 +367,12 @@ def print_compare(rows: list) -> str:
     return text
 
 
+def compare_server_args(server_args: str, model: str, max_num_seqs: int) -> list:
+    """Our server's arguments in a comparison: ``server_args`` (one string) first, then the model, the
+    CPU and ``--max-num-seqs``, which win over anything ``server_args`` says for them."""
+    return shlex.split(server_args) + ["--model", model, "--device", "cpu", "--max-num-seqs", str(max_num_seqs)]
+
+
 def compare_with_llama_server(args) -> int:
     """Both servers on the same weights, the same client and levels. Both are started first; each level
     then runs ``--compare-rounds`` times on each, alternating which goes first (ABBA), and a server's row
@@ -382,7 +389,7 @@ def compare_with_llama_server(args) -> int:
         ours_model = str(gguf)
     parallel = max(args.concurrency)
     env = bench_env()
-    ours_args = ["--model", ours_model, "--device", "cpu", "--max-num-seqs", str(max(64, parallel))]
+    ours_args = compare_server_args(args.server_args, ours_model, max(64, parallel))
     names = ("rawpaged", "llama_server")
     procs, urls, logs = {}, {}, {}
     try:
@@ -451,7 +458,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="start `python server.py` on a free port for the run (ignores --base-url)",
     )
-    p.add_argument("--server-args", default="--device auto", help="extra arguments for the started server, one string")
+    p.add_argument(
+        "--server-args",
+        default="--device auto",
+        help="extra arguments for the started server, one string (with --compare-llama-server: for ours, "
+        "placed before the comparison's --model/--device cpu/--max-num-seqs, which win)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to send (default: the server's /v1/models)")
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
@@ -509,8 +521,6 @@ def main(argv=None) -> int:
     proc = None
     server_log = None
     if args.start_server:
-        import shlex
-
         extra = shlex.split(args.server_args) + (["--api-key", args.api_key] if args.api_key else [])
         proc, base_url, server_log = start_server(extra, timeout=600)
     else:

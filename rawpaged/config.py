@@ -50,6 +50,10 @@ class EngineConfig:
     sequences on static input buffers, replayed on CUDA as graphs captured per batch size (padded to
     1, 2, 4, 8, 16, 24, ...). Eager is the default until graphs have run on a GPU; the CPU has no
     graphs and runs the static-buffer path kernel by kernel (padding only costs time there)"""
+    fused_decode: bool = True
+    """CPU: run the decoder layers of each pure-decode step of up to 128 sequences in one compiled call
+    (the same kernels and results as op by op, without a Python call per op); --no-fused-decode runs
+    them op by op. No effect on CUDA"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of identical prompt prefixes across requests"""
     seed: int = 0

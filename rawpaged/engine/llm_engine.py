@@ -90,6 +90,7 @@ class LLMEngine:
             config.block_size,
             kv_dtype,
             enforce_eager=config.enforce_eager,
+            fused_decode=config.fused_decode,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )

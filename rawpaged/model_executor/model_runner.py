@@ -10,6 +10,7 @@ import numpy as np
 
 from rawpaged.core.scheduler import SchedulerOutput
 from rawpaged.kernels.backend import split_block_mapping
+from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
 from rawpaged.model_executor.sampler import sampling_arrays
@@ -33,6 +34,10 @@ class ModelRunner:
             ``max_num_seqs`` sequences run on static input buffers (``cuda_graph``), replayed as CUDA
             graphs captured here on a backend that has them (``backend.supports_cuda_graphs``).
         max_num_seqs, max_model_len: size the static decode buffers (needed unless ``enforce_eager``).
+        fused_decode: on the CPU backend, run the layers of pure-decode steps (up to
+            ``cpu_gemm.SMALL_M`` rows) in one compiled call (``cpu_fused_decode``; the same kernels and
+            results as op by op, without the per-op dispatch). Ignored on other backends; the static
+            decode path, when enabled, takes the steps it covers first.
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class ModelRunner:
         enforce_eager: bool = True,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
+        fused_decode: bool = True,
     ):
         self.model = model
         self.backend = model.backend
@@ -54,6 +60,9 @@ class ModelRunner:
         be = self.backend
         self.key_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
         self.value_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.fused_decode = (
+            CPUFusedDecode(model, self.key_caches, self.value_caches) if fused_decode and be.name == "cpu" else None
+        )
         self.cuda_graph = None
         if not enforce_eager:
             if max_num_seqs is None or max_model_len is None:
@@ -120,13 +129,13 @@ class ModelRunner:
             max_query_len=max((n for _, n in prefills), default=0),
             max_context_len=max((s.num_tokens for s, _ in decodes), default=0),
         )
-        hidden = self.model.forward(
-            be.asarray(np.array(ids, dtype=np.int64)),
-            be.asarray(np.array(positions, dtype=np.int64)),
-            attn,
-            self.key_caches,
-            self.value_caches,
-        )
+        input_ids = be.asarray(np.array(ids, dtype=np.int64))
+        input_positions = be.asarray(np.array(positions, dtype=np.int64))
+        fused = self.fused_decode
+        if fused is not None and not prefills and fused.can_run(len(decodes)):
+            hidden = fused.forward(input_ids, input_positions, attn)
+        else:
+            hidden = self.model.forward(input_ids, input_positions, attn, self.key_caches, self.value_caches)
         # Row of each sequence's last new token; only sequences that reach their end sample.
         last_row, row = {}, 0
         for seq, n in ordered:

@@ -77,3 +77,12 @@ def test_comparison_ratios_favour_the_faster_server(capsys):
     assert rows[1]["failed"] == {"rawpaged": 1, "llama_server": 0}
     text = serve.print_compare(rows)
     assert "40.0/28.0 (0.7x)" in text and text.strip() == capsys.readouterr().out.strip()
+
+
+def test_compare_passes_server_args_but_keeps_its_own_device_and_model():
+    from rawpaged.entrypoints.cli import build_serve_parser
+
+    argv = serve.compare_server_args("--no-fused-decode --device cuda --block-size 8", "/m", 64)
+    parsed = build_serve_parser().parse_args(argv)
+    assert (parsed.fused_decode, parsed.block_size) == (False, 8)
+    assert (parsed.device, parsed.model, parsed.max_num_seqs) == ("cpu", "/m", 64)
