@@ -10,9 +10,14 @@ everything between them is one call.
 The compiled step calls the same kernels the backend's ops call (``cpu_gemm._gemv_nt``/``_gemm_nt``,
 ``cpu_quant``'s GEMVs and row products, ``cpu._rms_norm_rows``, ``_rotate_half``, the cache writes,
 ``_paged_attention_*``, ``_silu_and_mul_rows``) on the same inputs, in ``LlamaModel.forward``'s order,
-with the same serial/parallel choices, so its hidden states equal the op-by-op forward's bit for bit
-(tests/model_executor/test_cpu_fused_decode.py holds it to that). Each kernel with a parallel loop
-still forks and joins the thread pool as it does when called from Python.
+so its hidden states equal the op-by-op forward's bit for bit (tests/model_executor/test_cpu_fused_decode.py
+holds it to that). Each kernel with a parallel loop still forks and joins the thread pool as it does when
+called from Python.
+
+One choice differs: attention always takes the thread-parallel kernel (whose tasks compute exactly what
+the serial one does). Op by op, attention below ``cpu.PARALLEL_MIN_WORK`` runs serially because the
+products before it may be OpenBLAS's, whose spinning threads make waking Numba's pool cost more than
+the work; here every product is a Numba kernel, so the pool's threads are already awake.
 
 Weights and caches are handed over once, as ``numba.typed.List``s of the arrays the model already holds
 (no copy): a float32 linear weight as its ``[out, in]`` array, a quantized one as the tuple ``(format,
@@ -252,6 +257,8 @@ class CPUFusedDecode:
         self._eps = np.float32(cfg.rms_norm_eps)
         self._scale = np.float32(model.scale)
         self._window = sliding_window_arg(model.sliding_window)
+        #: attention takes the parallel kernel from this much work (query rows x positions; module docstring)
+        self.parallel_attention_min_work = 0
 
     def can_run(self, num_decodes: int) -> bool:
         """Whether a pure-decode step of ``num_decodes`` rows runs here."""
@@ -271,7 +278,7 @@ class CPUFusedDecode:
         out = np.empty_like(residual)
         num_kv_heads = cfg.num_key_value_heads
         context = int(attn.max_context_len) or attn.decode_block_tables.shape[1] * self._caches[0][0].shape[1]
-        parallel = M * cfg.num_attention_heads * context >= cpu.PARALLEL_MIN_WORK
+        parallel = M * cfg.num_attention_heads * context >= self.parallel_attention_min_work
         _decode_layers(
             residual,
             np.ascontiguousarray(positions, dtype=np.int64),
