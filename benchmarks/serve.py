@@ -389,7 +389,7 @@ def compare_with_llama_server(args) -> int:
         ours_model = str(gguf)
     parallel = max(args.concurrency)
     env = bench_env()
-    ours_args = compare_server_args(args.server_args, ours_model, max(64, parallel))
+    ours_args = compare_server_args(args.server_args or "", ours_model, max(64, parallel))
     names = ("rawpaged", "llama_server")
     procs, urls, logs = {}, {}, {}
     try:
@@ -460,9 +460,10 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--server-args",
-        default="--device auto",
-        help="extra arguments for the started server, one string (with --compare-llama-server: for ours, "
-        "placed before the comparison's --model/--device cpu/--max-num-seqs, which win)",
+        default=None,
+        help="extra arguments for the started server, one string (default: --device auto; with "
+        "--compare-llama-server: none, and what is given goes before the comparison's --model/--device "
+        "cpu/--max-num-seqs, which win)",
     )
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to send (default: the server's /v1/models)")
@@ -521,6 +522,7 @@ def main(argv=None) -> int:
     proc = None
     server_log = None
     if args.start_server:
+        args.server_args = args.server_args or "--device auto"
         extra = shlex.split(args.server_args) + (["--api-key", args.api_key] if args.api_key else [])
         proc, base_url, server_log = start_server(extra, timeout=600)
     else:
