@@ -1,0 +1,219 @@
+"""The CPU kernels composed into one compiled pass over a Llama-family model's decoder layers, for
+decode rows: what ``models.llama.LlamaModel.forward`` does op by op, in one Numba call
+(``model_executor.cpu_fused_decode`` runs pure-decode steps through it).
+
+It calls the kernels the backend's ops call (``cpu_gemm._gemv_nt``/``_gemm_nt``, ``cpu_quant``'s GEMVs
+and row products, ``cpu._rms_norm_rows``/``_add_rms_norm_rows``, ``_rotate_half``, the cache writes,
+``_paged_attention_*``, ``_silu_and_mul_rows``), on the same inputs and in the same order, so its hidden
+states equal the op-by-op forward's bit for bit. Activations are sized once per call; x rows are padded
+to a multiple of ``cpu_gemm.TILE_M`` (zero rows, as ``cpu_gemm.pad_rows`` pads them) for the products.
+
+Weights and caches come as ``numba.typed.List``s (one entry per layer) of the arrays the model holds:
+Numba compiles the pass once per combination of entry types (float32 or quantized per projection, float32
+or bf16 caches).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba import types as nb_types
+from numba.extending import overload
+
+from rawpaged.kernels import cpu, cpu_gemm, cpu_quant
+
+_JIT = dict(cache=True, nogil=True)
+
+
+def _linear(x, w, out, max_chunks):  # pragma: no cover - replaced by the overload inside compiled code
+    raise NotImplementedError
+
+
+@overload(_linear, jit_options=_JIT)
+def _linear_impl(x, w, out, max_chunks):
+    """``out [Mp, N] = x [Mp, K] @ W.T`` for a float32 ``W [N, K]`` or a quantized weight given as
+    ``(format, qs, scales, mins)``; rows as ``CPUBackend.linear`` takes them (GEMV for one row, else
+    x padded to a multiple of ``cpu_gemm.TILE_M`` rows; ``max_chunks`` as ``cpu_quant.quant_linear`` sizes
+    them: Numba's thread count read inside compiled code would keep it from being cached)."""
+    if isinstance(w, nb_types.Array):
+
+        def dense(x, w, out, max_chunks):
+            if x.shape[0] == 1:
+                cpu_gemm._gemv_nt(x[0], w, out[0])
+            else:
+                cpu_gemm._gemm_nt(x, w, out)
+
+        return dense
+
+    def quantized(x, w, out, max_chunks):
+        fmt, qs, scales, mins = w
+        if x.shape[0] == 1:
+            if fmt == 0:
+                cpu_quant._gemv_q8_0(x[0], qs, scales, out[0])
+            else:
+                cpu_quant._gemv_q4(x[0], qs, scales, mins, fmt == 2, out[0])
+            return
+        passes = -(-qs.shape[0] * cpu_quant.R // cpu_quant.ROWS_PER_PASS)
+        res = np.empty((x.shape[0], passes * cpu_quant.ROWS_PER_PASS), np.float32)
+        cpu_quant._gemm_rows(fmt, x, qs, scales, mins, res, max_chunks)
+        n = out.shape[1]
+        for r in range(x.shape[0]):
+            out[r, :] = res[r, :n]
+
+    return quantized
+
+
+def _write_kv(key, value, key_cache, value_cache, slot_mapping):  # pragma: no cover - see the overload
+    raise NotImplementedError
+
+
+@overload(_write_kv, jit_options=_JIT)
+def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping):
+    """``cpu.reshape_and_cache`` for float32 caches or bf16 caches seen as their uint16 bits."""
+    if key_cache.dtype == nb_types.uint16:
+
+        def bf16(key, value, key_cache, value_cache, slot_mapping):
+            key_bits, value_bits = key.view(np.uint32), value.view(np.uint32)
+            cpu._reshape_and_cache_bf16(key_bits, value_bits, key_cache, value_cache, slot_mapping)
+
+        return bf16
+
+    def f32(key, value, key_cache, value_cache, slot_mapping):
+        cpu._reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping)
+
+    return f32
+
+
+@nb.njit(**_JIT)
+def decode_layers(
+    residual,
+    positions,
+    slot_mapping,
+    block_tables,
+    context_lens,
+    key_caches,
+    value_caches,
+    input_norms,
+    post_norms,
+    qkv_proj,
+    qkv_bias,
+    q_norms,
+    k_norms,
+    o_proj,
+    gate_up_proj,
+    down_proj,
+    final_norm,
+    cos_sin_cache,
+    eps,
+    scale,
+    window,
+    num_heads,
+    intermediate_size,
+    attention_nkv,
+    parallel_attention,
+    max_chunks,
+    out,
+):
+    """The decoder layers of a Llama-family model for M decode rows, then the final norm.
+
+    Args:
+        residual: float32 ``[M, hidden]``, the token embeddings; updated in place (the residual stream).
+        positions: int64 ``[M]``; slot_mapping: int64 ``[M]``; block_tables: int32 ``[M, max_blocks]``;
+            context_lens: int32 ``[M]`` (as ``cpu.paged_attention`` takes them).
+        key_caches, value_caches: typed lists of each layer's cache (``cache_view``), written in place.
+        input_norms, post_norms: typed lists of float32 ``[hidden]``; final_norm: float32 ``[hidden]``.
+        qkv_proj, o_proj, gate_up_proj, down_proj: typed lists of ``linear_weight`` entries.
+        qkv_bias, q_norms, k_norms: typed lists, one per layer, or empty (no bias / no q-k norm).
+        cos_sin_cache: float32 ``[max_position, head_dim]``; eps, scale: float32; window: the attention
+            kernels' ``sliding_window`` argument (0: none); num_heads, intermediate_size: ints.
+        attention_nkv: KV heads per attention task (``cpu._kv_heads_per_task``); parallel_attention:
+            the thread-parallel attention kernel or the serial one (the same results).
+        max_chunks: chunks of the quantized row products (as ``cpu_quant.quant_linear`` sizes them).
+        out: float32 ``[M, hidden]``, written.
+    Math: ``models.llama.LlamaModel.forward``, step for step, on the kernels named in the module
+    docstring."""
+    M, H = residual.shape
+    Mp = 1 if M == 1 else -(-M // cpu_gemm.TILE_M) * cpu_gemm.TILE_M
+    num_kv_heads, head_dim = key_caches[0].shape[2], key_caches[0].shape[3]
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    has_bias = len(qkv_bias) == len(qkv_proj)
+    has_qk_norm = len(q_norms) == len(qkv_proj)
+    x = np.zeros((Mp, H), np.float32)  # padding rows stay zero through every product
+    h = np.zeros((Mp, H), np.float32)
+    qkv = np.zeros((Mp, q_dim + 2 * kv_dim), np.float32)
+    q = np.empty((M, num_heads, head_dim), np.float32)
+    k = np.empty((M, num_kv_heads, head_dim), np.float32)
+    v = np.empty((M, num_kv_heads, head_dim), np.float32)
+    att = np.empty((M, num_heads, head_dim), np.float32)
+    att_rows = np.zeros((Mp, q_dim), np.float32)
+    gate_up = np.zeros((Mp, 2 * intermediate_size), np.float32)
+    act = np.zeros((Mp, intermediate_size), np.float32)
+    q_rows, q_flat = q.reshape((M * num_heads, head_dim)), q.reshape(M * q_dim)
+    k_rows, k_flat, v_flat = k.reshape((M * num_kv_heads, head_dim)), k.reshape(M * kv_dim), v.reshape(M * kv_dim)
+    att_flat = att.reshape(M * q_dim)
+    for i in range(len(qkv_proj)):
+        if i == 0:
+            cpu._rms_norm_rows(residual, input_norms[i], eps, x)
+        else:
+            cpu._add_rms_norm_rows(h[:M], residual, input_norms[i], eps, x)
+        _linear(x, qkv_proj[i], qkv, max_chunks)
+        for r in range(M):
+            if has_bias:
+                row = qkv[r]
+                bias = qkv_bias[i]
+                for c in range(row.shape[0]):
+                    row[c] += bias[c]
+            for c in range(q_dim):
+                q_flat[r * q_dim + c] = qkv[r, c]
+            for c in range(kv_dim):
+                k_flat[r * kv_dim + c] = qkv[r, q_dim + c]
+                v_flat[r * kv_dim + c] = qkv[r, q_dim + kv_dim + c]
+        if has_qk_norm:
+            cpu._rms_norm_rows(q_rows, q_norms[i], eps, q_rows)
+            cpu._rms_norm_rows(k_rows, k_norms[i], eps, k_rows)
+        cpu._rotate_half(positions, q, cos_sin_cache)
+        cpu._rotate_half(positions, k, cos_sin_cache)
+        _write_kv(k, v, key_caches[i], value_caches[i], slot_mapping)
+        if parallel_attention:
+            cpu._paged_attention_parallel(
+                att, q, key_caches[i], value_caches[i], block_tables, context_lens, scale, attention_nkv, window
+            )
+        else:
+            cpu._paged_attention_serial(
+                att, q, key_caches[i], value_caches[i], block_tables, context_lens, scale, attention_nkv, window
+            )
+        for r in range(M):
+            for c in range(q_dim):
+                att_rows[r, c] = att_flat[r * q_dim + c]
+        _linear(att_rows, o_proj[i], h, max_chunks)
+        cpu._add_rms_norm_rows(h[:M], residual, post_norms[i], eps, x)
+        _linear(x, gate_up_proj[i], gate_up, max_chunks)
+        cpu._silu_and_mul_rows(gate_up, act)
+        _linear(act, down_proj[i], h, max_chunks)
+    cpu._add_rms_norm_rows(h[:M], residual, final_norm, eps, out)
+
+
+def linear_weight(w):
+    """A linear weight as ``decode_layers`` takes it: a float32 ``[out, in]`` array as it is, a
+    ``cpu_quant.RepackedQuantized`` as ``(format, qs, scales, mins)``."""
+    if isinstance(w, cpu_quant.RepackedQuantized):
+        qs, scales, mins = cpu_quant._planes(w)
+        return (cpu_quant._FMT[w.qtype], qs, scales, mins)
+    return w
+
+
+def cache_view(cache):
+    """A KV cache as ``decode_layers`` takes it: float32 as it is, bfloat16 as its uint16 bits (a view)."""
+    return cpu._cache_view(cache)[0]
+
+
+def attention_tasks(num_seqs: int, num_kv_heads: int) -> int:
+    """KV heads per attention task for ``decode_layers``' ``attention_nkv`` (as ``cpu.paged_attention``
+    picks them)."""
+    return cpu._kv_heads_per_task(num_seqs, num_kv_heads)
+
+
+def max_chunks() -> int:
+    """``decode_layers``' ``max_chunks``: what ``cpu_quant.quant_linear`` passes (Numba's thread count,
+    read here because reading it inside compiled code keeps the code from being cached)."""
+    return 4 * nb.get_num_threads()
