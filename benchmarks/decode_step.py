@@ -5,9 +5,9 @@ same engine run op by op, at a few batch sizes (the default model, float32 or it
 
 One engine; each round runs every batch size once fused and once op by op, alternating which goes first,
 so a change in the host's speed falls on both. A row reports the medians over the rounds of each step's
-median decode step (prompt steps excluded), the speed-up, the weight bytes a step streams per
-millisecond against the host's read bandwidth (``common.read_bandwidth``), and whether both paths gave
-the same tokens.
+median decode step (prompt steps excluded), the speed-up, the weight bytes a fused step streams per
+second and their share of the host's read bandwidth (``common.read_bandwidth``), and whether both paths
+gave the same tokens. Run it on an otherwise idle host: with other work on the cores the medians are noise.
 """
 
 from __future__ import annotations
@@ -93,11 +93,12 @@ def main(argv=None) -> int:
                 "fused_ms": fused_ms,
                 "speedup": op_ms / fused_ms,
                 "fused_GB_s": nbytes / fused_ms / 1e6,
+                "of_read_bandwidth": f"{nbytes / fused_ms * 1e3 / bandwidth:.0%}",
                 "same_tokens": same[batch],
             }
         )
     print(f"weights per step: {nbytes / 1e6:.0f} MB; read bandwidth: {bandwidth / 1e9:.1f} GB/s")
-    print_table(rows, ["batch", "op_by_op_ms", "fused_ms", "speedup", "fused_GB_s", "same_tokens"])
+    print_table(rows, ["batch", "op_by_op_ms", "fused_ms", "speedup", "fused_GB_s", "of_read_bandwidth", "same_tokens"])
     write_json(
         args.out,
         {
