@@ -66,11 +66,11 @@ class CPUFusedDecode:
         def weights(name):
             return _typed_list([cpu_decode.linear_weight(layer[name]) for layer in layers])
 
-        def optional(name):
+        def optional(name):  # every layer's, or an empty list for none; None (op by op) for some
             present = [layer[name] for layer in layers if layer[name] is not None]
-            if present:
-                return typed.List(present)
-            return typed.List.empty_list(nb.float32[::1])
+            if not present:
+                return typed.List.empty_list(nb.float32[::1])
+            return _typed_list(present) if len(present) == len(layers) else None
 
         self._weights = (
             typed.List([layer["input_layernorm"] for layer in layers]),

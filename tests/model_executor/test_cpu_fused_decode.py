@@ -142,3 +142,12 @@ def test_fused_decode_refuses_other_backends_and_prefill_rows(tiny_dir):
 def test_weights_of_different_types_are_not_fused():
     assert _typed_list([np.zeros((2, 2), np.float32)] * 3) is not None
     assert _typed_list([np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float64)]) is None
+
+
+def test_a_bias_in_some_layers_only_runs_op_by_op(variant_dirs):
+    llm = tiny_engine(variant_dirs["qwen2-bias"], fused_decode=False)
+    runner = llm.engine.runner
+    runner.model.layers[1]["qkv_bias"] = None
+    assert not CPUFusedDecode(runner.model, runner.key_caches, runner.value_caches).supported
+    runner.model.layers = [dict(layer, qkv_bias=None) for layer in runner.model.layers]
+    assert CPUFusedDecode(runner.model, runner.key_caches, runner.value_caches).supported
