@@ -31,34 +31,15 @@ def _linear(x, w, out, max_chunks):
 
 @overload(_linear, jit_options=_JIT)
 def _linear_impl(x, w, out, max_chunks):
-    """``out [Mp, N] = x [Mp, K] @ W.T`` for a float32 ``W [N, K]`` or a quantized weight given as
-    ``(format, qs, scales, mins)``; rows as ``CPUBackend.linear`` takes them (GEMV for one row, else
-    x padded to a multiple of ``cpu_gemm.TILE_M`` rows; ``max_chunks`` as ``cpu_quant.quant_linear`` sizes
-    them: Numba's thread count read inside compiled code would keep it from being cached)."""
+    """``out [Mp, N] = x [Mp, K] @ W.T`` as ``CPUBackend.linear`` computes it for those rows: a float32
+    ``W [N, K]`` through ``cpu_gemm.gemm_nt_into``, a quantized one given as ``(format, qs, scales,
+    mins)`` through ``cpu_quant.rows_into``."""
     if isinstance(w, nb_types.Array):
-
-        def dense(x, w, out, max_chunks):
-            if x.shape[0] == 1:
-                cpu_gemm._gemv_nt(x[0], w, out[0])
-            else:
-                cpu_gemm._gemm_nt(x, w, out)
-
-        return dense
+        return lambda x, w, out, max_chunks: cpu_gemm.gemm_nt_into(x, w, out)
 
     def quantized(x, w, out, max_chunks):
         fmt, qs, scales, mins = w
-        if x.shape[0] == 1:
-            if fmt == 0:
-                cpu_quant._gemv_q8_0(x[0], qs, scales, out[0])
-            else:
-                cpu_quant._gemv_q4(x[0], qs, scales, mins, fmt == 2, out[0])
-            return
-        passes = -(-qs.shape[0] * cpu_quant.R // cpu_quant.ROWS_PER_PASS)
-        res = np.empty((x.shape[0], passes * cpu_quant.ROWS_PER_PASS), np.float32)
-        cpu_quant._gemm_rows(fmt, x, qs, scales, mins, res, max_chunks)
-        n = out.shape[1]
-        for r in range(x.shape[0]):
-            out[r, :] = res[r, :n]
+        cpu_quant.rows_into(fmt, x, qs, scales, mins, out, max_chunks)
 
     return quantized
 

@@ -190,14 +190,20 @@ def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     if w.dtype != np.float32 or not w.flags.c_contiguous:
         raise ValueError("gemm_nt: w must be a C-contiguous float32 [N, K] array")
     M, K = x.shape
-    if M == 1:
-        out = np.empty((1, w.shape[0]), np.float32)
-        _gemv_nt(np.ascontiguousarray(x[0], dtype=np.float32), w, out[0])
-        return out
-    xp = pad_rows(x)
+    xp = np.ascontiguousarray(x, dtype=np.float32) if M == 1 else pad_rows(x)
     out = np.empty((xp.shape[0], w.shape[0]), np.float32)
-    _gemm_nt(xp, w, out)
+    gemm_nt_into(xp, w, out)
     return out[:M] if xp.shape[0] != M else out
+
+
+@nb.njit(**_JIT)
+def gemm_nt_into(x, w, out):
+    """``out [Mp, N] = x [Mp, K] @ w.T`` for one row (the GEMV) or Mp a multiple of TILE_M (the tiles), all
+    C-contiguous float32: what ``gemm_nt`` runs, callable from compiled code (``cpu_decode``)."""
+    if x.shape[0] == 1:
+        _gemv_nt(x[0], w, out[0])
+    else:
+        _gemm_nt(x, w, out)
 
 
 def pad_rows(x: np.ndarray) -> np.ndarray:

@@ -332,20 +332,12 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
         raise ValueError(f"x has {K} columns, the {w.qtype} weight {cols}")
     fmt = _FMT[w.qtype]
     qs, scales, mins = _planes(w)
-    out = np.empty((M, N), np.float32)
-    if M == 1:
-        if fmt == 0:
-            _gemv_q8_0(x[0], qs, scales, out[0])
-        else:
-            _gemv_q4(x[0], qs, scales, mins, fmt == 2, out[0])
-        return out
     if M <= ROWS_MAX_BATCH:
-        xp = pad_rows(x)
-        passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
-        res = np.empty((xp.shape[0], passes * ROWS_PER_PASS), np.float32)
-        _gemm_rows(fmt, xp, qs, scales, mins, res, 4 * nb.get_num_threads())
-        out[:] = res[:M, :N]
-        return out
+        xp = x if M == 1 else pad_rows(x)
+        out = np.empty((xp.shape[0], N), np.float32)
+        rows_into(fmt, xp, qs, scales, mins, out, 4 * nb.get_num_threads())
+        return out[:M]
+    out = np.empty((M, N), np.float32)
     groups = qs.shape[0]
     tile_groups = max(1, min(groups, TILE_BYTES // (4 * K * R)))
     buf = np.empty(K * tile_groups * R, np.float32)
@@ -359,6 +351,27 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
         else:
             out[:, n0:n1] = (x @ tile)[:, : n1 - n0]
     return out
+
+
+@nb.njit(**_JIT)
+def rows_into(fmt, x, qs, scales, mins, out, max_chunks):
+    """``out [Mp, N] = x [Mp, K] @ dequantize(W).T`` for one row (the GEMVs) or Mp a multiple of TILE_M up
+    to ROWS_MAX_BATCH (``_gemm_rows``), W given as its format code (``_FMT``) and planes (``_planes``):
+    what ``quant_linear`` runs for those rows, callable from compiled code (``cpu_decode``).
+    ``max_chunks``: as ``_gemm_rows`` takes it (Numba's thread count is read by the caller: reading it
+    in compiled code keeps that code from being cached)."""
+    if x.shape[0] == 1:
+        if fmt == 0:
+            _gemv_q8_0(x[0], qs, scales, out[0])
+        else:
+            _gemv_q4(x[0], qs, scales, mins, fmt == 2, out[0])
+        return
+    passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
+    res = np.empty((x.shape[0], passes * ROWS_PER_PASS), np.float32)
+    _gemm_rows(fmt, x, qs, scales, mins, res, max_chunks)
+    n = out.shape[1]
+    for r in range(x.shape[0]):
+        out[r, :] = res[r, :n]
 
 
 def quant_embedding(token_ids: np.ndarray, w: RepackedQuantized) -> np.ndarray:
