@@ -29,3 +29,8 @@ class ReplicaUnavailableError(EngineDeadError):
 
 class RequestFailedError(EngineError):
     """Computing this one request failed inside a step; the engine ended it alone and went on."""
+
+
+class MissingDependencyError(InvalidRequestError):
+    """A feature whose library is not installed on this host (the server answers 400; offline callers
+    catch a ``ValueError``). The message names the package and how to install it."""

@@ -112,10 +112,12 @@ def write_f32_gguf(src: str | os.PathLike[str], dest: str | os.PathLike[str]) ->
     our float32 model holds. Dequantization is the ``gguf`` package's reference one.
 
     Raises ValueError if ``src`` is not a readable GGUF file."""
-    import gguf
     import numpy as np
 
     from rawpaged.model_executor.gguf_loader import open_reader
+    from rawpaged.optional_imports import import_optional
+
+    gguf = import_optional("gguf", "writing a GGUF file")
 
     reader = open_reader(src)
     dest = Path(dest)

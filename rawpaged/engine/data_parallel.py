@@ -50,8 +50,14 @@ def init_ray(address: str | None, data_parallel_size: int) -> bool:
     """Connect to the Ray cluster at ``address``, or start a local instance with a CPU slot per replica
     at least (replicas then share cores). Call it on the main thread: with Ray initialised on another
     thread, every awaited result took ~0.2 s (Ray 2.60). Returns whether it initialised Ray (False when
-    it already was)."""
-    import ray
+    it already was).
+
+    Raises:
+        MissingDependencyError (a ValueError) naming the ``ray`` extra when Ray is not installed.
+    """
+    from rawpaged.optional_imports import import_optional
+
+    ray = import_optional("ray", "data-parallel replicas (--data-parallel-size > 1)", param="data_parallel_size")
 
     if ray.is_initialized():
         return False
@@ -96,8 +102,8 @@ class DataParallelEngine:
     metrics, log_requests: as for ``AsyncEngine``.
 
     The constructor blocks until every replica has loaded its model (run it off the event loop).
-    Raises ImportError without ``ray``; ConnectionError when no cluster answers at ``ray_address``;
-    RuntimeError when the cluster lacks the GPUs, the placement group cannot be placed within
+    Raises MissingDependencyError (a ValueError) without ``ray``; ConnectionError when no cluster answers
+    at ``ray_address``; RuntimeError when the cluster lacks the GPUs, the placement group cannot be placed within
     ``placement_timeout_s``, or a replica fails to start (with the replica's own exception).
     """
 
@@ -112,14 +118,14 @@ class DataParallelEngine:
         log_requests: bool = True,
         placement_timeout_s: float = 120.0,
     ):
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        self._started_ray = init_ray(ray_address, data_parallel_size)
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self._ray = ray
-        self._started_ray = init_ray(ray_address, data_parallel_size)
         on_gpu = config.device == "cuda"
         bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
         gpus = ray.cluster_resources().get("GPU", 0)

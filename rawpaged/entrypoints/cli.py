@@ -21,7 +21,6 @@ import typing
 from pathlib import Path
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.server_state import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -153,6 +152,8 @@ def _check_model_arg(model: str | None, quantization: str | None = None) -> str 
 
 # ------------------------------------------------------------------------------------------ serve
 def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
+    from rawpaged.entrypoints.server_state import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT
+
     p = argparse.ArgumentParser(
         prog=prog,
         formatter_class=_HelpFormatter,
@@ -216,7 +217,15 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
 
 
 def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
-    """``rawpaged serve``: exit code 0 after Ctrl-C/SIGTERM, 1 for a bad option, port or model."""
+    """``rawpaged serve``: exit code 0 after Ctrl-C/SIGTERM, 1 for a bad option, port or model, or a
+    missing library the server needs (pydantic)."""
+    from rawpaged.optional_imports import import_optional
+
+    try:
+        import_optional("pydantic", "the HTTP server (its OpenAI request models)")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     from rawpaged.entrypoints.app import create_app, serve
 
     args = build_serve_parser(prog).parse_args(argv)
@@ -251,10 +260,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
             from rawpaged.engine.data_parallel import init_ray
 
             started_ray = init_ray(args.ray_address, args.data_parallel_size)
-        except ImportError:
-            print('error: --data-parallel-size needs Ray: pip install -e ".[ray]"', file=sys.stderr)
-            return 1
-        except ConnectionError as e:
+        except (ValueError, ConnectionError) as e:  # MissingDependencyError without Ray
             print(f"error: {e}", file=sys.stderr)
             return 1
     try:

@@ -162,6 +162,13 @@ class _CupyLauncher:
             fn.max_dynamic_shared_size_bytes = smem_bytes
         fn(tuple(grid), tuple(block), tuple(args), shared_mem=int(smem_bytes))
 
+    def static_smem_bytes(self, act, cache, name) -> int:
+        """The kernel's static ``__shared__`` bytes, as the driver reports them."""
+        key = (act, cache, name)
+        if key not in self._functions:
+            self._functions[key] = self.module(act, cache).get_function(name)
+        return int(getattr(self._functions[key], "shared_size_bytes", src.SAMPLE_STATIC_SMEM_BYTES))
+
     def address(self, a) -> int:
         return int(a.data.ptr)
 
@@ -770,14 +777,17 @@ class CudaBackend:
         ints = np.stack([rows, np.asarray(top_k, dtype=np.int64)], axis=1).astype(np.int32)
         floats = np.stack([np.asarray(a, dtype=np.float32) for a in (temperature, top_p, min_p, uniforms)], axis=1)
         out = self.xp.empty(n, dtype=np.int32)
-        # the tempered probabilities in shared memory when a row fits (49152 floats: 192 KiB of the 227 KiB
-        # opt-in on Hopper), else in a global workspace
-        smem = 4 * vocab if 4 * vocab <= self.max_smem_optin else 0
+        # the tempered probabilities in shared memory when a row fits beside the kernel's static shared
+        # memory (49152 floats: 192 KiB of the 227 KiB opt-in on Hopper), else in a global workspace
+        name = f"sample_kernel<{act}>"
+        static = getattr(self._launch, "static_smem_bytes", None)
+        static = static(act, act, name) if static is not None else src.SAMPLE_STATIC_SMEM_BYTES
+        smem = src.sample_smem_bytes(vocab, self.max_smem_optin, static)
         probs = np.uint64(0) if smem else self.xp.empty((n, vocab), dtype=np.float32)
         self._kernel(
             act,
             act,
-            f"sample_kernel<{act}>",
+            name,
             (n, 1, 1),
             (src.sample_threads(vocab), 1, 1),
             (

@@ -278,6 +278,22 @@ def sample_threads(vocab: int) -> int:
     return round_threads(-(-int(vocab) // 16), 512)
 
 
+#: bytes of static ``__shared__`` memory ptxas gives ``sample_kernel`` (cuda/sampling.cu: fscratch[32],
+#: iscratch[32], hist[256], digit_above[2] are 1288 bytes, placed with padding);
+#: tests/kernels/test_cuda_compile.py checks it for every instantiation. A device reports its own
+#: (``shared_size_bytes``); this is the emulation's.
+SAMPLE_STATIC_SMEM_BYTES = 1296
+
+
+def sample_smem_bytes(vocab: int, max_smem_optin: int, static_smem_bytes: int = SAMPLE_STATIC_SMEM_BYTES) -> int:
+    """Dynamic shared memory for one ``sample_kernel`` block: the row's ``vocab`` float32 probabilities
+    when they fit beside the kernel's static shared memory within the device's opt-in maximum per block
+    (``cudaDevAttrMaxSharedMemoryPerBlockOptin``: the sum of both must not exceed it), else 0 (the
+    probabilities go to a global workspace)."""
+    need = 4 * int(vocab)
+    return need if need + int(static_smem_bytes) <= int(max_smem_optin) else 0
+
+
 def elementwise_blocks(n: int, threads: int, num_sms: int) -> int:
     """Blocks for a grid-stride elementwise kernel: enough to cover n, at most 32 waves of SMs."""
     return max(1, min(-(-n // threads), 32 * max(1, num_sms)))

@@ -12,8 +12,10 @@ A ``QuantizedTensor`` holds the same bytes repacked into planes, so kernels read
 contiguously: ``qs`` (uint8 ``[rows, cols]`` for Q8_0, ``[rows, cols / 2]`` nibble bytes for the 4-bit
 formats, in block order), ``scales`` and ``mins`` (the fp16 bit patterns, uint16 ``[rows, cols / 32]``;
 ``mins`` only for Q4_1). Nothing is expanded: the planes are exactly the GGUF bytes (``blocks()`` puts
-them back). The reference (de)quantizer is the ``gguf`` package's (``gguf.quants``); the kernels that
-compute on the planes are ``rawpaged.kernels.cpu_quant``.
+them back). Dequantizing all three and quantizing to Q8_0 are computed here (the GGUF format's
+definitions, ggml-quants.c; tests check them bit for bit against the ``gguf`` package's reference
+``gguf.quants``), so neither needs that package; the kernels that compute on the planes are
+``rawpaged.kernels.cpu_quant``.
 """
 
 from __future__ import annotations
@@ -75,18 +77,43 @@ class QuantizedTensor:
         return self.qs.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
 
     def dequantize(self) -> np.ndarray:
-        """float32 ``[rows, cols]`` through the ``gguf`` package's reference dequantizer."""
-        import gguf
-
-        qt = gguf.GGMLQuantizationType[self.qtype]
-        return gguf.quants.dequantize(self.blocks(), qt).astype(np.float32).reshape(self.shape)
+        """float32 ``[rows, cols]``: each value ``d * q`` (Q8_0), ``d * (nibble - 8)`` (Q4_0) or
+        ``d * nibble + m`` (Q4_1), computed in float32 from the fp16 ``d`` and ``m`` as ggml's
+        ``dequantize_row_*`` and the ``gguf`` package compute them (tests check bit equality)."""
+        rows, cols = self.shape
+        nblk = cols // QK
+        d = self.scales.view(np.float16).astype(np.float32).reshape(rows, nblk, 1)
+        if self.qtype == "Q8_0":
+            values = self.qs.view(np.int8).reshape(rows, nblk, QK).astype(np.float32) * d
+        else:
+            nibbles = self.qs.reshape(rows, nblk, QK // 2)
+            q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)  # value j low nibble, 16 + j high
+            if self.qtype == "Q4_0":
+                values = d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
+            else:
+                values = d * q.astype(np.float32) + self.mins.view(np.float16).astype(np.float32).reshape(rows, nblk, 1)
+        return values.reshape(rows, cols)
 
     @classmethod
     def quantize(cls, weight: np.ndarray, qtype: str = "Q8_0") -> QuantizedTensor:
-        """Quantize a float ``[rows, cols]`` weight with the ``gguf`` package's reference quantizer."""
-        import gguf
+        """Quantize a float ``[rows, cols]`` weight (cols a multiple of 32) into ``qtype`` blocks.
 
+        Q8_0 is computed here, as ggml's ``quantize_row_q8_0_ref``: per block ``d = max|x| / 127`` in
+        float32, ``q = roundf(x / d)`` (half away from zero; 0 where ``d`` is 0), ``d`` stored as fp16.
+        The 4-bit formats go through the ``gguf`` package's reference quantizer (tests and tools only).
+
+        Raises:
+            ValueError for a width not a multiple of 32; MissingDependencyError for Q4_0/Q4_1 without
+            the ``gguf`` package.
+        """
         w = np.ascontiguousarray(weight, dtype=np.float32)
+        if w.ndim != 2 or w.shape[1] % QK:
+            raise ValueError(f"quantize takes a [rows, cols] weight with cols a multiple of {QK}, got {w.shape}")
+        if qtype == "Q8_0":
+            return cls.from_blocks(qtype, w.shape, _quantize_q8_0(w))
+        from rawpaged.optional_imports import import_optional
+
+        gguf = import_optional("gguf", f"quantizing to {qtype}")
         data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
         return cls.from_blocks(qtype, w.shape, data.reshape(w.shape[0], -1))
 
@@ -109,3 +136,19 @@ class QuantizedTensor:
             np.concatenate([p.scales for p in parts]),
             mins,
         )
+
+
+def _quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """GGUF Q8_0 bytes uint8 ``[rows, cols / 32 * 34]`` of float32 ``w [rows, cols]``."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // QK, QK)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    x = blocks * inv
+    a = np.abs(x)
+    whole = np.floor(a)
+    q = np.sign(x) * (whole + (a - whole >= 0.5))  # roundf: the fraction a - floor(a) is exact
+    out = np.empty((rows, cols // QK, 2 + QK), dtype=np.uint8)
+    out[:, :, :2] = d.astype(np.float16).view(np.uint8)
+    out[:, :, 2:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)

@@ -306,8 +306,15 @@ def is_gguf(path) -> bool:
 
 
 def open_reader(path) -> Any:
-    """A ``gguf.GGUFReader`` of ``path``. Raises ValueError naming the file when it cannot be read as GGUF."""
-    import gguf
+    """A ``gguf.GGUFReader`` of ``path``.
+
+    Raises:
+        ValueError naming the file when it cannot be read as GGUF; MissingDependencyError (a ValueError)
+        naming the package when ``gguf`` is not installed.
+    """
+    from rawpaged.optional_imports import import_optional
+
+    gguf = import_optional("gguf", "reading a GGUF file")
 
     try:
         return gguf.GGUFReader(str(path))

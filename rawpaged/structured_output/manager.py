@@ -8,12 +8,7 @@ from threading import Lock
 
 import numpy as np
 
-from rawpaged.structured_output.backend_guidance import (
-    GuidanceBackend,
-    GuidanceGrammar,
-    bitmask_words,
-    fill_bitmasks_parallel,
-)
+from rawpaged.optional_imports import import_optional
 from rawpaged.structured_output.params import StructuredOutputsParams
 
 
@@ -34,7 +29,7 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
-        self._backend: GuidanceBackend | None = None
+        self._backend = None  # a GuidanceBackend, created on first use
         self._cache: OrderedDict = OrderedDict()
         self._cache_size = cache_size
         self._lock = Lock()
@@ -43,13 +38,21 @@ class StructuredOutputManager:
         self.num_compiled = 0  # constraints compiled (cache misses)
 
     @property
-    def backend(self) -> GuidanceBackend:
+    def backend(self):
+        """The ``GuidanceBackend`` (created on first use).
+
+        Raises:
+            MissingDependencyError (an ``InvalidRequestError``) when llguidance is not installed.
+        """
         with self._lock:
             if self._backend is None:
+                import_optional("llguidance", "structured outputs", param="structured_outputs")
+                from rawpaged.structured_output.backend_guidance import GuidanceBackend
+
                 self._backend = GuidanceBackend(self._tokenizer, self._vocab_size, self._eos_token_ids)
             return self._backend
 
-    def compile(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+    def compile(self, params: StructuredOutputsParams):
         """A fresh matcher for ``params`` (its grammar from the cache, or compiled now).
 
         Raises:
@@ -75,8 +78,8 @@ class StructuredOutputManager:
         return self._pool.submit(self.compile, params)
 
     def allocate_bitmask(self, rows: int) -> np.ndarray:
-        """int32 ``[rows, words]`` with every token allowed (all bits set)."""
-        return np.full((rows, bitmask_words(self.backend.vocab_size)), -1, dtype=np.int32)
+        """int32 ``[rows, ceil(vocab / 32)]`` with every token allowed (all bits set)."""
+        return np.full((rows, (self.backend.vocab_size + 31) // 32), -1, dtype=np.int32)
 
     def grammar_bitmask(self, grammars: list) -> np.ndarray:
         """The bitmask of the next token for each matcher of ``grammars``, one row each, in order (several
@@ -85,6 +88,8 @@ class StructuredOutputManager:
         if len(grammars) == 1:
             grammars[0].fill_bitmask(bitmask, 0)
         elif grammars:
+            from rawpaged.structured_output.backend_guidance import fill_bitmasks_parallel
+
             fill_bitmasks_parallel(grammars, bitmask, self.backend.executor)
         return bitmask
 

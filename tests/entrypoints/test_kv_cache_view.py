@@ -6,10 +6,13 @@ no block referenced."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+
 import asyncio
 
 import aiohttp
-import pytest
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints import websocket

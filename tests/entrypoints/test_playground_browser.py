@@ -10,11 +10,13 @@ by CI, which installs them), where that fails instead.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+
 import os
 import shutil
 import time
-
-import pytest
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app

@@ -2,9 +2,11 @@
 the engine's range checks reported under the client's field names, and what a request turns into
 (``SamplingParams``, prompts, chat messages)."""
 
-import json
-
 import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+
+import json
 
 from rawpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,

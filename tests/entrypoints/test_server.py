@@ -8,6 +8,11 @@ The server runs in-process in a background thread with its own event loop, on a 
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+pytest.importorskip("openai")  # absent on some hosts (the GPU host has no package index)
+
 import asyncio
 import json
 import logging
@@ -16,7 +21,6 @@ import threading
 
 import aiohttp
 import openai
-import pytest
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app

@@ -4,12 +4,15 @@ answered alone, and logprobs whose tokens share text."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+
 import asyncio
 import json
 import logging
 
 import aiohttp
-import pytest
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
@@ -294,3 +297,34 @@ def test_chat_template_kwargs_and_generation_config_defaults(tmp_path, tiny_dir)
     assert greedy[0] == greedy[1], "the generation config's temperature 0 applies: both choices greedy"
     drawn = [c["message"]["content"] for c in sampled[2]["choices"]]
     assert drawn[0] != drawn[1], "an explicit temperature wins over the default"
+
+
+def test_a_grammar_without_llguidance_is_a_400_naming_the_package(tiny_dir, monkeypatch):
+    """A host without llguidance serves everything else; a constrained request there is refused up front
+    (as for any bad field), and the next request runs."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
+    srv = ServerThread(create_app(config)).start()
+    srv.wait_healthy()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            refused = await post(
+                s, srv.url + "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}}
+            )
+            plain = await post(s, srv.url + "/v1/chat/completions", body)
+            return refused, plain
+
+    try:
+        (status, _, err), (ok, _, _) = run(main())
+        assert status == 400 and ok == 200, err
+        assert (
+            "needs the package 'llguidance'" in err["error"]["message"]
+            and err["error"]["type"] == "invalid_request_error"
+        )
+        wait_pool_empty(srv)
+    finally:
+        assert srv.stop() == 0

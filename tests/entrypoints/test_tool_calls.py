@@ -5,11 +5,15 @@ natively (Qwen2.5) or written into the system message (SmolLM2)."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+pytest.importorskip("jsonschema")  # absent on some hosts (the GPU host has no package index)
+
 import json
 
 import jsonschema
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

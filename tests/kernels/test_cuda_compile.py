@@ -92,7 +92,9 @@ def parse_ptxas(log: str) -> dict[str, dict]:
         name = re.match(r"'([^']+)'", chunk).group(1)
         regs = re.search(r"Used (\d+) registers", chunk)
         spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", chunk)
+        smem = re.search(r"(\d+) bytes smem", chunk)
         stats[name] = dict(
+            smem=int(smem.group(1)) if smem else 0,
             registers=int(regs.group(1)),
             stack=int(spill.group(1)),
             spill_stores=int(spill.group(2)),
@@ -139,6 +141,17 @@ def test_no_register_spills(module_builds, arch):
     per_name = {n: stats[lowered[n]] for n in names}
     spills = {n: s for n, s in per_name.items() if s["spill_stores"] or s["spill_loads"]}
     assert not spills, "\n".join(f"{n}: {s}" for n, s in spills.items())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sample_kernel_static_shared_memory_is_what_the_emulation_assumes(module_builds, arch):
+    """``cuda_sources.SAMPLE_STATIC_SMEM_BYTES`` (the emulation's stand-in for the driver's
+    ``shared_size_bytes``) is what ptxas allocates for every ``sample_kernel`` instantiation."""
+    names, results = module_builds
+    _, log, lowered, _ = results[arch]
+    stats = parse_ptxas(log)
+    sample = [n for n in names if n.startswith("sample_kernel<")]
+    assert sample and {stats[lowered[n]]["smem"] for n in sample} == {src.SAMPLE_STATIC_SMEM_BYTES}
 
 
 @pytest.mark.parametrize("filename", src.SOURCE_FILES)

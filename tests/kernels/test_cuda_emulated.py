@@ -455,6 +455,24 @@ def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab, staged):
     np.testing.assert_array_equal(got[greedy], logits.astype(np.float32)[args["sample_rows"][greedy]].argmax(-1))
 
 
+@pytest.mark.parametrize("vocab", [57_000, 58_000])
+def test_sample_kernel_near_the_shared_memory_limit(emu, vocab):
+    """On Hopper's 227 KiB opt-in, a 57k row is staged in shared memory and a 58k row (whose 232000 bytes
+    fit only without the kernel's static scratch) goes to the global workspace; either launch asks for
+    no more than the device allows, and draws follow the reference."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((2, vocab)) * 3).astype(np.float32)
+    args = sample_args(2, SAMPLE_CASES[:4], rng)
+    be = backend(emu)
+    be.max_smem_optin = 227 * 1024
+    emu.launches.clear()
+    got = be.sample(dev(logits), **args)
+    smem = emu.launches[0][3]
+    assert smem == (4 * vocab if vocab == 57_000 else 0)
+    assert smem + src.SAMPLE_STATIC_SMEM_BYTES <= be.max_smem_optin
+    assert_draws_match(got, logits, args)  # float32 sums over 57k+ terms: more draws near a boundary
+
+
 @pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
 def test_apply_token_bitmask_kernel_matches_the_cpu_kernel(emu, act):
     """Structured outputs' mask on a padded logits view (row stride > vocab): the same -inf positions as

@@ -206,3 +206,18 @@ def test_attention_refuses_a_block_size_that_is_not_a_power_of_two():
         be.paged_attention(np.empty_like(q), q, cache, cache.copy(), bt, ctx, 0.125)
     with pytest.raises(ValueError, match="power of two"):
         be.prefill_attention(np.empty_like(q), q, cache, cache.copy(), bt, np.array([0, 1], np.int32), ctx, 0.125)
+
+
+def test_sampling_stages_a_row_in_shared_memory_only_beside_the_static_arrays():
+    """The opt-in maximum bounds static plus dynamic shared memory together: on Hopper (227 KiB) a
+    vocabulary of 57.8k-58.1k fits the probabilities alone but not with the kernel's ~1.3 KB of scratch."""
+    hopper = 227 * 1024
+    static = src.SAMPLE_STATIC_SMEM_BYTES
+    assert 1024 < static < 2048
+    assert src.sample_smem_bytes(49152, hopper) == 4 * 49152  # the default model: staged
+    assert src.sample_smem_bytes(58000, hopper) == 0  # 232000 bytes fit 232448, but not with the scratch
+    fits = (hopper - static) // 4
+    assert src.sample_smem_bytes(fits, hopper) == 4 * fits and 4 * fits + static <= hopper
+    assert src.sample_smem_bytes(fits + 1, hopper) == 0
+    assert src.sample_smem_bytes(100, 400, static_smem_bytes=0) == 400  # what the driver reports decides
+    assert src.sample_smem_bytes(100, 400, static_smem_bytes=1) == 0

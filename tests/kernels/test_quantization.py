@@ -1,15 +1,18 @@
 """GGUF block formats on the CPU: products and lookups on the (repacked) blocks against float64 products
 with the ``gguf`` package's own dequantization, on every path (GEMV, register tiles, tiled SGEMM)."""
 
+import pytest
+
+pytest.importorskip("gguf")  # absent on some hosts (the GPU host has no package index)
+
 import gguf
 import numba as nb
 import numpy as np
-import pytest
 
 from rawpaged.kernels import cpu_quant
 from rawpaged.kernels.cpu import CPUBackend
 from rawpaged.kernels.cpu_intrinsics import q4_block_rows, q8_block_rows
-from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
+from rawpaged.kernels.quantization import FORMATS, NATIVE, QuantizedTensor
 
 # M = 1 (GEMV), 2, 3, 8 and ROWS_MAX_BATCH (48 rows dequantized at a time into register tiles; 300
 # weight rows: the last pass partly beyond the weight), ROWS_MAX_BATCH + 1 and 300 (tiles through SGEMM;
@@ -153,3 +156,26 @@ def test_block_rows_intrinsics_equal_gguf_dequantization(weights, qtype):
     np.testing.assert_array_equal(out[:300, 1:97], ref)
     np.testing.assert_array_equal(out[300:, 1:97], 0.0)  # the zero-block padding rows
     assert np.isnan(out[:, 0]).all() and np.isnan(out[:, 97]).all()
+
+
+@pytest.mark.parametrize("qtype", NATIVE)
+def test_own_dequantize_and_q8_0_quantize_are_ggufs_bit_for_bit(weights, qtype):
+    """The engine dequantizes all three formats and quantizes Q8_0 itself (no ``gguf`` at run time): the
+    same bytes and float32 bits as the package's reference, with rounding ties and zero blocks present."""
+    w = weights.copy()
+    w[9, :32] = np.arange(32, dtype=np.float32) - 15.5  # x / d lands on .5 for many values: ties
+    w[10, :32] = -w[9, :32]
+    qt = gguf.GGMLQuantizationType[qtype]
+    ref = gguf.quants.quantize(w, qt).reshape(w.shape[0], -1)
+    q = QuantizedTensor.quantize(w, qtype)
+    np.testing.assert_array_equal(q.blocks(), ref)
+    bits = gguf.quants.dequantize(ref, qt).astype(np.float32).reshape(w.shape).view(np.uint32)
+    np.testing.assert_array_equal(q.dequantize().view(np.uint32), bits)
+    rng = np.random.default_rng(1)  # any bytes with finite fp16 scales, not only what a quantizer writes
+    block_bytes = FORMATS[qtype][0]
+    raw = QuantizedTensor.from_blocks(qtype, (4, 64), rng.integers(0, 256, (4, 2 * block_bytes), dtype=np.uint8))
+    scales = rng.uniform(-2, 2, raw.scales.shape).astype(np.float16).view(np.uint16)
+    mins = rng.uniform(-2, 2, raw.scales.shape).astype(np.float16).view(np.uint16) if raw.mins is not None else None
+    raw = QuantizedTensor(qtype, raw.shape, raw.qs, scales, mins)
+    bits = gguf.quants.dequantize(raw.blocks(), qt).astype(np.float32).reshape(raw.shape).view(np.uint32)
+    np.testing.assert_array_equal(raw.dequantize().view(np.uint32), bits)
