@@ -11,7 +11,7 @@ Two passes over the modules in ``MODULES``:
 
 A mutant is killed when a test fails (or the run times out). Survivors matching ``EQUIVALENT`` (the change
 cannot alter any result) are listed with their reason and left out of the score; any other survivor
-is a missing test. Prints the score per module and writes ``docs/testing.md``. Not part of CI (about 10
+is a missing test. Prints the score per module and writes ``docs/mutation.md``. Not part of CI (about 10
 minutes on 2 cores); run it when the core changes.
 
 Usage: ``python scripts/mutation.py [--skip-mutmut] [--skip-extra] [--jobs 2]``
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-mutmut", action="store_true")
     ap.add_argument("--skip-extra", action="store_true")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "testing.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "mutation.md"))
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     passes = {}

@@ -1,4 +1,4 @@
-"""The import graph flows one way (README, "Architecture"): entrypoints -> engine -> core / model_executor
+"""The import graph flows one way (docs/architecture.md): entrypoints -> engine -> core / model_executor
 -> kernels. A module never imports a layer above its own, so each layer can be read, tested and replaced
 without those above it."""
 

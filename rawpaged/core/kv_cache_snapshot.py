@@ -111,7 +111,7 @@ def capture(scheduler, start: int = 0, count: int | None = None, since_event: in
 
 
 def to_json(state: KVCacheState) -> dict:
-    """The snapshot as JSON-ready data (README: "KV cache view").
+    """The snapshot as JSON-ready data (docs/server.md, "KV cache view").
 
     ``blocks``: one entry per block of the range, ``{"block_id", "ref_count", "owners", "cached"}`` with
     ``owners`` the distinct ids of the requests whose tables hold it (a block shared by the ``n`` choices

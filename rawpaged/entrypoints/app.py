@@ -3,8 +3,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (``openai/``), GET /v1/ws
 (``websocket``), GET /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``),
-and the playground page: GET / and /static/ (``playground``). The protocol is described in README.md
-("Server").
+and the playground page: GET / and /static/ (``playground``). The protocol is described in
+docs/server.md.
 """
 
 from __future__ import annotations
