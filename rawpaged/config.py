@@ -62,6 +62,9 @@ class EngineConfig:
     """weights: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1 blocks (the default for GGUF files; other types
     are dequantized); q8_0 quantizes a safetensors checkpoint on load. Both backends compute on the
     blocks (CUDA: cuda/quant.cu)"""
+    grammar_compile_timeout: float = 10.0
+    """seconds a structured-output request waits for its grammar to compile (several compile at once);
+    past it the request is refused with a 400 and the compile's result is kept for the next one"""
 
     def __post_init__(self):
         if self.device not in Device.__args__:
@@ -84,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization not in (None, *Quantization.__args__):
             raise ValueError(f"quantization must be one of {Quantization.__args__} or None, got {self.quantization!r}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:

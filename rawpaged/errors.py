@@ -16,7 +16,10 @@ class InvalidRequestError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """A request ended by a failure of the engine (the server answers 500)."""
+    """A request ended by a failure of the engine; the server answers ``status`` (500) with ``type``."""
+
+    status = 500
+    type = "internal_server_error"
 
 
 class EngineDeadError(EngineError):
@@ -25,6 +28,16 @@ class EngineDeadError(EngineError):
 
 class ReplicaUnavailableError(EngineDeadError):
     """The data-parallel replica serving the request died, or none is ready (the server answers 503)."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """The server stopped before the request finished: its shutdown timeout ran out (503)."""
+
+    status = 503
+    type = "service_unavailable_error"
 
 
 class RequestFailedError(EngineError):

@@ -117,6 +117,11 @@ class AsyncEngine:
         return len(self._streams)
 
     @property
+    def max_num_seqs(self) -> int:
+        """Sequences the engine runs in one step at most (``EngineConfig.max_num_seqs``)."""
+        return self.engine.config.max_num_seqs
+
+    @property
     def default_sampling_params(self) -> dict:
         """The model's ``generation_config.json`` sampling defaults (``LLMEngine.default_sampling_params``)."""
         return self.engine.default_sampling_params
@@ -148,17 +153,22 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         try:
             grammar = None
-            if params.structured_outputs is not None:  # compiled in the manager's thread, off the step loop
+            if params.structured_outputs is not None:  # compiled in the manager's threads, off the step loop
                 manager = self.engine.structured_output_manager
-                grammar = await asyncio.wrap_future(manager.compile_async(params.structured_outputs))
+                grammar = await manager.compile_await(params.structured_outputs)
+            if stream.aborted:  # aborted while its grammar compiled: it never reaches the engine
+                return stream
+            # no await between the check above and this submit: an abort from now on is queued on the
+            # engine thread after the add, so it finds the request there and removes it
             n_prompt = await loop.run_in_executor(self._executor, self._add, prompt, params, request_id, grammar)
         except asyncio.CancelledError:
             self.abort(request_id)  # runs after the add on the engine thread: nothing is left behind
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             raise
-        if request_id not in self._streams:  # aborted while being added
+        if stream.aborted:  # aborted while being added (the abort ran after the add)
             return stream
         self.request_stats.arrived(request_id, arrival, n_prompt, log_label)
         self._wake.set()
@@ -186,6 +196,13 @@ class AsyncEngine:
             pass
         self.request_stats.finished(request_id, "abort", time.monotonic())
         return True
+
+    def end_requests(self, error: BaseException) -> int:
+        """End every request in flight with ``error`` (their streams raise it) and drop them from the
+        engine before its next step; returns how many (a server's shutdown, after its timeout)."""
+        n = len(self._streams)
+        self._fail_all(error)
+        return n
 
     async def stats(self) -> dict:
         """``LLMEngine.stats()`` taken between steps, plus ``num_active_streams``."""

@@ -120,6 +120,7 @@ class DataParallelEngine:
     ):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        self.config = config
         self._started_ray = init_ray(ray_address, data_parallel_size)
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -186,6 +187,19 @@ class DataParallelEngine:
     def num_active_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences all replicas run in one step at most."""
+        return self.config.max_num_seqs * self.data_parallel_size
+
+    def end_requests(self, error: BaseException) -> int:
+        """End every request in flight with ``error`` (their streams raise it) and abort it on its
+        replica; returns how many."""
+        rids = list(self._streams)
+        for rid in rids:
+            self._end(rid, error)
+        return len(rids)
+
     def check_prompt(self, ids: list) -> None:
         self.input_processor.check_prompt(ids)
 
@@ -218,6 +232,9 @@ class DataParallelEngine:
             try:
                 accepted = await (await generator.__anext__())
                 assert accepted == ACCEPTED, accepted
+                if stream.aborted:  # aborted while the replica queued it: abort() told the replica
+                    self._ray.cancel(generator)
+                    return stream
                 break
             except BaseException as e:
                 self._streams.pop(request_id, None)
@@ -260,16 +277,19 @@ class DataParallelEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request: its stream ends now, and its replica drops it. False if unknown or done."""
+        return self._end(request_id)
+
+    def _end(self, request_id: str, error: BaseException | None = None) -> bool:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return False
-        stream.close(aborted=True)
+        stream.close(error=error, aborted=error is None)
         self.router.finished(stream.replica)
         pump = self._pumps.pop(request_id, None)
         if pump is not None:
             pump.cancel()
         self.replicas[stream.replica].abort.remote(request_id)
-        self.request_stats.finished(request_id, "abort", time.monotonic())
+        self.request_stats.finished(request_id, "abort" if error is None else "error", time.monotonic())
         return True
 
     def _replica_error(self, replica: int, e: BaseException) -> BaseException:

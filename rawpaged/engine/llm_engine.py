@@ -33,7 +33,7 @@ from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
-from rawpaged.structured_output import StructuredOutputManager
+from rawpaged.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("rawpaged.engine")
 
@@ -120,7 +120,10 @@ class LLMEngine:
         """Compiles ``structured_outputs`` constraints (created on first use)."""
         if self._structured_output_manager is None:
             self._structured_output_manager = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+                self.tokenizer,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                compile_timeout_s=self.config.grammar_compile_timeout,
             )
         return self._structured_output_manager
 
@@ -130,7 +133,7 @@ class LLMEngine:
         """Queue a request; ``prompt`` is a string or ``{"prompt_token_ids": [...]}``/``{"prompt": str}``.
 
         With ``params.structured_outputs``, ``grammar`` is its matcher (from
-        ``structured_output_manager.compile_async``, so that a server compiles off the step loop); None
+        ``structured_output_manager.compile_await``, so that a server compiles off the step loop); None
         compiles it here.
 
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,

@@ -21,6 +21,13 @@ class EngineClient(Protocol):
     @property
     def num_active_requests(self) -> int: ...
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences run in one step at most (over all replicas)."""
+
+    def end_requests(self, error: BaseException) -> int:
+        """End every request in flight with ``error``; returns how many."""
+
     def check_prompt(self, ids: list) -> None:
         """Raises InvalidRequestError for prompt token ids the engine would refuse."""
 

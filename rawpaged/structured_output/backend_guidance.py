@@ -18,6 +18,15 @@ from rawpaged.structured_output.params import StructuredOutputsParams
 #: llguidance's JSON options when free whitespace is disabled: fixed separators, as ``json.dumps``
 #: writes them
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: first tokens the compile-time probe tries (``GuidanceBackend.probe``): the parser's limits are hit when
+#: the first token's row is expanded, which happens for any of them
+PROBE_FIRST_TOKENS = 16
+
+
+def _limits():
+    """The parser's default limits (llguidance's ``ParserLimits``), with errors that name the limit but
+    not the parser's internal state (which a client should not see)."""
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -81,14 +90,53 @@ class GuidanceBackend:
                 spec = llguidance.grammar_from("grammar", params.grammar)
         except (ValueError, TypeError, RuntimeError) as e:
             raise InvalidRequestError(f"{field} does not compile: {e}", field) from None
-        message = llguidance.LLMatcher.validate_grammar(spec, self.llg_tokenizer)
+        message = llguidance.LLMatcher.validate_grammar(spec, self.llg_tokenizer, limits=_limits())
         if message:
             raise InvalidRequestError(f"{field} does not compile: {message}", field)
+        self.probe(spec, field)
         return spec
+
+    def probe(self, spec: str, field: str) -> None:
+        """Run the grammar's first steps at compile time, so that a grammar over one of the parser's limits
+        (a row of more than 2000 alternatives: hundreds of optional properties, a long ``choice`` list) or
+        one that no finite output satisfies (a schema that requires itself) is refused before anything
+        runs, not at the first token: the first token's mask, then, for up to ``PROBE_FIRST_TOKENS`` of the
+        tokens it allows, that token consumed and the next mask.
+
+        Raises:
+            InvalidRequestError naming ``field`` and the limit.
+        """
+        words = bitmask_words(self.vocab_size)
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, spec, log_level=0, limits=_limits())
+        first = np.zeros(words, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
+        self._check_probe(matcher, field)
+        allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[: self.vocab_size])
+        if len(allowed) == 0 and not matcher.is_accepting():
+            raise InvalidRequestError(f"{field} allows no output at all", field)
+        step = np.zeros(words, dtype=np.int32)
+        picks = allowed[np.linspace(0, len(allowed) - 1, min(len(allowed), PROBE_FIRST_TOKENS)).astype(int)]
+        for token in dict.fromkeys(int(t) for t in picks):
+            branch = matcher.deep_copy()
+            branch.consume_token(token)
+            if not branch.is_error() and not branch.is_stopped():
+                branch.unsafe_compute_mask_ptr(step.ctypes.data, step.nbytes)
+            self._check_probe(branch, field)
+
+    @staticmethod
+    def _check_probe(matcher, field: str) -> None:
+        if matcher.is_error():
+            error = matcher.get_error().replace("<non-verbose/>", "").strip().split("; consider")[0]
+            raise InvalidRequestError(
+                f"{field} is refused: the grammar engine stops at its first token ({error}); a grammar this "
+                "large, or one that no finite output satisfies, cannot run",
+                field,
+            )
 
     def grammar(self, spec: str) -> GuidanceGrammar:
         """A fresh matcher for a spec from ``grammar_spec``."""
-        return GuidanceGrammar(llguidance.LLMatcher(self.llg_tokenizer, spec), self.vocab_size, self.eos_token_ids)
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, spec, log_level=0, limits=_limits())
+        return GuidanceGrammar(matcher, self.vocab_size, self.eos_token_ids)
 
 
 class GuidanceGrammar:

@@ -211,3 +211,89 @@ def test_bitmask_rows_and_masked_greedy_decoding(manager, tokenizer):
     assert g.is_complete() and not g.is_terminated()
     assert allowed(manager.grammar_bitmask([g])[0], g.vocab_size).tolist() == [tokenizer.eos_token_id]
     assert g.accept_token(tokenizer.eos_token_id) and g.is_terminated()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}), "json"),
+        (dict(choice=[f"c{i}" for i in range(2001)]), "choice"),
+        (dict(json={"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}), "json"),
+    ],
+    ids=["600-optional-properties", "2001-choices", "requires-itself"],
+)
+def test_a_grammar_over_the_engines_limits_is_refused_at_compile_time(manager, kwargs, field):
+    """Each compiled and then failed at the first token (a 500 mid-request); now refused up front, naming
+    the limit and without the parser's internal state."""
+    with pytest.raises(InvalidRequestError) as err:
+        manager.compile(StructuredOutputsParams(**kwargs))
+    message = str(err.value)
+    assert err.value.param == f"structured_outputs.{field}" and "first token" in message
+    assert ("max is 2000" in message or "limit 50000" in message) and "<state>" not in message
+    with pytest.raises(InvalidRequestError):  # the refusal is cached: the same answer, not compiled again
+        n = manager.num_compiled
+        manager.compile(StructuredOutputsParams(**kwargs))
+    assert manager.num_compiled == n
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(400)}}),
+        dict(choice=[f"c{i}" for i in range(1500)]),
+        dict(json={"type": "object", "properties": {"x": {"$ref": "#"}}}),  # recursive, but may stop
+    ],
+    ids=["400-optional-properties", "1500-choices", "optional-recursion"],
+)
+def test_grammars_within_the_limits_still_compile(manager, kwargs):
+    grammar = manager.compile(StructuredOutputsParams(**kwargs))
+    assert not grammar.error and manager.grammar_bitmask([grammar]).any()
+
+
+def test_compiles_run_side_by_side_and_one_constraint_compiles_once(tokenizer):
+    """A slow constraint does not hold up another; requests for the same one share its compile."""
+    import threading
+    import time
+
+    from rawpaged.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(tokenizer)
+    backend = manager.backend  # the tokenizer wrapped before timing
+    real = backend.grammar_spec
+    started = threading.Event()
+
+    def grammar_spec(params):
+        if params.regex == "slow":
+            started.set()
+            time.sleep(1.0)
+        return real(params)
+
+    backend.grammar_spec = grammar_spec
+    slow = [manager.compile_async(StructuredOutputsParams(regex="slow")) for _ in range(3)]
+    assert started.wait(5)
+    t0 = time.perf_counter()
+    manager.compile_async(StructuredOutputsParams(regex="fast")).result(timeout=5)
+    assert time.perf_counter() - t0 < 0.5  # not queued behind the slow one
+    for f in slow:
+        f.result(timeout=5)
+    assert manager.num_compiled == 2  # three requests for "slow", one compile
+    manager.shutdown()
+
+
+def test_a_compile_past_its_time_limit_is_refused_and_its_result_kept(tokenizer):
+    import asyncio
+    import time
+
+    from rawpaged.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(tokenizer, compile_timeout_s=0.2)
+    backend = manager.backend
+    real = backend.grammar_spec
+    backend.grammar_spec = lambda params: (time.sleep(0.6), real(params))[1]
+    params = StructuredOutputsParams(regex="[0-9]+")
+    with pytest.raises(InvalidRequestError, match=r"within 0\.2 s \(--grammar-compile-timeout\)") as err:
+        asyncio.run(manager.compile_await(params))
+    assert err.value.param == "structured_outputs"
+    time.sleep(0.8)  # the compile went on in its thread
+    assert not asyncio.run(manager.compile_await(params)).error and manager.num_compiled == 1
+    manager.shutdown()
