@@ -46,6 +46,12 @@ def _special_token(value):
     return value
 
 
+def _ids(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list:
+    """``tok.encode(text).ids`` through ``encode_batch``, which releases the GIL while it works (``encode``
+    holds it: a 4 MB prompt stalled every other thread for 5 s)."""
+    return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 class Tokenizer:
     """``tokenizer.json`` + ``tokenizer_config.json`` of a model directory.
 
@@ -112,16 +118,28 @@ class Tokenizer:
         """Token ids of a raw prompt as HF's ``tokenizer(text)`` and vLLM give them: special-token text
         parsed as the special token, and the tokens ``tokenizer.json``'s post-processor adds (Llama 3's
         BOS), or BOS first where ``tokenizer_config.json`` sets ``add_bos_token`` (never twice)."""
-        return self._with_bos(self._tok.encode(text, add_special_tokens=True).ids)
+        return self._with_bos(_ids(self._tok, text, add_special_tokens=True))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters the longest vocabulary entry spells (byte-level: its bytes), added tokens included."""
+        return max(1, *(len(t) for t in self._tok.get_vocab(with_added_tokens=True)))
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the tokens ``text`` encodes to, known without encoding it: a token spells at
+        most ``max_token_chars`` characters (a normalizer may compose characters, so it gets a margin of
+        4). The server refuses a prompt that cannot fit before spending seconds tokenizing it."""
+        per_token = self.max_token_chars * (4 if self._tok.normalizer is not None else 1)
+        return -(-len(text) // per_token)
 
     def _encode_rendered(self, text: str) -> list:
         """Token ids of a rendered chat template: its special tokens are the template's own (it writes
         any BOS itself), so nothing is added but ``add_bos_token``'s BOS where the template has none."""
-        return self._with_bos(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._with_bos(_ids(self._tok, text, add_special_tokens=False))
 
     def encode_literal(self, text: str) -> list:
         """Token ids of ``text`` with any special-token text encoded as plain characters (no BOS)."""
-        return self._literal.encode(text, add_special_tokens=False).ids
+        return _ids(self._literal, text, add_special_tokens=False)
 
     def _with_bos(self, ids: list) -> list:
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
@@ -159,11 +177,7 @@ class Tokenizer:
             )
         ids = []
         for p, c in zip(pieces, is_content):
-            ids += (
-                self.encode_literal(contents[marks.index(p)])
-                if c
-                else self._tok.encode(p, add_special_tokens=False).ids
-            )
+            ids += self.encode_literal(contents[marks.index(p)]) if c else _ids(self._tok, p, add_special_tokens=False)
         return text, self._with_bos(ids)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

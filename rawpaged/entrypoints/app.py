@@ -10,6 +10,7 @@ docs/server.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -22,11 +23,14 @@ from aiohttp import web
 
 from rawpaged.config import EngineConfig
 from rawpaged.engine.async_engine import AsyncEngine
-from rawpaged.entrypoints import cors, health, playground
+from rawpaged.entrypoints import cors, health, hosts, playground
+from rawpaged.entrypoints.connections import ConnectionGate
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
+from rawpaged.entrypoints.openai.serving_engine import expect_handler
 from rawpaged.entrypoints.openai.serving_models import show_available_models
+from rawpaged.entrypoints.server_config import ServerConfig
 from rawpaged.entrypoints.server_state import (
     DEFAULT_MAX_BODY_SIZE,
     DEFAULT_MAX_TOKENS_LIMIT,
@@ -37,11 +41,16 @@ from rawpaged.entrypoints.server_state import (
     unauthorized,
 )
 from rawpaged.entrypoints.websocket import websocket_handler
-from rawpaged.errors import EngineError, ReplicaUnavailableError
+from rawpaged.errors import EngineError, ServerShuttingDownError
 
 logger = logging.getLogger("rawpaged.server")
 
 OPEN_PATHS = ("/health", "/metrics", "/")
+#: seconds the rest of an unread body (a 413, a 408) is read after the response, before the connection
+#: closes (aiohttp's default is 10: a stalled body would hold its socket that long)
+LINGERING_TIME_S = 1.0
+#: answered while the server drains on shutdown (everything else gets 503)
+DRAINING_PATHS = ("/health", "/metrics")
 #: a websocket handshake there checks the key itself: a browser cannot send the header, so the socket may
 #: authenticate by message
 SELF_AUTHENTICATED_PATHS = ("/v1/ws",)
@@ -50,6 +59,38 @@ SELF_AUTHENTICATED_PATHS = ("/v1/ws",)
 @web.middleware
 async def _middleware(request: web.Request, handler):
     state = request.app[STATE]
+    state.gate.begin(request)
+    try:
+        response = await _handle(state, request, handler)
+    finally:
+        state.gate.end(request)
+    if response.status >= 400 and not (state.draining and response.status == 503):
+        _log_refusal(request, response)
+    return response
+
+
+def _log_refusal(request: web.Request, response: web.StreamResponse) -> None:
+    """One line per refused request (the request log has lines only for requests that ran)."""
+    message = ""
+    if isinstance(response, web.Response) and response.content_type == "application/json" and response.text:
+        try:
+            message = json.loads(response.text).get("error", {}).get("message", "")
+        except (ValueError, AttributeError):
+            pass
+    logger.info("%s %s -> %d %s", request.method, request.rel_url.path, response.status, message[:300])
+
+
+async def _handle(state: ServerState, request: web.Request, handler) -> web.StreamResponse:
+    host = hosts.refused_host(state.allowed_host_names, request)
+    if host is not None:
+        return error_response(
+            state,
+            403,
+            f"requests for host {host!r} are not allowed: this server listens on a loopback address "
+            "(--allowed-hosts adds names)",
+            type="permission_error",
+            param="Host",
+        )
     preflight = cors.preflight_response(state.allowed_origins, request)
     if preflight is not None:
         return preflight
@@ -62,6 +103,11 @@ async def _middleware(request: web.Request, handler):
             type="permission_error",
             param="Origin",
         )
+    if state.draining and request.path not in DRAINING_PATHS:
+        resp = error_response(state, 503, "the server is shutting down", "service_unavailable_error")
+        resp.headers["Retry-After"] = "5"
+        resp.force_close()
+        return resp
     if (
         state.api_key
         and request.path not in OPEN_PATHS
@@ -74,11 +120,13 @@ async def _middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ProtocolError as e:
-        return error_response(state, e.status, e.message, e.type, e.param, e.code)
-    except ReplicaUnavailableError as e:
-        return error_response(state, 503, str(e), "service_unavailable_error")
-    except EngineError as e:
-        return error_response(state, 500, str(e), "internal_server_error")
+        resp = error_response(state, e.status, e.message, e.type, e.param, e.code)
+        resp.headers.update(e.headers)
+        if e.close:
+            resp.force_close()
+        return resp
+    except EngineError as e:  # ReplicaUnavailableError and ServerShuttingDownError are 503s
+        return error_response(state, e.status, str(e), e.type)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -120,6 +168,7 @@ def create_app(
     allowed_origins=(),
     data_parallel_size: int = 1,
     ray_address: str | None = None,
+    server_config: ServerConfig | None = None,
 ) -> web.Application:
     """The aiohttp application.
 
@@ -128,7 +177,8 @@ def create_app(
     plus a warm-up, in a thread). While loading, ``/health`` answers 503 and generation routes 503.
     ``allowed_origins``: origins (or ``"*"``) browsers may call from (``rawpaged.entrypoints.cors``).
     ``data_parallel_size`` > 1 serves ``config`` through that many Ray replicas
-    (``rawpaged.engine.data_parallel``; ``ray_address`` joins a running cluster).
+    (``rawpaged.engine.data_parallel``; ``ray_address`` joins a running cluster). ``server_config``: the
+    timeouts and limits (``ServerConfig``'s defaults when None).
     """
     from rawpaged.engine.llm_engine import LLMEngine
 
@@ -152,15 +202,20 @@ def create_app(
 
     name = served_model_name or model_name_of(config)
     aliases = {name, model_name_of(config)} | ({config.model} if config.model else set())
+    server_config = server_config or ServerConfig()
     state = ServerState(
         model_name=name,
         model_aliases=aliases,
         loader=loader,
         api_key=api_key or None,
-        limits=Limits(max_tokens=max_tokens_limit, max_n=max_n),
+        limits=Limits(
+            max_tokens=max_tokens_limit, max_n=max_n, reject_unknown_fields=server_config.reject_unknown_fields
+        ),
         max_body_size=max_body_size,
         allowed_origins=tuple(allowed_origins or ()),
+        server=server_config,
     )
+    state.gate = ConnectionGate(state.server.max_connections, lambda: health.health_status(state))
     app = web.Application(client_max_size=max_body_size, middlewares=[_middleware])
     app[STATE] = state
 
@@ -230,8 +285,8 @@ def create_app(
     app.on_startup.append(on_startup)
     app.on_response_prepare.append(on_response_prepare)
     app.on_cleanup.append(on_cleanup)
-    app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/completions", create_completion, expect_handler=expect_handler)
+    app.router.add_post("/v1/chat/completions", create_chat_completion, expect_handler=expect_handler)
     app.router.add_get("/v1/models", show_available_models)
     app.router.add_get("/v1/ws", websocket_handler)
     app.router.add_get("/v1/debug/stats", health.debug_stats)
@@ -253,21 +308,31 @@ async def serve(
 ) -> int:
     """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM), or until the model fails to load.
 
-    Returns the exit code: 0 after a stop, 1 if the port cannot be bound or the model failed to load
-    (a one-line ``error: ...`` goes to stderr). ``on_started(port)`` is called once listening.
+    Connections go through the app's ``ConnectionGate`` (``--max-connections``) and are closed after
+    ``--timeout-keep-alive`` without a complete request. On a stop the server drains (``drain``), then
+    closes. Returns the exit code: 0 after a stop, 1 if the port cannot be bound or the model failed to
+    load (a one-line ``error: ...`` goes to stderr). ``on_started(port)`` is called once listening.
     """
-    # A short grace period on shutdown: streams in flight get 5 s to finish, then are cancelled (aborted).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
     state = app[STATE]
-    site = web.TCPSite(runner, host, port)
+    # handlers still running after the drain (their streams already ended) get 5 s to write their last bytes
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=5.0,
+        keepalive_timeout=state.server.timeout_keep_alive,
+        lingering_time=LINGERING_TIME_S,
+    )
+    await runner.setup()
+    loop = asyncio.get_running_loop()
     try:
-        await site.start()
+        listener = await loop.create_server(state.gate.factory(runner.server), host, port, backlog=1024)
     except OSError as e:
         print(f"error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         await runner.cleanup()
         return 1
-    bound = runner.addresses[0][1] if runner.addresses else port
+    bound = listener.sockets[0].getsockname()[1] if listener.sockets else port
+    state.allowed_host_names = hosts.allowed_names(host, state.server.allowed_hosts)
     logger.info(
         "listening on http://%s:%d (playground: /, health: /health, OpenAI API: /v1, websocket: /v1/ws); %s %s",
         host,
@@ -278,7 +343,6 @@ async def serve(
     if on_started is not None:
         on_started(bound)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
     if handle_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -295,6 +359,38 @@ async def serve(
         if code:
             print(f"error: {state.load_error}", file=sys.stderr)
         else:
-            logger.info("shutting down")
+            await drain(state)
+        listener.close()
         await runner.cleanup()
     return code
+
+
+async def drain(state: ServerState) -> None:
+    """Graceful shutdown: new requests get 503 and ``/health`` says draining; requests in flight get
+    ``--shutdown-timeout`` seconds to finish; each one left then ends with a ``ServerShuttingDownError``
+    (a stream's error event and ``[DONE]``, a 503 body, a websocket ``error``) and its blocks are freed."""
+    state.draining = True
+    engine = state.engine
+    timeout = state.server.shutdown_timeout
+    active = engine.num_active_requests if engine is not None else 0
+    logger.info("shutting down: %d requests in flight, up to %gs to finish (--shutdown-timeout)", active, timeout)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine is not None and engine.num_active_requests and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine is not None and engine.num_active_requests:
+        n = engine.end_requests(ServerShuttingDownError(f"the server shut down (--shutdown-timeout {timeout:g}s)"))
+        logger.info("ended %d requests still running after %gs", n, timeout)
+        await asyncio.sleep(0.1)  # their handlers write the errors before the connections close
+    if engine is not None:
+        try:
+            stats = await engine.stats()
+        except EngineError:
+            return
+        logger.info(
+            "drained: %d of %d KV blocks free, %d requests running, %d waiting",
+            stats["num_free_blocks"],
+            stats["num_total_blocks"],
+            stats["num_running"],
+            stats["num_waiting"],
+        )

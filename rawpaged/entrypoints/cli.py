@@ -86,19 +86,21 @@ _ARG_TYPES = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
-    """One option per ``EngineConfig`` field but ``exclude`` (``--num-kv-blocks`` and
-    ``--kv-cache-memory`` exclusive); ``--no-prefix-caching`` is kept as a short form of
-    ``--no-enable-prefix-caching``."""
-    docs = field_docs(EngineConfig)
-    hints = typing.get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine options")
-    pool = group.add_mutually_exclusive_group()
-    for f in dataclasses.fields(EngineConfig):
+def add_config_args(parser: argparse.ArgumentParser, cls, title: str, exclude=(), exclusive=(), arg_types=None) -> None:
+    """One option per field of the dataclass ``cls`` but ``exclude``, in a group named ``title``, its help
+    the field's docstring: a bool is ``--x/--no-x``, a Literal gives choices, a tuple takes one or more
+    values; ``exclusive`` fields are mutually exclusive; ``arg_types`` maps a field to ``(type, metavar)``
+    where the command line parses differently from the field's type."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    arg_types = arg_types or {}
+    group = parser.add_argument_group(title)
+    pool = group.add_mutually_exclusive_group() if exclusive else None
+    for f in dataclasses.fields(cls):
         if f.name in exclude:
             continue
         flag = "--" + f.name.replace("_", "-")
-        target = pool if f.name in ("num_kv_blocks", "kv_cache_memory") else group
+        target = pool if f.name in exclusive else group
         hint = hints[f.name]
         kw = dict(default=f.default, help=docs.get(f.name, ""))
         if hint is bool:
@@ -115,20 +117,40 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
         literal = [a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is typing.Literal]
         if literal:  # a Literal, or an optional one
             kw["choices"] = typing.get_args(literal[0])
+        elif hint is tuple or typing.get_origin(hint) is tuple:
+            kw["nargs"], kw["metavar"] = "+", f.name.upper().removesuffix("S")
         else:
             base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-            kw["type"], metavar = _ARG_TYPES.get(f.name, (base[0], None))
+            kw["type"], metavar = arg_types.get(f.name, (base[0], None))
             if metavar:
                 kw["metavar"] = metavar
         target.add_argument(flag, **kw)
 
 
+def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:
+    """One option per ``EngineConfig`` field but ``exclude`` (``--num-kv-blocks`` and
+    ``--kv-cache-memory`` exclusive); ``--no-prefix-caching`` is kept as a short form of
+    ``--no-enable-prefix-caching``."""
+    add_config_args(
+        parser,
+        EngineConfig,
+        "engine options",
+        exclude=exclude,
+        exclusive=("num_kv_blocks", "kv_cache_memory"),
+        arg_types=_ARG_TYPES,
+    )
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    """``cls`` (a dataclass) from parsed options; fields without an option keep their default. Raises
+    ValueError naming the field for an invalid value."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """``EngineConfig`` from parsed options (fields without an option keep their default). Raises
     ValueError naming the field for an invalid value."""
-    return EngineConfig(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-    )
+    return config_from_args(EngineConfig, args)
 
 
 def _check_model_arg(model: str | None, quantization: str | None = None) -> str | None:
@@ -152,6 +174,7 @@ def _check_model_arg(model: str | None, quantization: str | None = None) -> str 
 
 # ------------------------------------------------------------------------------------------ serve
 def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
+    from rawpaged.entrypoints.server_config import ServerConfig
     from rawpaged.entrypoints.server_state import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT
 
     p = argparse.ArgumentParser(
@@ -212,6 +235,20 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         help="with --data-parallel-size > 1: a running Ray cluster to join (e.g. 10.0.0.1:6379, from "
         "'ray start --head'); default: start a local Ray instance",
     )
+    seconds = (float, "SECONDS")
+    add_config_args(
+        p,
+        ServerConfig,
+        "timeouts and limits (docs/server.md)",
+        arg_types={
+            "max_connections": (_positive_int, "N"),
+            "max_queued_requests": (int, "N"),
+            **dict.fromkeys(
+                ("timeout_keep_alive", "timeout_body", "ws_ping_interval", "ws_idle_timeout", "shutdown_timeout"),
+                seconds,
+            ),
+        },
+    )
     add_engine_args(p)
     return p
 
@@ -227,6 +264,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     from rawpaged.entrypoints.app import create_app, serve
+    from rawpaged.entrypoints.server_config import ServerConfig
 
     args = build_serve_parser(prog).parse_args(argv)
     logging.basicConfig(
@@ -234,6 +272,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     )
     try:
         config = engine_config_from_args(args)
+        server_config = config_from_args(ServerConfig, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -250,6 +289,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         allowed_origins=args.allowed_origins,
         data_parallel_size=args.data_parallel_size,
         ray_address=args.ray_address,
+        server_config=server_config,
     )
     started_ray = False
     if args.ray_address and args.data_parallel_size == 1:

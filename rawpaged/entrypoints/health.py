@@ -14,22 +14,34 @@ from rawpaged.entrypoints.server_state import STATE, field_error, json_response,
 from rawpaged.errors import EngineDeadError
 
 
-async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+def health_status(state) -> tuple:
+    """``(status, body)`` of ``GET /health``: 200 while the model serves; 503 while it loads, after it
+    failed to, while the server drains on shutdown, or (data parallel) while no replica takes requests."""
+    if state.draining:
+        return 503, {"status": "draining", "model": state.model_name}
     if state.engine is not None:
         replica_health = getattr(state.engine, "replica_health", None)
         if replica_health is None:
-            return json_response({"status": "ok", "model": state.model_name})
+            return 200, {"status": "ok", "model": state.model_name}
         replicas = replica_health()  # data parallel: ok while one replica takes requests
         up = any(r["ready"] for r in replicas)
-        body = {"status": "ok" if up else "unavailable", "model": state.model_name, "replicas": replicas}
-        return json_response(body, status=200 if up else 503)
+        return (200 if up else 503), {
+            "status": "ok" if up else "unavailable",
+            "model": state.model_name,
+            "replicas": replicas,
+        }
     if state.load_error:
-        return json_response({"status": "error", "message": state.load_error}, status=503)
-    return json_response(
-        {"status": "loading", "model": state.model_name, "seconds": round(time.monotonic() - state.load_started, 1)},
-        status=503,
-    )
+        return 503, {"status": "error", "message": state.load_error}
+    return 503, {
+        "status": "loading",
+        "model": state.model_name,
+        "seconds": round(time.monotonic() - state.load_started, 1),
+    }
+
+
+async def health(request: web.Request) -> web.Response:
+    status, body = health_status(request.app[STATE])
+    return json_response(body, status=status)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -34,6 +34,20 @@ async def index(request: web.Request) -> web.FileResponse:
     )
 
 
+def static_file(files: dict):
+    """The handler of ``GET /static/{name}``: one of ``files`` (``{name: path}``, listed once at start:
+    no path from the client reaches the file system), else a 404 that the middleware answers as JSON."""
+
+    async def handler(request: web.Request) -> web.FileResponse:
+        path = files.get(request.match_info["name"])
+        if path is None:
+            raise web.HTTPNotFound(text=f"no file {request.path}")
+        return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+    return handler
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/", index)
-    app.router.add_static(STATIC_PREFIX.rstrip("/"), STATIC_DIR, append_version=False)
+    files = {p.name: p for p in STATIC_DIR.iterdir() if p.is_file()}
+    app.router.add_get(STATIC_PREFIX + "{name:.+}", static_file(files))

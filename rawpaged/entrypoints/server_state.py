@@ -14,6 +14,7 @@ from aiohttp import web
 from rawpaged.engine.protocol import EngineClient
 from rawpaged.entrypoints.metrics import ServerMetrics
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, error_body, now
+from rawpaged.entrypoints.server_config import ServerConfig
 
 DEFAULT_MAX_BODY_SIZE = 4 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 4096
@@ -35,6 +36,10 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=now)
     load_started: float = 0.0
+    server: ServerConfig = field(default_factory=ServerConfig)
+    gate: object = None  # the ConnectionGate counting connections
+    draining: bool = False  # shutting down: new requests get 503
+    allowed_host_names: frozenset | None = None  # Host names accepted (None: any; ``hosts``)
 
 
 STATE = web.AppKey("rawpaged_state", ServerState)
@@ -88,11 +93,29 @@ def require_engine(state: ServerState) -> EngineClient:
     return state.engine
 
 
+def check_capacity(state: ServerState, engine: EngineClient, num_requests: int = 1) -> None:
+    """A 503 with ``Retry-After`` when ``num_requests`` more would queue more than ``--max-queued-requests``
+    beyond the requests the engine runs at once (``max_num_seqs``), or while the server drains."""
+    if state.draining:
+        raise ProtocolError(
+            "the server is shutting down", status=503, type="service_unavailable_error", headers={"Retry-After": "5"}
+        )
+    limit = engine.max_num_seqs + state.server.max_queued_requests
+    if engine.num_active_requests + num_requests > limit:
+        raise ProtocolError(
+            f"the server is at capacity: {engine.num_active_requests} requests in flight, at most {limit} "
+            "(max_num_seqs running plus --max-queued-requests waiting); retry shortly",
+            status=503,
+            type="service_unavailable_error",
+            headers={"Retry-After": "1"},
+        )
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     """A 404 for a ``model`` this server does not serve (None: the served model)."""
     if model is not None and model not in state.model_aliases:
         raise ProtocolError(
-            f"The model `{model}` does not exist.",
+            f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
             param="model",
             status=404,
             type="invalid_request_error",

@@ -1,5 +1,5 @@
 """``GET /v1/ws``: one websocket carries any number of concurrent requests, told apart by the client's
-``id``; each choice streams ``delta`` messages and ends with ``done`` (README: "Websocket streaming").
+``id``; each choice streams ``delta`` messages and ends with ``done`` (docs/server.md, "Websocket streaming").
 
 Client -> server: ``{"type": "generate", "id", "prompt" | "messages", ...completions parameters}``,
 ``{"type": "subscribe_kv_cache", "id", ...}`` (the KV cache view: a snapshot, then deltas) and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_pro
 from rawpaged.entrypoints.server_state import (
     STATE,
     authorization_matches,
+    check_capacity,
     check_model,
     field_error,
     require_engine,
@@ -41,6 +43,20 @@ _NOT_PARAMETERS = ("type", "id", "stream", "stream_options")
 AUTH_TIMEOUT_S = 10.0
 #: close code for a socket that failed to authenticate (4000-4999: private use, RFC 6455 §7.4.2)
 CLOSE_UNAUTHORIZED = 4401
+#: close code for a socket idle past ``--ws-idle-timeout``
+CLOSE_IDLE = 4408
+
+logger = logging.getLogger("rawpaged.server")
+
+
+def max_frame_size(max_body_size: int) -> int:
+    """The largest message read at all: one up to here but over ``--max-body-size`` gets an ``error``
+    (status 413) and the socket stays open; a larger one closes it with code 1009 (message too big)."""
+    return max(2 * max_body_size, max_body_size + (1 << 20))
+
+
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 class KVCacheSubscription(BaseModel):
@@ -59,7 +75,8 @@ class KVCacheSubscription(BaseModel):
 
 @dataclass
 class _Job:
-    id: str
+    id: str | int  # as the client sent it
+    key: str  # its JSON text: the key of ``jobs``
     n: int
     task: asyncio.Task | None = None
     rid: str | None = None
@@ -103,9 +120,19 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     authenticated = not state.api_key or header is not None
     if state.api_key and header is not None and not authorization_matches(state.api_key, header):
         raise unauthorized()
-    ws = web.WebSocketResponse(max_msg_size=state.max_body_size)
+    ws = web.WebSocketResponse(
+        max_msg_size=max_frame_size(state.max_body_size), heartbeat=state.server.ws_ping_interval
+    )
     await ws.prepare(request)
     jobs: dict[str, _Job] = {}
+    loop = asyncio.get_running_loop()
+    last_activity = loop.time()  # the last message, or the end of the last job
+
+    def job_ended(job: _Job) -> None:
+        nonlocal last_activity
+        if jobs.get(job.key) is job:
+            del jobs[job.key]
+        last_activity = loop.time()
 
     async def send(obj) -> None:
         if ws.closed:
@@ -139,7 +166,9 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         try:
             check_model(state, req.model)
             engine = require_engine(state)
+            check_capacity(state, engine)
             prompts = await prepare_prompts(engine, req, state.limits)
+            check_capacity(state, engine)
             prompt_tokens = len(prompts[0].ids)
             if job.cancelled:
                 raise asyncio.CancelledError
@@ -170,18 +199,22 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         except ProtocolError as e:
             await send(_error_message(job.id, e))
         except EngineError as e:
-            await send({"type": "error", "id": job.id, "message": str(e), "param": None, "status": 500})
+            await send({"type": "error", "id": job.id, "message": str(e), "param": None, "status": e.status})
         except asyncio.CancelledError:
             if not job.cancelled:
                 raise
             for index in range(job.n):  # the client's cancel: close every choice
                 if not tracker.finished(index):
                     await send(done(index, "abort"))
+        except Exception:  # noqa: BLE001 - a fault of ours: the client still hears of it
+            logger.exception("unhandled error in websocket request id %r", job.id)
+            await send(
+                {"type": "error", "id": job.id, "message": "internal server error", "param": None, "status": 500}
+            )
         finally:
             if engine is not None and job.rid is not None:
                 engine.abort(job.rid)
-            if jobs.get(job.id) is job:
-                del jobs[job.id]
+            job_ended(job)
 
     async def watch_kv_cache(job: _Job, sub: KVCacheSubscription) -> None:
         """Send a snapshot, then every ``interval_ms`` the delta since the last one sent; an idle server
@@ -209,18 +242,17 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         except ReplicaUnavailableError as e:
             await send({"type": "error", "id": job.id, "message": str(e), "param": "replica", "status": 503})
         except EngineError as e:
-            await send({"type": "error", "id": job.id, "message": str(e), "param": None, "status": 500})
+            await send({"type": "error", "id": job.id, "message": str(e), "param": None, "status": e.status})
         finally:
-            if jobs.get(job.id) is job:
-                del jobs[job.id]
+            job_ended(job)
 
     def on_message(data: str) -> dict | None:
         """Act on one client message; returns the reply to send at once, if any."""
-        nonlocal authenticated
-        try:
-            msg = json.loads(data)
-        except ValueError as e:
-            raise ProtocolError(f"message is not valid JSON: {e}") from None
+        nonlocal authenticated, last_activity
+        last_activity = loop.time()
+        if _utf8_size(data) > state.max_body_size:
+            raise ProtocolError(f"message is larger than {state.max_body_size} bytes (--max-body-size)", status=413)
+        msg = protocol.decode_json(data, "message")
         if not isinstance(msg, dict):
             raise ProtocolError("message must be a JSON object")
         if not authenticated:
@@ -236,36 +268,36 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         mid = msg.get("id")
         if isinstance(mid, bool) or not isinstance(mid, (str, int)) or mid == "":
             raise ProtocolError("id must be a non-empty string", param="id")
-        mid = str(mid)
+        key = json.dumps(mid)  # 7 and "7" are two ids; replies carry the id as it was sent
         kind = msg.get("type")
         if kind == "generate":
-            if mid in jobs:
-                raise _MessageError(ProtocolError(f"id {mid!r} is already in use on this socket", param="id"), mid)
+            if key in jobs:
+                raise _MessageError(ProtocolError(f"id {key} is already in use on this socket", param="id"), mid)
             body = {k: v for k, v in msg.items() if k not in _NOT_PARAMETERS}
             try:
                 req = protocol.parse_request(WebSocketGenerateRequest, body, state.limits)
             except ProtocolError as e:
                 raise _MessageError(e, mid) from None
-            job = _Job(mid, req.num_choices)
-            jobs[mid] = job
+            job = _Job(mid, key, req.num_choices)
+            jobs[key] = job
             job.task = asyncio.create_task(run(job, req))
         elif kind == "subscribe_kv_cache":
-            if mid in jobs:
-                raise _MessageError(ProtocolError(f"id {mid!r} is already in use on this socket", param="id"), mid)
+            if key in jobs:
+                raise _MessageError(ProtocolError(f"id {key} is already in use on this socket", param="id"), mid)
             try:
                 sub = _subscription(msg)
             except ProtocolError as e:
                 raise _MessageError(e, mid) from None
-            job = _Job(mid, 0, watcher=True)
-            jobs[mid] = job
+            job = _Job(mid, key, 0, watcher=True)
+            jobs[key] = job
             job.task = asyncio.create_task(watch_kv_cache(job, sub))
         elif kind == "cancel":
-            job = jobs.get(mid)
+            job = jobs.get(key)
             if job is None:
-                raise _MessageError(ProtocolError(f"no active request with id {mid!r}", param="id"), mid)
+                raise _MessageError(ProtocolError(f"no active request with id {key}", param="id"), mid)
             if job.watcher:  # a subscription just stops
                 job.task.cancel()
-                del jobs[mid]
+                job_ended(job)
                 return
             # run() sees the flag (or its stream ends as aborted) and sends a "done" per choice
             job.cancelled = True
@@ -276,13 +308,27 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                 ProtocolError("type must be 'generate', 'subscribe_kv_cache' or 'cancel'", param="type"), mid
             )
 
+    idle_timeout = state.server.ws_idle_timeout
     try:
         while True:
+            if not authenticated:
+                timeout = AUTH_TIMEOUT_S
+            elif jobs:  # the idle clock runs only while nothing is in flight: look again later
+                timeout = idle_timeout
+            else:
+                timeout = max(1e-3, last_activity + idle_timeout - loop.time())
             try:
-                msg = await ws.receive(timeout=None if authenticated else AUTH_TIMEOUT_S)
+                msg = await ws.receive(timeout=timeout)
             except asyncio.TimeoutError:
-                await send(_error_message(None, _Unauthorized("no auth message within the time allowed")))
-                await ws.close(code=CLOSE_UNAUTHORIZED, message=b"unauthorized")
+                if not authenticated:
+                    await send(_error_message(None, _Unauthorized("no auth message within the time allowed")))
+                    await ws.close(code=CLOSE_UNAUTHORIZED, message=b"unauthorized")
+                    break
+                if jobs or loop.time() < last_activity + idle_timeout:
+                    continue
+                message = f"no message for {idle_timeout:g}s with nothing in flight (--ws-idle-timeout)"
+                await send({"type": "error", "id": None, "message": message, "param": None, "status": 408})
+                await ws.close(code=CLOSE_IDLE, message=b"idle timeout")
                 break
             if msg.type == web.WSMsgType.TEXT:
                 try:

@@ -78,6 +78,33 @@ def test_every_engine_config_field_is_an_option_with_its_docstring():
         assert action.default == f.default, f.name
 
 
+def test_every_server_config_field_is_an_option_and_builds_the_config():
+    from rawpaged.entrypoints.server_config import ServerConfig
+
+    parser = cli_mod.build_serve_parser()
+    by_dest = {a.dest: a for a in parser._actions if a.option_strings}
+    docs = cli_mod.field_docs(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        action = by_dest[f.name]
+        assert "--" + f.name.replace("_", "-") in action.option_strings
+        assert action.help == docs[f.name] and len(docs[f.name]) > 10, f.name
+    args = parser.parse_args(
+        ["--timeout-keep-alive", "2.5", "--max-connections", "100", "--allowed-hosts", "A.example", "b.example"]
+        + ["--reject-unknown-fields", "--shutdown-timeout", "0"]
+    )
+    cfg = cli_mod.config_from_args(ServerConfig, args)
+    assert cfg == ServerConfig(
+        timeout_keep_alive=2.5,
+        max_connections=100,
+        allowed_hosts=("a.example", "b.example"),
+        reject_unknown_fields=True,
+        shutdown_timeout=0,
+    )
+    assert cli_mod.config_from_args(ServerConfig, parser.parse_args([])) == ServerConfig()
+    with pytest.raises(ValueError, match="timeout_body"):
+        cli_mod.config_from_args(ServerConfig, parser.parse_args(["--timeout-body", "0"]))
+
+
 def test_options_build_the_engine_config():
     parser = cli_mod.build_serve_parser()
     args = parser.parse_args(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerateRequest, parse_request
+from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, WebSocketGenerateRequest, parse_request
 from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
 
 FIELDS = (
@@ -93,11 +93,7 @@ async def fuzzed_ws(session, url, body) -> None:
             done += reply["type"] == "done"
 
 
-class _Limits:  # the server's limits, for predicting how many choices a websocket request answers
-    max_tokens, max_n, max_prompts = LIMIT, 16, 64
-
-
-_LIMITS = _Limits()
+_LIMITS = Limits(max_tokens=LIMIT)  # the server's, for predicting how many choices a websocket request answers
 
 
 def fuzz(srv: ServerThread, reference: str, endpoint: str, mutation: dict) -> None:

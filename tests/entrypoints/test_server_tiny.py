@@ -328,3 +328,46 @@ def test_a_grammar_without_llguidance_is_a_400_naming_the_package(tiny_dir, monk
         wait_pool_empty(srv)
     finally:
         assert srv.stop() == 0
+
+
+def test_a_websocket_cancel_during_a_slow_compile_stops_the_request(tiny_dir, monkeypatch):
+    """The cancel reaches the engine before the request does (its grammar still compiles): the request
+    must never run. Also over HTTP: a client that leaves while its grammar compiles."""
+    import time
+
+    from rawpaged.structured_output.manager import StructuredOutputManager
+
+    real = StructuredOutputManager.compile
+
+    def slow(self, params):
+        time.sleep(0.8)
+        return real(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "compile", slow)
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
+    srv = ServerThread(create_app(config)).start()
+    srv.wait_healthy()
+    body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True, "structured_outputs": {"regex": "[a-z]{1,300}"}}
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(srv.url + "/v1/ws") as ws:
+                await ws.send_json({"type": "generate", "id": 7, **body})
+                await ws.send_json({"type": "cancel", "id": 7})
+                done = await ws.receive_json(timeout=10)
+                await asyncio.sleep(1.2)  # the compile ends
+                running = (await (await s.get(srv.url + "/v1/debug/stats")).json())["num_requests_running"]
+            try:
+                await s.post(srv.url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.3))
+            except asyncio.TimeoutError:
+                pass  # the client left while its grammar compiled
+            await asyncio.sleep(1.2)
+            return done, running
+
+    try:
+        done, running = run(main())
+        assert done["type"] == "done" and done["finish_reason"] == "abort" and done["id"] == 7, done
+        assert running == 0
+        wait_pool_empty(srv)
+    finally:
+        assert srv.stop() == 0

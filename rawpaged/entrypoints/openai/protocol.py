@@ -10,6 +10,7 @@ error body's ``param``. Every refusal is a :class:`ProtocolError`.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from rawpaged.entrypoints.openai.tool_parsers import ForcedToolParser, HermesToo
 from rawpaged.errors import InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import RESERVED_TEMPLATE_KWARGS
+
+logger = logging.getLogger("rawpaged.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
@@ -37,6 +40,8 @@ class ProtocolError(Exception):
         status: int = 400,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict | None = None,
+        close: bool = False,
     ):
         super().__init__(message)
         self.message = message
@@ -44,6 +49,8 @@ class ProtocolError(Exception):
         self.status = status
         self.type = type
         self.code = code
+        self.headers = headers or {}  # e.g. Retry-After
+        self.close = close  # close the connection after the response (a body that never arrived)
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -63,6 +70,7 @@ class Limits:
     max_tokens: int = 4096  # a request asking for more generated tokens gets a 400
     max_n: int = 16  # n and best_of at most
     max_prompts: int = MAX_PROMPTS  # prompts per /v1/completions request at most
+    reject_unknown_fields: bool = False  # a field the API does not define: a 400 (else logged, ignored)
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -568,13 +576,74 @@ _EXPECTED = {
 }
 
 
+def decode_json(data: bytes | str, what: str = "request body"):
+    """JSON text as Python objects, for any nesting Python's parser takes (pydantic's stops at a few
+    hundred levels, which a deeply nested JSON Schema reaches).
+
+    Raises:
+        ProtocolError: invalid JSON or UTF-8, nesting too deep, or a string with a lone UTF-16
+            surrogate (``"\\ud800"``: no Unicode text; the tokenizer could not encode it).
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise ProtocolError(f"{what} is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ProtocolError(f"{what} is not valid JSON: {e}") from None
+    bad = _lone_surrogate(obj)
+    if bad is not None:
+        path = ".".join(str(p) for p in bad) or what
+        raise ProtocolError(
+            f"{path} holds a lone UTF-16 surrogate (such as \\ud800): not valid Unicode text",
+            param=str(bad[0]) if bad else None,
+        )
+    return obj
+
+
+def _lone_surrogate(obj) -> list | None:
+    """The path of the first string (or key) that is not valid Unicode, or None."""
+    stack = [(obj, [])]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                stack.append((k, path))
+                stack.append((v, [*path, k]))
+        elif isinstance(node, list):
+            stack.extend((v, [*path, i]) for i, v in enumerate(node))
+    return None
+
+
+def unknown_fields(model: type[BaseModel], body) -> list:
+    """Top-level keys of ``body`` that ``model`` does not define (they would be ignored)."""
+    if not isinstance(body, dict):
+        return []
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    return sorted(k for k in body if k not in known)
+
+
 def parse_request(model: type[GenerationRequest], data, limits: Limits) -> GenerationRequest:
     """A request body (bytes/str of JSON, or an already decoded object) as ``model``, checked
-    (``GenerationRequest.check``). Raises ProtocolError naming the field at fault."""
+    (``GenerationRequest.check``). Fields the API does not define are ignored and logged, or refused
+    with ``limits.reject_unknown_fields``. Raises ProtocolError naming the field at fault."""
+    body = decode_json(data) if isinstance(data, (bytes, str)) else data
+    unknown = unknown_fields(model, body)
+    if unknown and limits.reject_unknown_fields:
+        raise ProtocolError(
+            f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} (--reject-unknown-fields)",
+            param=unknown[0],
+        )
     try:
-        req = model.model_validate_json(data) if isinstance(data, (bytes, str)) else model.model_validate(data)
+        req = model.model_validate(body)
     except ValidationError as e:
-        raise _validation_error(e, data) from None
+        raise _validation_error(e, body) from None
+    if unknown:
+        logger.warning("request fields %s are not part of the API and were ignored", ", ".join(map(repr, unknown)))
     req.check(limits)
     return req
 
