@@ -33,6 +33,8 @@ class SamplingParams:
         max_tokens: generated tokens at most (>= 1).
         stop: strings that end generation; not included in the text; found across token boundaries.
         stop_token_ids: token ids that end generation (besides EOS unless ``ignore_eos``).
+        include_stop_str_in_output: keep the stop string, or the text of the stop token, at the end of
+            the output (vLLM's field; such text is then streamed as it comes, not held back).
         ignore_eos: keep going after EOS.
         logprobs: number of top logprobs to return per generated token (0..20), or None.
         use_beam_search / beam_width / length_penalty: beam search (score = cumulative logprob /
@@ -55,6 +57,7 @@ class SamplingParams:
     stop: list | str | None = None
     stop_token_ids: list | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None
     use_beam_search: bool = False
     beam_width: int | None = None
@@ -110,6 +113,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", "must be a boolean")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.beam_width is not None:

@@ -3,7 +3,9 @@
 
 Per step, with k running beams of cumulative logprob ``c_b`` and ``g`` tokens generated so far:
   * candidates are the top ``2k`` of ``c_b + log_softmax(logits_b)`` over every beam and token;
-  * a candidate "hits" when its token is EOS / a stop token, or when ``g + 1`` reaches the length limit;
+  * a candidate "hits" when its token is EOS / a stop token, when its text completes a stop string, or
+    when ``g + 1`` reaches the length limit (stops as sampling has them: a stop string or a stop token's
+    text is cut from the hypothesis' text unless ``include_stop_str_in_output``);
   * the next running beams are the k best candidates that do not hit;
   * hitting candidates ranked in the top k become finished hypotheses scored
     ``(c_b + logprob) / (g + 1) ** length_penalty``; the k best hypotheses are kept;
@@ -15,12 +17,18 @@ branch, the pruned ones to finish) and ``beam_outputs`` gives the final hypothes
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rawpaged.engine.logprobs import top_logprobs
 from rawpaged.engine.outputs import CompletionOutput
+from rawpaged.engine.stop_strings import cut_at_stop_string, find_stop_string
+
+#: tokens of a beam's tail decoded to look for a stop string, beyond the longest one's characters
+STOP_WINDOW_MARGIN = 8
 
 
 def length_normalized(cumulative_logprob: float, length: int, length_penalty: float) -> float:
@@ -35,8 +43,13 @@ class Hypothesis:
     score: float
     cumulative_logprob: float
     token_ids: list  # generated tokens, the final (hitting) one included
-    hit_eos: bool
+    hit_eos: bool  # ended by EOS or a stop token id
     logprobs: list | None = None  # per token: {token_id: logprob}, when asked for
+    stop_str: str | None = None  # the stop string its text completed
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.hit_eos or self.stop_str is not None else "length"
 
 
 @dataclass
@@ -66,6 +79,7 @@ def step(
     max_new_tokens: int,
     logprobs: list | None = None,
     num_logprobs: int = 0,
+    stop_string: Callable[[int, int], str | None] | None = None,
 ) -> list:
     """Advance one token. Returns the next running beams as ``Candidate``s (best first).
 
@@ -77,6 +91,8 @@ def step(
         max_new_tokens: length limit of generated tokens.
         logprobs: each running beam's per-token logprob entries, when they are reported; a finished
             hypothesis then carries its own (``num_logprobs`` top entries for its last token).
+        stop_string: ``(parent, token) -> the stop string that beam's text completes with that token``
+            (or None); asked only of the top ``2k`` candidates.
     """
     k = state.width
     g = len(generated[0])
@@ -91,7 +107,8 @@ def step(
     running, new_finished = [], []
     for rank, idx in enumerate(top):
         parent, token, total = int(idx // vocab), int(idx % vocab), float(flat[idx])
-        hits = at_limit or token in stop_ids
+        stop_str = stop_string(parent, token) if stop_string is not None and token not in stop_ids else None
+        hits = at_limit or token in stop_ids or stop_str is not None
         if hits:
             if rank < k and state.improvement_possible:
                 entries = None
@@ -104,6 +121,7 @@ def step(
                         generated[parent] + [token],
                         token in stop_ids,
                         entries,
+                        stop_str,
                     )
                 )
         elif len(running) < k:
@@ -124,13 +142,34 @@ def stop_token_ids(params, eos_token_ids) -> set:
     return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
-def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tuple:
+def stop_string_finder(stops: list, beams: list, tokenizer) -> Callable[[int, int], str | None]:
+    """``(parent, token) -> stop string`` for ``step``: decodes the tail of beam ``parent`` with and
+    without ``token`` and looks for a stop string that ends in the new characters (as sampling finds
+    them across token boundaries)."""
+    longest = max(len(s) for s in stops)
+    window = longest + STOP_WINDOW_MARGIN
+    before: dict = {}
+
+    def find(parent: int, token: int) -> str | None:
+        tail = beams[parent].output_token_ids[-window:]
+        if parent not in before:
+            before[parent] = tokenizer.decode(tail)
+        old, new = before[parent], tokenizer.decode([*tail, token])
+        common = len(os.path.commonprefix([old, new]))
+        found = find_stop_string(new, stops, max(0, common - longest + 1))
+        return None if found is None else found[1]
+
+    return find
+
+
+def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float, tokenizer=None) -> tuple:
     """Advance request ``req`` by one token once all its running beams have their ``pending_logprobs``.
 
     Every chosen ``(parent, token)`` gets a sequence: the parent itself the first time, a fork
     (``fork(req, parent)``, sharing the parent's blocks) after. Returns ``(sampled, pruned)``: the
     ``(sequence, token_id)`` pairs to append, and the beams no candidate continues (to finish).
-    ``req.beams`` becomes the chosen sequences, their cumulative logprobs set.
+    ``req.beams`` becomes the chosen sequences, their cumulative logprobs set. ``tokenizer`` decodes
+    the candidates' text to find the request's stop strings (none are looked for without it).
     """
     params, beams = req.params, req.beams
     limit = min(params.max_tokens, max_model_len - len(req.prompt_token_ids))
@@ -147,6 +186,7 @@ def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tupl
         limit,
         [b.logprobs for b in beams] if with_logprobs else None,
         params.logprobs or 0,
+        stop_string_finder(params.stop_strings, beams, tokenizer) if params.stop_strings and tokenizer else None,
     )
     claimed, sampled = set(), []
     for cand in chosen:  # forks first: each copies its parent's state before this step's token
@@ -164,14 +204,27 @@ def step_beams(req, fork, eos_token_ids, max_model_len: int, now: float) -> tupl
     return [(seq, cand.token_id) for seq, cand in sampled], [b for i, b in enumerate(beams) if i not in claimed]
 
 
+def hypothesis_text(hyp: Hypothesis, params, tokenizer) -> str:
+    """The text of a finished hypothesis as sampling would show it: a stop token's text left out and a
+    stop string cut off, unless ``include_stop_str_in_output``."""
+    include = params.include_stop_str_in_output
+    ids = hyp.token_ids[:-1] if hyp.hit_eos and not include else hyp.token_ids
+    text = tokenizer.decode(ids)
+    if hyp.stop_str is not None:
+        found = find_stop_string(text, [hyp.stop_str], 0)
+        if found is not None:
+            text = cut_at_stop_string(text, found, include)
+    return text
+
+
 def beam_outputs(req, tokenizer) -> list:
     """The ``n`` best finished hypotheses of a done search, best first, as ``CompletionOutput``s."""
     return [
         CompletionOutput(
             index=i,
-            text=tokenizer.decode(hyp.token_ids),
+            text=hypothesis_text(hyp, req.params, tokenizer),
             token_ids=list(hyp.token_ids),
-            finish_reason="stop" if hyp.hit_eos else "length",
+            finish_reason=hyp.finish_reason,
             logprobs=hyp.logprobs,
             cumulative_logprob=hyp.cumulative_logprob,
         )

@@ -234,7 +234,7 @@ class LLMEngine:
                     seq.pending_logprobs = log_softmax(rows[row])
                     if all(b.pending_logprobs is not None for b in req.beams):
                         sampled, dead = beam_search.step_beams(
-                            req, self._fork, self.eos_token_ids, self.max_model_len, now
+                            req, self._fork, self.eos_token_ids, self.max_model_len, now, self.tokenizer
                         )
                         beam_sampled += sampled
                         pruned += dead

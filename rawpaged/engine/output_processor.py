@@ -43,6 +43,9 @@ class OutputProcessor:
                 if params.logprobs is not None:
                     seq.logprobs.append(top_logprobs(lp_row, token, params.logprobs))
             if seq.finish_reason == "stop":  # EOS or a stop token id, found by the scheduler
+                if params.include_stop_str_in_output:  # its text is shown
+                    self.detokenizer.step(seq)
+                    self.detokenizer.flush(seq)
                 continue
             new_text = self.detokenizer.step(seq)
             if params.stop_strings and new_text and truncate_at_stop_string(seq, len(new_text)):

@@ -13,6 +13,7 @@ import llguidance
 import numpy as np
 
 from rawpaged.errors import InvalidRequestError
+from rawpaged.structured_output.json_schema import hoist_deep_subschemas
 from rawpaged.structured_output.params import StructuredOutputsParams
 
 #: llguidance's JSON options when free whitespace is disabled: fixed separators, as ``json.dumps``
@@ -78,6 +79,13 @@ class GuidanceBackend:
         try:
             if kind in ("json", "json_object"):
                 schema = {"type": "object"} if kind == "json_object" else params.json
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except (ValueError, RecursionError):
+                        pass  # llguidance says what is wrong with it
+                if not isinstance(schema, str):
+                    schema = hoist_deep_subschemas(schema)  # deeper than llguidance's JSON reader goes
                 text = schema if isinstance(schema, str) else json.dumps(schema)
                 spec = llguidance.LLMatcher.grammar_from_json_schema(
                     text, defaults=_COMPACT_JSON if params.disable_any_whitespace else None

@@ -81,6 +81,7 @@ class StructuredOutputManager:
             InvalidRequestError naming the field when the constraint does not compile, or is over the
             grammar engine's limits at its first token (``GuidanceBackend.probe``).
         """
+        backend = self.backend  # MissingDependencyError without llguidance (not a refusal to cache)
         key = params.key()
         owner = False
         with self._lock:
@@ -96,7 +97,7 @@ class StructuredOutputManager:
             spec = pending.result()
         elif spec is None:
             try:
-                spec = self.backend.grammar_spec(params)
+                spec = backend.grammar_spec(params)
             except InvalidRequestError as e:
                 spec = e  # refusals are cached too: a slow schema that fails is not compiled again
             except BaseException as e:
@@ -113,7 +114,7 @@ class StructuredOutputManager:
             pending.set_result(spec)
         if isinstance(spec, InvalidRequestError):
             raise InvalidRequestError(str(spec), spec.param)
-        return self.backend.grammar(spec)
+        return backend.grammar(spec)
 
     def compile_async(self, params: StructuredOutputsParams) -> Future:
         """``compile(params)`` in a compile thread; the future holds the matcher or the error."""

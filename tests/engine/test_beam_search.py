@@ -175,9 +175,12 @@ def test_beam_outputs_take_the_n_best_hypotheses():
     req.beam.finished = [Hypothesis(-1.0, -2.0, [0, 1], True, [{0: -1.0}, {1: -1.0}]),
                          Hypothesis(-1.5, -3.0, [2, 2], False), Hypothesis(-2.0, -4.0, [3], False)]  # fmt: skip
     outs = beam_outputs(req, tok)
+    # a stop token's text is left out, as sampling leaves it out (vLLM)
     assert [(o.index, o.text, o.token_ids, o.finish_reason, o.cumulative_logprob) for o in outs] == [
-        (0, "ab", [0, 1], "stop", -2.0), (1, "cc", [2, 2], "length", -3.0)]  # fmt: skip
+        (0, "a", [0, 1], "stop", -2.0), (1, "cc", [2, 2], "length", -3.0)]  # fmt: skip
     assert outs[0].logprobs == [{0: -1.0}, {1: -1.0}] and outs[1].logprobs is None
+    req.params = SamplingParams(n=2, beam_width=3, include_stop_str_in_output=True)
+    assert [o.text for o in beam_outputs(req, tok)] == ["ab", "cc"]
 
 
 def test_length_normalized_hides_every_floating_point_warning():

@@ -265,3 +265,18 @@ def test_tool_choice_picks_the_parser_and_the_constraint():
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], tool_choice="required"
     )
     assert bad.client_param("structured_outputs.json") == "tools"
+
+
+def test_a_deeply_nested_schema_is_valid_json_and_a_lone_surrogate_is_not():
+    schema = {"type": "string"}
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    req = parse_request(ChatCompletionRequest, json.dumps({**body, "response_format": fmt}), LIMITS)
+    assert req.structured_outputs_fields()["json"] == schema
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_request(ChatCompletionRequest, "[" * 100_000 + "]" * 100_000, LIMITS)
+    with pytest.raises(ProtocolError, match="surrogate") as e:
+        parse_request(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "abc \\ud800"}]}', LIMITS)
+    assert e.value.param == "messages"

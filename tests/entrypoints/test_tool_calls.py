@@ -117,6 +117,19 @@ def test_hermes_parser_separates_content_and_calls(text, content, calls):
     assert len({c["id"] for c in got_calls}) == len(got_calls)
 
 
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call_with_auto(parallel):
+    text = "Let me look.\n\n" + call("get_weather", {"city": "Paris"}) + "\n" + call("get_time", {}) + "\nDone."
+    body = {"messages": CONVERSATION, "tools": TOOLS, "tool_choice": "auto"}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    req = parse_request(ChatCompletionRequest, body, Limits())
+    content, calls = extract_tool_calls(req.tool_parser(), text)
+    names = [c["function"]["name"] for c in calls]
+    assert names == (["get_weather"] if parallel is False else ["get_weather", "get_time"])
+    assert content == "Let me look.\nDone."
+
+
 PIECES = [
     "Sure",
     ". ",

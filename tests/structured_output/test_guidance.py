@@ -297,3 +297,17 @@ def test_a_compile_past_its_time_limit_is_refused_and_its_result_kept(tokenizer)
     time.sleep(0.8)  # the compile went on in its thread
     assert not asyncio.run(manager.compile_await(params)).error and manager.num_compiled == 1
     manager.shutdown()
+
+
+def test_a_150_level_nested_schema_compiles_and_takes_its_deep_value(manager, tokenizer):
+    """Deeper than llguidance's JSON reader (128 levels): its deep subschemas move to ``$defs``."""
+    schema = {"type": "string", "enum": ["x"]}
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"], "additionalProperties": False}
+    grammar = manager.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    text = '{"a": ' * 150 + '"x"' + "}" * 150
+    for token in tokenizer.encode_literal(text):
+        assert grammar.accept_token(token), grammar.error
+    assert grammar.is_accepting()
+    wrong = manager.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert not all(wrong.accept_token(t) for t in tokenizer.encode_literal('{"a": ' * 149 + '"x"}'))

@@ -171,8 +171,8 @@ class NamedToolChoice(OpenAIBaseModel):
 
 class GenerationRequest(OpenAIBaseModel):
     """Fields shared by completions, chat and websocket ``generate`` (OpenAI's, plus vLLM's extras
-    ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``use_beam_search``, ``length_penalty``,
-    ``structured_outputs``).
+    ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
+    ``use_beam_search``, ``length_penalty``, ``structured_outputs``).
 
     Structured outputs: OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
     "json_schema": {"name", "schema", "strict"}}``) or vLLM's ``structured_outputs`` (a dict of
@@ -193,6 +193,7 @@ class GenerationRequest(OpenAIBaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     use_beam_search: bool | None = None
@@ -254,7 +255,16 @@ class GenerationRequest(OpenAIBaseModel):
         generation config: temperature, top_p, top_k, min_p) fill the fields the request leaves unset."""
         kw = dict(defaults or {})
         kw.update(n=self.num_choices, temperature=kw.get("temperature", 1.0))
-        for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "include_stop_str_in_output",
+        ):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         if self.seed is not None:
@@ -467,7 +477,7 @@ class ChatCompletionRequest(GenerationRequest):
     def tool_parser(self) -> ToolParser | None:
         mode = self.tool_mode
         if mode == "auto":
-            return HermesToolParser()
+            return HermesToolParser(max_calls=1 if self.parallel_tool_calls is False else None)
         if mode in ("required", "named"):
             return ForcedToolParser(self.tool_choice.function.name if mode == "named" else None)
         return None

@@ -34,10 +34,14 @@ def parse_call(body: str) -> tuple | None:
 class HermesToolParser(ToolParser):
     """``tool_choice: "auto"``: streams content while holding back text that may begin ``<tool_call>``
     (and trailing whitespace, dropped before a call), and emits each call whole once its closing tag
-    (or the end of the choice) arrives. A block that is not a valid call stays content, tags and all."""
+    (or the end of the choice) arrives. A block that is not a valid call stays content, tags and all.
+    With ``max_calls`` (1 for ``parallel_tool_calls: false``), valid calls past it are dropped (vLLM
+    keeps only the first call there too)."""
 
-    def __init__(self):
+    def __init__(self, max_calls: int | None = None):
         super().__init__()
+        self.max_calls = max_calls
+        self.num_dropped = 0
         self._held = ""  # text not yet emitted: a call's body, or content that may begin one
         self._in_call = False
         self._after_call = False  # whitespace right after a call is not content
@@ -97,9 +101,12 @@ class HermesToolParser(ToolParser):
         if call is None:
             self._emit_content(self._gap + OPEN + body + (CLOSE if closed else ""), out)
             return
+        self._after_call = True
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            self.num_dropped += 1
+            return
         out.tool_calls.append(tool_call_delta(self.num_calls, call[0], call[1]))
         self.num_calls += 1
-        self._after_call = True
 
 
 def _partial_tag_length(text: str) -> int:
