@@ -51,15 +51,16 @@ class RequestStatsTracker:
         info.last_output_time = now
         info.num_generated = n
 
-    def finished(self, rid: str, reason: str, now: float) -> None:
-        """The request ended: ``reason`` is its finish reasons joined by commas, "abort" or "error"."""
+    def finished(self, rid: str, reason, now: float) -> None:
+        """The request ended: ``reason`` is its choices' finish reasons (a list, ``finish_reasons``),
+        or "abort" or "error" for all of it."""
+        reasons = [reason] if isinstance(reason, str) else list(reason)
         info = self._info.pop(rid, None)
         if info is None:
             return
         latency = now - info.arrival
         if self.metrics is not None:
-            for r in reason.split(","):
-                self.metrics.observe_finished(latency, r)
+            self.metrics.observe_finished(latency, reasons)
         if self.log_requests:
             ttft = f"{info.first_token_time - info.arrival:.3f}s" if info.first_token_time else "-"
             logger.info(
@@ -67,7 +68,7 @@ class RequestStatsTracker:
                 f"{rid} ({info.log_label})" if info.log_label else rid,
                 info.num_prompt_tokens,
                 info.num_generated,
-                reason,
+                ",".join(sorted(set(reasons))),
                 latency,
                 ttft,
             )
@@ -78,5 +79,5 @@ class RequestStatsTracker:
 
 
 def finish_reasons(out: RequestOutput) -> str:
-    """A finished output's finish reasons, sorted and joined by commas ("stop" if none is set)."""
-    return ",".join(sorted({c.finish_reason for c in out.outputs if c.finish_reason}) or ["stop"])
+    """A finished output's finish reason per choice (``"stop"`` for one not set)."""
+    return [c.finish_reason or "stop" for c in out.outputs] or ["stop"]

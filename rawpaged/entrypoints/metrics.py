@@ -184,7 +184,7 @@ class ServerMetrics:
         )
         self.request_success = Counter(
             "rawpaged:request_success",
-            "Requests finished, by finish reason (stop, length, abort).",
+            "Choices finished (one per choice of a request with n > 1), by finish reason (stop, length, abort).",
             ["finished_reason"],
             registry=r,
         )
@@ -199,10 +199,12 @@ class ServerMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
 
-    def observe_finished(self, seconds: float, finish_reason: str) -> None:
-        if finish_reason != "abort":
+    def observe_finished(self, seconds: float, finish_reasons: list) -> None:
+        """One ended request: its end-to-end latency once (unless it was aborted), each choice's reason."""
+        if any(r != "abort" for r in finish_reasons):
             self.e2e_request_latency.observe(seconds)
-        self.request_success.labels(finished_reason=finish_reason).inc()
+        for r in finish_reasons:
+            self.request_success.labels(finished_reason=r).inc()
 
     def count_error(self, status: int) -> None:
         self.http_errors.labels(status=str(status)).inc()
