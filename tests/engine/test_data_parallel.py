@@ -153,7 +153,11 @@ def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
     from tests.entrypoints.server_thread import ServerThread, run, sse
 
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
-    srv = ServerThread(create_app(config, data_parallel_size=2)).start()
+    from rawpaged.entrypoints.server_config import ServerConfig
+
+    # killed replicas leave their requests for the drain to end: 2 s, not the default 30
+    app = create_app(config, data_parallel_size=2, server_config=ServerConfig(shutdown_timeout=2.0))
+    srv = ServerThread(app).start()
     srv.wait_healthy(timeout=180)
     prompt = "the same long prefix for every request: " * 3
     expected = tiny_engine(tiny_dir).generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text

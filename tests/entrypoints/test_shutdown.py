@@ -85,7 +85,7 @@ async def websocket(s, url: str, started: asyncio.Event) -> list:
 
 
 def test_sigterm_drains_then_ends_every_request_cleanly(tiny_dir):
-    proc, url, log = start_server(tiny_dir, "--shutdown-timeout", "1.5")
+    proc, url, log = start_server(tiny_dir, "--shutdown-timeout", "0.5")
     try:
 
         async def main():
