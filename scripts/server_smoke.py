@@ -29,17 +29,11 @@ from pathlib import Path
 
 import aiohttp
 
+from rawpaged.check_cuda_engine import SHAPES as ENGINE_SHAPES
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
-    "default": dict(
-        num_layers=30,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-    ),
+    "default": ENGINE_SHAPES["smollm2-135m-shape"],
     "tiny": dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
 }
 MAX_TOKENS = 16
