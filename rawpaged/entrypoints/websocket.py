@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
 from rawpaged.engine.outputs import DeltaTracker
-from rawpaged.entrypoints.openai import protocol
+from rawpaged.entrypoints.openai import protocol, request_body
 from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerateRequest
 from rawpaged.entrypoints.openai.serving_chat import ChatFormat
 from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
@@ -252,7 +252,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
         last_activity = loop.time()
         if _utf8_size(data) > state.max_body_size:
             raise ProtocolError(f"message is larger than {state.max_body_size} bytes (--max-body-size)", status=413)
-        msg = protocol.decode_json(data, "message")
+        msg = request_body.decode_json(data, "message")
         if not isinstance(msg, dict):
             raise ProtocolError("message must be a JSON object")
         if not authenticated:
@@ -275,7 +275,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
                 raise _MessageError(ProtocolError(f"id {key} is already in use on this socket", param="id"), mid)
             body = {k: v for k, v in msg.items() if k not in _NOT_PARAMETERS}
             try:
-                req = protocol.parse_request(WebSocketGenerateRequest, body, state.limits)
+                req = request_body.parse_request(WebSocketGenerateRequest, body, state.limits)
             except ProtocolError as e:
                 raise _MessageError(e, mid) from None
             job = _Job(mid, key, req.num_choices)

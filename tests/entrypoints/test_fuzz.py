@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, WebSocketGenerateRequest, parse_request
+from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, WebSocketGenerateRequest
+from rawpaged.entrypoints.openai.request_body import parse_request
 from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
 
 FIELDS = (
@@ -44,6 +45,7 @@ VALUES = st.one_of(
     st.lists(st.one_of(st.integers(-5, 10**6), st.text(max_size=4)), max_size=4),
     st.dictionaries(st.text(max_size=5), st.integers(-3, 3), max_size=2),
 )
+
 BASE = {
     "completions": {"prompt": "abc", "max_tokens": 4},
     "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},

@@ -14,8 +14,8 @@ from rawpaged.entrypoints.openai.protocol import (
     Limits,
     ProtocolError,
     WebSocketGenerateRequest,
-    parse_request,
 )
+from rawpaged.entrypoints.openai.request_body import parse_request
 from rawpaged.sampling_params import SamplingParams
 
 LIMITS = Limits(max_tokens=512, max_n=16, max_prompts=4)

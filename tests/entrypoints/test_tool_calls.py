@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rawpaged.entrypoints.chat_utils import template_conversation, tools_system_prompt
-from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest, Limits, parse_request
+from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest, Limits
+from rawpaged.entrypoints.openai.request_body import parse_request
 from rawpaged.entrypoints.openai.tool_parsers import (
     ForcedToolParser,
     HermesToolParser,

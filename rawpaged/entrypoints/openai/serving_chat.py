@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rawpaged.entrypoints.openai import protocol
+from rawpaged.entrypoints.openai import protocol, request_body
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
 from rawpaged.entrypoints.openai.tool_parsers import DeltaMessage, extract_tool_calls
@@ -70,5 +70,5 @@ class ChatFormat:
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    req = protocol.parse_request(ChatCompletionRequest, await read_body(request), request.app[STATE].limits)
+    req = request_body.parse_request(ChatCompletionRequest, await read_body(request), request.app[STATE].limits)
     return await serve_generation(request, req, ChatFormat())

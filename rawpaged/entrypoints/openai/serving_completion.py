@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rawpaged.entrypoints.openai import protocol
+from rawpaged.entrypoints.openai import protocol, request_body
 from rawpaged.entrypoints.openai.protocol import CompletionRequest
 from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
 from rawpaged.entrypoints.server_state import STATE
@@ -51,5 +51,5 @@ class CompletionFormat:
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    req = protocol.parse_request(CompletionRequest, await read_body(request), request.app[STATE].limits)
+    req = request_body.parse_request(CompletionRequest, await read_body(request), request.app[STATE].limits)
     return await serve_generation(request, req, CompletionFormat())
