@@ -320,3 +320,32 @@ def test_large_responses_are_encoded_by_part_to_the_same_json():
     obj = {"id": "x", "choices": [{"index": i, "text": 'é\u2028"', "lp": [0.1] * 3} for i in range(3)], "usage": {}}
     assert dumps_by_part(obj, "choices") == json.dumps(obj)
     assert json.loads(dumps_by_part({"choices": []}, "choices")) == {"choices": []}
+
+
+def test_a_websocket_that_does_not_answer_pings_is_closed(tiny_dir):
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
+    srv = ServerThread(create_app(config, server_config=ServerConfig(ws_ping_interval=0.4))).start()
+
+    async def frames(autoping: bool, seconds: float) -> tuple:
+        """The frame types the client sees for ``seconds``, and whether the socket was closed then."""
+        seen = []
+        async with aiohttp.ClientSession() as s, s.ws_connect(srv.url + "/v1/ws", autoping=autoping) as ws:
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                try:  # not receive(timeout=): an answered ping restarts that clock
+                    msg = await asyncio.wait_for(ws.receive(), left)
+                except asyncio.TimeoutError:
+                    break
+                seen.append(msg.type)
+                if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                    break
+            return seen, ws.closed
+
+    try:
+        srv.wait_healthy()
+        silent, silent_closed = run(asyncio.wait_for(frames(autoping=False, seconds=5.0), 15))
+        polite, polite_closed = run(asyncio.wait_for(frames(autoping=True, seconds=2.0), 15))
+    finally:
+        assert srv.stop() == 0
+    assert silent[0] == aiohttp.WSMsgType.PING and silent_closed, silent  # pinged, no pong, closed
+    assert not polite_closed and aiohttp.WSMsgType.CLOSE not in polite, polite  # answered pings: kept open
