@@ -157,7 +157,8 @@ async def run_level_raw(base_url, model, prompts, output_len, concurrency, reque
     return results, duration
 
 
-def _stats(values: list) -> dict:
+def latency_stats(values: list) -> dict:
+    """Mean, p50 and p99 in milliseconds of latencies ``values`` in seconds (all None when empty)."""
     if not values:
         return {"mean": None, "p50": None, "p99": None}
     a = np.asarray(values) * 1000.0
@@ -181,10 +182,10 @@ def summarize(results: list, duration: float, concurrency: int, request_rate: fl
         "total_output_tokens": out_tokens,
         "request_throughput_per_s": len(ok) / duration,
         "output_throughput_tok_s": out_tokens / duration,
-        "ttft_ms": _stats([r.ttft for r in ok]),
-        "itl_ms": _stats([x for r in ok for x in r.itl]),
-        "tpot_ms": _stats(tpot),
-        "e2e_ms": _stats([r.e2e for r in ok]),
+        "ttft_ms": latency_stats([r.ttft for r in ok]),
+        "itl_ms": latency_stats([x for r in ok for x in r.itl]),
+        "tpot_ms": latency_stats(tpot),
+        "e2e_ms": latency_stats([r.e2e for r in ok]),
     }
 
 

@@ -23,13 +23,11 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,72 +35,49 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import conditions, write_json  # noqa: E402
+from benchmarks.serve import latency_stats, start_server  # noqa: E402
+
 GREEDY = [f"Count from {i} to {i + 5}:" for i in range(4)]
 _JSON = {"Content-Type": "application/json"}
 #: how long one client call may take before it counts as a hang (seconds)
 CALL_TIMEOUT_S = 120
 
 
-class Server:
-    """``python server.py`` in a child process; its log goes to a file (a pipe nobody reads fills
-    up and stops the server's writes)."""
-
-    def __init__(self, args):
-        cmd = [sys.executable, "server.py", "--port", "0", "--max-connections", str(args.max_connections)]
-        cmd += ["--shutdown-timeout", "5"]
-        if args.model:
-            cmd += ["--model", args.model]
-        cmd += args.server_args
-        self.log_path = Path(tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1])
-        self.log_file = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log_file, stderr=subprocess.STDOUT)
-        self.url = ""
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 900) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log()
-            port = re.search(r"listening on http://[^:]+:(\d+)", text)
-            if port and "ready: model" in text:
-                self.url = f"http://127.0.0.1:{port.group(1)}"
-                return self.url
-            if self.proc.poll() is not None:
-                raise SystemExit("server exited:\n" + text[-4000:])
-            time.sleep(0.2)
-        self.proc.kill()
-        raise SystemExit("server did not get ready:\n" + self.log()[-4000:])
-
-    def usage(self) -> dict:
-        pid = self.proc.pid
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        rss = next(int(x.split()[1]) for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS"))
-        return {"fds": fds, "rss_mib": round(rss / 1024, 1)}
-
-    def stop(self, timeout: float = 60) -> dict:
-        t = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = "killed"
-        self.log_file.close()
-        drained = re.findall(r"drained: .*", self.log())
-        return {"exit_code": code, "seconds": round(time.monotonic() - t, 2), "drain": drained[-1] if drained else None}
+def usage(pid: int) -> dict:
+    """Open fds and resident memory of process ``pid`` (Linux ``/proc``)."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    rss = next(int(x.split()[1]) for x in open(f"/proc/{pid}/status") if x.startswith("VmRSS"))
+    return {"fds": fds, "rss_mib": round(rss / 1024, 1)}
 
 
-async def snapshot(server: Server) -> dict:
+def shutdown(proc, log_path: str, timeout: float = 60) -> dict:
+    """SIGTERM, then the exit code, the seconds it took and the server's drain line."""
+    if proc.poll() is not None:
+        return {"exit_code": proc.returncode, "seconds": 0.0, "drain": None}
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = "killed"
+    drained = re.findall(r"drained: .*", Path(log_path).read_text(errors="replace"))
+    return {"exit_code": code, "seconds": round(time.monotonic() - t, 2), "drain": drained[-1] if drained else None}
+
+
+async def snapshot(url: str, pid: int) -> dict:
     """KV blocks and process usage, read over a connection that is closed after the answer."""
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as s:
-        async with s.get(server.url + "/v1/debug/stats") as r:
+        async with s.get(url + "/v1/debug/stats") as r:
             st = await r.json()
     await asyncio.sleep(0.3)  # the server closes its side
     keys = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting")
-    return {"blocks": {k: st.get(k) for k in keys}, **server.usage()}
+    return {"blocks": {k: st.get(k) for k in keys}, **usage(pid)}
 
 
 async def greedy_text(s, url, prompt) -> tuple:
@@ -116,7 +91,7 @@ class Soak:
     def __init__(self, url: str, until: float, rng: random.Random, reference: dict):
         self.url, self.until, self.rng, self.reference = url, until, rng, reference
         self.outcomes = Counter()
-        self.health_ms: list = []
+        self.health_s: list = []
         self.changed: list = []
         self.reopened = 0
 
@@ -259,34 +234,30 @@ class Soak:
                     status = r.status
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 status = type(e).__name__
-            self.health_ms.append((time.perf_counter() - t) * 1000)
+            self.health_s.append(time.perf_counter() - t)
             self.record("health", status)
             await asyncio.sleep(0.1)
 
 
-def percentile(values: list, q: float):
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
-
-
 async def run(args) -> dict:
-    server = Server(args)
+    server_args = ["--max-connections", str(args.max_connections), "--shutdown-timeout", "5"]
+    server_args += [*(["--model", args.model] if args.model else []), *args.server_args]
+    proc, url, log_path = await asyncio.to_thread(start_server, server_args, 900)  # it runs its own loop
     try:
-        url = await asyncio.to_thread(server.wait_ready)
         port = int(url.rsplit(":", 1)[1])
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with aiohttp.ClientSession() as s:
             reference = {}
             for p in GREEDY:
                 status, reference[p] = await greedy_text(s, url, p)
                 if status != 200:
                     raise SystemExit(f"reference request failed: {status} {reference[p]}")
-        start = await snapshot(server)
+        start = await snapshot(url, proc.pid)
         soak = Soak(url, time.monotonic() + args.duration, random.Random(args.seed), reference)
         marks = {}
 
         async def warm_mark():
             await asyncio.sleep(args.duration * 0.25)
-            marks["warm"] = server.usage()
+            marks["warm"] = usage(proc.pid)
 
         # the health and hostile clients use their own sessions, so innocent ones never queue them
         async with (
@@ -299,33 +270,26 @@ async def run(args) -> dict:
             tasks += [soak.idle_socket(port, slow=bool(i % 2)) for i in range(args.idle_sockets)]
             await asyncio.gather(*tasks)
         await asyncio.sleep(1)
-        end = await snapshot(server)
+        end = await snapshot(url, proc.pid)
     finally:
-        shutdown = server.stop() if server.proc.poll() is None else {"exit_code": server.proc.returncode}
-    fivexx = sum(n for k, n in soak.outcomes.items() if k.split()[-1].startswith("5"))
-    hangs = sum(n for k, n in soak.outcomes.items() if k.endswith(" hang"))
+        stopped = shutdown(proc, log_path)
+    outcomes = soak.outcomes
     return {
-        "conditions": {
-            "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "duration_s": args.duration,
-            "innocent_clients": args.concurrency,
-            "idle_sockets": args.idle_sockets,
-            "max_connections": args.max_connections,
-            "model": args.model or "default",
-            "server_args": args.server_args,
-            "seed": args.seed,
-        },
-        "outcomes": dict(sorted(soak.outcomes.items())),
-        "num_requests": sum(soak.outcomes.values()),
-        "num_5xx": fivexx,
-        "num_hangs": hangs,
+        "conditions": conditions(
+            duration_s=args.duration,
+            innocent_clients=args.concurrency,
+            idle_sockets=args.idle_sockets,
+            max_connections=args.max_connections,
+            model=args.model or "default",
+            server_args=args.server_args,
+            seed=args.seed,
+        ),
+        "outcomes": dict(sorted(outcomes.items())),
+        "num_requests": sum(outcomes.values()),
+        "num_5xx": sum(n for k, n in outcomes.items() if k.split()[-1].startswith("5")),
+        "num_hangs": sum(n for k, n in outcomes.items() if k.endswith(" hang")),
         "idle_sockets_reopened": soak.reopened,
-        "health_ms": {
-            "n": len(soak.health_ms),
-            "p50": percentile(soak.health_ms, 0.5),
-            "p99": percentile(soak.health_ms, 0.99),
-        },
+        "health_ms": {"n": len(soak.health_s), **latency_stats(soak.health_s)},
         "changed_innocent_outputs": soak.changed,
         "start": start,
         "warm": marks.get("warm"),
@@ -333,7 +297,7 @@ async def run(args) -> dict:
         "blocks_leaked": end["blocks"]["num_total_blocks"] - end["blocks"]["num_free_blocks"],
         "fds_not_returned": end["fds"] - start["fds"],
         "rss_growth_after_warmup": round(end["rss_mib"] / marks["warm"]["rss_mib"] - 1, 4) if "warm" in marks else None,
-        "shutdown": shutdown,
+        "shutdown": stopped,
     }
 
 
@@ -374,14 +338,13 @@ def main(argv=None) -> int:
             str((result[k] or {}).get("rss_mib")) for k in ("start", "warm", "end")
         ),
         "RSS growth after warm-up": result["rss_growth_after_warmup"],
-        "/health p50 / p99 ms": f"{result['health_ms']['p50']} / {result['health_ms']['p99']}",
+        "/health p50 / p99 ms": "{p50:.2f} / {p99:.2f}".format(**result["health_ms"]),
         "idle sockets reopened": result["idle_sockets_reopened"],
         "shutdown": json.dumps(result["shutdown"]),
     }
     for k, v in rows.items():
         print(f"{k:<32}{v!s:>8}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return 0 if goals_met(result) else 1
 
 
