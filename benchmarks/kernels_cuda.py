@@ -11,7 +11,7 @@ latency); "eager us" is one call as an eager step makes it.
 
 Second table: token sampling for a batch of bf16 logits rows (vocab 49152, the default model's): the device
 ``sample_kernel`` (only ids come back) against copying the rows to the host and sampling there with the
-CPU reference (``rawpaged.kernels.cpu.sample``), for greedy and for temperature + top-k + top-p rows.
+CPU reference (``rawpaged.testing.reference_sampler.sample``), for greedy and for temperature + top-k + top-p rows.
 
 Usage (on a CUDA host, from the source tree):
     PYTHONPATH=. python benchmarks/kernels_cuda.py --out DIR [--quick]
@@ -155,7 +155,7 @@ SAMPLE_CASES = (("greedy", (0.0, -1, 1.0, 0.0)), ("T0.8 k50 p0.9", (0.8, 50, 0.9
 
 
 def bench_sampling(be, timer, batch, vocab, case):
-    from rawpaged.kernels import cpu
+    from rawpaged.testing import reference_sampler
 
     xp = be.xp
     logits = random_cache(xp, (batch, vocab), np.uint16, 3)
@@ -169,7 +169,7 @@ def bench_sampling(be, timer, batch, vocab, case):
         uniforms=np.random.default_rng(0).random(batch),
     )
     device = timer(lambda: be.sample(logits, **args))
-    host = timer(lambda: cpu.sample(be.to_numpy(logits).astype(np.float32), **args), max_iters=20)
+    host = timer(lambda: reference_sampler.sample(be.to_numpy(logits).astype(np.float32), **args), max_iters=20)
     return dict(batch=batch, vocab=vocab, device_us=device * 1e6, host_us=host * 1e6)
 
 

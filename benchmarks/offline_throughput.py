@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import conditions, print_table, read_bandwidth, write_json  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
 from rawpaged import weights as rp_weights  # noqa: E402
-from rawpaged.random_model import write_random_model  # noqa: E402
+from rawpaged.testing.random_model import SHAPES, write_random_model  # noqa: E402
 
 
 def random_prompts(rng, n, length, vocab=49152, low=100):
@@ -131,12 +131,7 @@ def step_overhead(model_dir, rng, batches=(1, 32), steps=64):
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         tiny = write_random_model(
             Path(tmp) / "tiny",
-            num_layers=cfg["num_hidden_layers"],
-            hidden_size=72,
-            intermediate_size=64,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=8,
+            **{**SHAPES["tiny"], "num_layers": cfg["num_hidden_layers"]},
             tokenizer_from=model_dir,
         )
         llm = LLM(model=str(tiny), device="cpu", max_num_seqs=64, num_kv_blocks=1024, enable_prefix_caching=False)

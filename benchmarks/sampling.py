@@ -29,8 +29,9 @@ def main(argv=None) -> int:
 
     from rawpaged.config import EngineConfig
     from rawpaged.engine.llm_engine import LLMEngine
-    from rawpaged.kernels import cpu, cpu_sampling
+    from rawpaged.kernels import cpu_sampling
     from rawpaged.sampling_params import SamplingParams
+    from rawpaged.testing import reference_sampler
 
     engine = LLMEngine(EngineConfig(device="cpu", max_num_seqs=max(args.batches)))
     engine.warmup()
@@ -56,7 +57,9 @@ def main(argv=None) -> int:
     rows = []
     for batch in args.batches:
         for name, kw in settings.items():
-            runs = [median_step_ms(batch, fn, kw) for fn in (cpu.sample, cpu_sampling.sample) * 2]  # alternating
+            runs = [
+                median_step_ms(batch, fn, kw) for fn in (reference_sampler.sample, cpu_sampling.sample) * 2
+            ]  # alternating
             rows.append({"batch": batch, "sampling": name, "numpy_ms": min(runs[0::2]), "compiled_ms": min(runs[1::2])})
     print_table(rows, ["batch", "sampling", "numpy_ms", "compiled_ms"])
     write_json(args.out, {"conditions": conditions(model="default", input_len=args.input_len), "rows": rows})

@@ -5,7 +5,7 @@
 #   env              GPU, driver, Python and package versions
 #   wheels           the wheels of scripts/gpu_wheels.sh (pydantic, llguidance) into a target folder, if WHEELS is there
 #   imports          numba, ml_dtypes and cupy import together against the host's NumPy; rawpaged and its CUDA backend
-#   engine-timed     rawpaged/check_cuda_engine.py on the default model's shape: CUDA vs CPU greedy equality, eager
+#   engine-timed     rawpaged/tools/check_cuda_engine.py on the default model's shape: CUDA vs CPU greedy equality, eager
 #                    and with CUDA graphs, decode tok/s at batch 1/8/32/64, a 512-token prefill
 #   pytest           pytest -m cuda tests (CudaBackend vs the CPU backend and float64 references on the device)
 #   bench            benchmarks/kernels_cuda.py (paged_attention bandwidth vs copy bandwidth)
@@ -171,11 +171,11 @@ export -f stage_env stage_wheels stage_imports  # timeout runs them in a child b
 run_stage env -- bash -c stage_env
 run_stage wheels -- bash -c stage_wheels
 run_stage imports -- bash -c stage_imports
-run_stage engine-timed -- $PY -m rawpaged.check_cuda_engine --out "$OUT_DIR" --shapes smollm2-135m-shape
+run_stage engine-timed -- $PY -m rawpaged.tools.check_cuda_engine --out "$OUT_DIR" --shapes smollm2-135m-shape
 run_stage pytest -- $PY -m pytest -q --junitxml="$OUT_DIR/pytest_cuda.xml" "${CUDA_TESTS[@]}"
 run_stage bench -- $PY benchmarks/kernels_cuda.py --out "$OUT_DIR" ${QUICK[@]+"${QUICK[@]}"}
 run_stage server -- $PY scripts/server_smoke.py --device cuda --out "$OUT_DIR"
-run_stage engine-features -- $PY -m rawpaged.check_cuda_engine --out "$OUT_DIR" \
+run_stage engine-features -- $PY -m rawpaged.tools.check_cuda_engine --out "$OUT_DIR" \
     --shapes llama-like-head128,q8_0-on-load,mistral-window256-yarn,qwen3-head128-llama3
 if command -v compute-sanitizer > /dev/null; then
     run_stage sanitizer optional -- compute-sanitizer --tool memcheck --error-exitcode 1 \

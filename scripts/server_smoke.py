@@ -1,6 +1,6 @@
 """Server smoke check: ``python server.py`` on a random model, driven as clients drive it, every block back.
 
-Writes a randomly initialised model (``rawpaged.random_model``; ``--shape default`` is the default model's
+Writes a randomly initialised model (``rawpaged.testing.random_model``; ``--shape default`` is the default model's
 shape: 30 layers, hidden 576, 9/3 heads, vocab 49152; ``tiny`` is a 2-layer one), starts the server on it
 with ``--device``, then sends, in order: a streamed chat completion (SSE), a websocket ``generate``, an
 ``n=4`` completion, a ``json_object`` chat completion (structured output), 16 concurrent completions, and
@@ -29,13 +29,11 @@ from pathlib import Path
 
 import aiohttp
 
-from rawpaged.check_cuda_engine import SHAPES as ENGINE_SHAPES
+from rawpaged.testing.random_model import SHAPES as RANDOM_SHAPES
+from rawpaged.testing.random_model import write_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "default": ENGINE_SHAPES["smollm2-135m-shape"],
-    "tiny": dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
-}
+SHAPES = {"default": RANDOM_SHAPES["smollm2-135m-shape"], "tiny": RANDOM_SHAPES["small"]}
 MAX_TOKENS = 16
 CONCURRENT = 16
 
@@ -204,8 +202,6 @@ def main(argv=None) -> int:
     ap.add_argument("--check-timeout", type=float, default=120.0, help="seconds for each check")
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     args = ap.parse_args(argv)
-    from rawpaged.random_model import write_random_model
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": args.device, "shape": args.shape, "ok": False, "checks": {}}

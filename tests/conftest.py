@@ -32,7 +32,7 @@ def reference_greedy():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A 2-layer random Llama model (no download), for fast engine tests."""
-    from rawpaged.random_model import write_random_model
+    from rawpaged.testing.random_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("tiny"), num_layers=2, seed=1)
 

@@ -222,7 +222,7 @@ def write_checkpoint(dst, arch="llama", rope=None, rope_form="rope_scaling", dty
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from rawpaged.random_model import _byte_tokenizer
+    from rawpaged.testing.random_model import _byte_tokenizer
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rawpaged.kernels import cpu
+from rawpaged.testing import reference_sampler
 
 SAMPLE_CASES = [  # (temperature, top_k, top_p, min_p)
     (0.0, -1, 1.0, 0.0),
@@ -38,10 +38,10 @@ def sample_args(num_rows, cases, rng):
 
 
 def robust_reference(logits, args, eps=1e-4):
-    """cpu.sample on float32 logits, which samples keep their id when the uniform and the top-p / min-p
+    """reference_sampler.sample on float32 logits, which samples keep their id when the uniform and the top-p / min-p
     cut-offs move by a relative ``eps`` (float32 sums on the device may land on either side of such a
     boundary), and for every sample the set of ids those moves produce (what a device draw may be)."""
-    ref = cpu.sample(logits, **args)
+    ref = reference_sampler.sample(logits, **args)
     stable = np.ones(len(ref), dtype=bool)
     allowed = [{int(t)} for t in ref]
     for field, lo, hi in (("uniforms", 0.0, 1 - 1e-9), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0)):
@@ -49,7 +49,7 @@ def robust_reference(logits, args, eps=1e-4):
             moved = dict(args)
             base = args[field]
             moved[field] = np.where((base > lo) & (base < hi), np.clip(base * (1 + sign * eps), lo, hi), base)
-            ids = cpu.sample(logits, **moved)
+            ids = reference_sampler.sample(logits, **moved)
             stable &= ids == ref
             for a, t in zip(allowed, ids):
                 a.add(int(t))

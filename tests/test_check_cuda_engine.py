@@ -1,4 +1,4 @@
-"""``rawpaged.check_cuda_engine.classify_divergences``, the device check's rule for greedy equality up to
+"""``rawpaged.tools.check_cuda_engine.classify_divergences``, the device check's rule for greedy equality up to
 near-ties, on the CPU engine (no GPU): equal outputs, and a divergence that is a near-tie or not by the
 CPU's top-2 gap at the differing step."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from rawpaged import LLM, SamplingParams
-from rawpaged.check_cuda_engine import _first_logits, classify_divergences
+from rawpaged.tools.check_cuda_engine import _first_logits, classify_divergences
 
 
 def test_divergences_are_judged_by_the_cpus_top2_gap(tiny_dir):

@@ -57,7 +57,7 @@ def test_the_gpu_hosts_python_is_reproduced(host):
 
 def test_rawpaged_the_checks_and_the_benchmark_import_there(host):
     modules = (
-        "rawpaged, rawpaged.engine.llm_engine, rawpaged.kernels.cuda, rawpaged.check_cuda_engine, "
+        "rawpaged, rawpaged.engine.llm_engine, rawpaged.kernels.cuda, rawpaged.tools.check_cuda_engine, "
         "rawpaged.entrypoints.llm, rawpaged.entrypoints.cli, benchmarks.kernels_cuda"
     )
     r = _python(f"import {modules}", host)
@@ -93,9 +93,9 @@ def host_env_unblocked() -> dict:
 
 @pytest.mark.slow
 def test_the_engine_checks_cpu_side_runs_every_shape_there(host, tmp_path):
-    from rawpaged.check_cuda_engine import ALL_SHAPES
+    from rawpaged.tools.check_cuda_engine import ALL_SHAPES
 
-    r = _run([sys.executable, "-m", "rawpaged.check_cuda_engine", "--cpu-only", "--out", str(tmp_path)], host)
+    r = _run([sys.executable, "-m", "rawpaged.tools.check_cuda_engine", "--cpu-only", "--out", str(tmp_path)], host)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for name in ALL_SHAPES:
         result = json.loads((tmp_path / f"engine_{name}.json").read_text())
@@ -107,7 +107,7 @@ def test_offline_generate_runs_there_and_a_grammar_names_its_package(host, tmp_p
     code = f"""
 from rawpaged import LLM, SamplingParams
 from rawpaged.errors import MissingDependencyError
-from rawpaged.random_model import write_random_model
+from rawpaged.testing.random_model import write_random_model
 from rawpaged.structured_output.params import StructuredOutputsParams
 
 llm = LLM(model=str(write_random_model({str(tmp_path / "m")!r}, seed=0)), device="cpu", num_kv_blocks=32)

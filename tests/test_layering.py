@@ -1,6 +1,9 @@
-"""The import graph flows one way (docs/architecture.md): entrypoints -> engine -> core / model_executor
--> kernels. A module never imports a layer above its own, so each layer can be read, tested and replaced
-without those above it."""
+"""The import graph flows one way (docs/architecture.md): every module of ``rawpaged/``, the package root
+included, sits in one layer; a module imports only its own layer and the layers below it, and no set of
+modules imports itself round a circle. Imports inside functions count too; one remains only where it
+defers a heavy optional library, and says so (``# deferred: <reason>``)."""
+
+from __future__ import annotations
 
 import ast
 from pathlib import Path
@@ -8,41 +11,224 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rawpaged"
-#: Layer -> the layers it must not import.
-FORBIDDEN = {
-    "core": {"engine", "entrypoints", "model_executor", "kernels"},
-    "kernels": {"core", "engine", "entrypoints", "model_executor"},
-    "model_executor": {"engine", "entrypoints"},
-    "engine": {"entrypoints"},
-    "structured_output": {"core", "engine", "entrypoints", "model_executor"},
+
+#: Layers from the bottom up, each with the layers below it that it may import. A layer never imports one
+#: above it, so each can be read, tested and replaced without those above.
+LAYERS = {
+    "base": set(),  # errors (and the import of optional libraries), dtypes
+    "structured_output": {"base"},
+    "face": {"base", "structured_output"},  # config, sampling_params, tokenizer
+    "kernels": {"base", "face"},
+    "core": {"base", "face"},
+    "model_executor": {"base", "face", "kernels", "core"},
+    "weights": {"base", "face", "kernels", "model_executor"},  # the default model, above the loader
+    "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights"},
+    "testing": {"base", "face"},
+    "entrypoints": {
+        "base",
+        "face",
+        "structured_output",
+        "kernels",
+        "core",
+        "model_executor",
+        "weights",
+        "engine",
+    },
+    "package": {"base", "face", "kernels", "engine", "entrypoints"},  # rawpaged/__init__.py, __main__.py
+    "tools": {"base", "face", "kernels", "core", "model_executor", "weights", "engine", "testing", "package"},
 }
+#: The package root: the library's face and nothing else.
+ROOT_MODULES = {
+    "rawpaged": "package",
+    "rawpaged.__main__": "package",
+    "rawpaged.errors": "base",
+    "rawpaged.dtypes": "base",
+    "rawpaged.config": "face",
+    "rawpaged.sampling_params": "face",
+    "rawpaged.tokenizer": "face",
+}
+DEFERRED = "# deferred:"
 
 
-def imported_modules(path: Path) -> set:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
+def module_names(package: Path) -> dict:
+    """Dotted module name -> file, for every ``.py`` file under ``package``."""
+    names = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = (package.name, *path.relative_to(package).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_no_layer_imports_one_above_it(layer):
+def layer_of(module: str) -> str | None:
+    """The layer of a dotted module name, or None for a root module that is not the library's face."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS and parts[1] not in ("base", "face")):
+        return parts[1] if parts[1] in LAYERS else None
+    return ROOT_MODULES.get(module)
+
+
+def imports(module: str, path: Path, modules: dict) -> list:
+    """(line, imported module of ``modules``, inside a function?) for each import of ``path``, at any depth."""
+    is_package = path.name == "__init__.py"
+    in_function = set()
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function.update(id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module
+            if node.level:
+                here = module.split(".") if is_package else module.split(".")[:-1]
+                here = here[: len(here) - node.level + 1]
+                base = ".".join(here + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            if target in modules and target != module:
+                found.append((node.lineno, target, id(node) in in_function))
+    return found
+
+
+def import_graph(package: Path) -> dict:
+    """Module -> {imported module: (line, inside a function?)} for the rawpaged modules of ``package``."""
+    modules = module_names(package)
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {target: (line, deferred) for line, target, deferred in imports(name, path, modules)}
+    return graph
+
+
+def upward_imports(package: Path) -> list:
+    """One line per import of a layer a module may not import, and per module in no layer."""
     bad = []
-    for path in sorted((PACKAGE / layer).rglob("*.py")):
-        for name in imported_modules(path):
-            parts = name.split(".")
-            if parts[0] == "rawpaged" and len(parts) > 1 and parts[1] in FORBIDDEN[layer]:
-                bad.append(f"{path.relative_to(PACKAGE)} imports {name}")
-    assert not bad, "\n".join(bad)
+    for module, targets in import_graph(package).items():
+        layer = layer_of(module)
+        if layer is None:
+            bad.append(f"{module} is in no layer (the package root holds only {sorted(ROOT_MODULES)})")
+            continue
+        for target, (line, _) in sorted(targets.items()):
+            other = layer_of(target)
+            if other is not None and other != layer and other not in LAYERS[layer]:
+                bad.append(f"{module}:{line} ({layer}) imports {target} ({other})")
+    return bad
+
+
+def circles(package: Path) -> list:
+    """The import circles: each strongly connected set of two or more modules (Tarjan), sorted."""
+    graph = import_graph(package)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def undeclared_deferred_imports(package: Path) -> list:
+    """Imports inside functions with no ``# deferred: <reason>`` on their line or just above their group."""
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                i = node.lineno - 1
+                said = DEFERRED in lines[i]
+                while not said and i > 0 and lines[i].strip().startswith(("import ", "from ")):
+                    i -= 1
+                    said = DEFERRED in lines[i]
+                if not said:
+                    bad.append(f"{path.relative_to(package.parent)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return sorted(set(bad))
+
+
+def test_layers_are_ordered():
+    order = list(LAYERS)
+    for i, layer in enumerate(order):
+        assert LAYERS[layer] <= set(order[:i]), f"{layer} may import a layer above it"
+
+
+def test_no_module_imports_a_layer_above_it():
+    assert not upward_imports(PACKAGE), "\n".join(upward_imports(PACKAGE))
+
+
+def test_no_import_circle():
+    assert not circles(PACKAGE), circles(PACKAGE)
+
+
+def test_imports_inside_functions_say_why():
+    assert not undeclared_deferred_imports(PACKAGE), "\n".join(undeclared_deferred_imports(PACKAGE))
+
+
+def _write(root: Path, files: dict) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "rawpaged"
+
+
+@pytest.mark.parametrize("where", ["top", "function"])
+def test_the_checks_find_an_injected_circle_and_upward_import(tmp_path, where):
+    """The three checks fail on a tree with a circle, an import up a layer and a stray root module."""
+    indent = "def f():\n    " if where == "function" else ""
+    package = _write(
+        tmp_path,
+        {
+            "rawpaged/__init__.py": "",
+            "rawpaged/errors.py": "",
+            "rawpaged/core/__init__.py": "",
+            "rawpaged/core/a.py": f"{indent}from rawpaged.core import b\n",
+            "rawpaged/core/b.py": f"{indent}import rawpaged.core.a\n",
+            "rawpaged/core/c.py": f"{indent}from rawpaged.engine.x import run\n",
+            "rawpaged/engine/__init__.py": "",
+            "rawpaged/engine/x.py": "from rawpaged.errors import E\n",
+            "rawpaged/stray.py": "",
+        },
+    )
+    assert circles(package) == [["rawpaged.core.a", "rawpaged.core.b"]]
+    assert upward_imports(package) == [
+        "rawpaged.core.c:" + ("2" if where == "function" else "1") + " (core) imports rawpaged.engine.x (engine)",
+        f"rawpaged.stray is in no layer (the package root holds only {sorted(ROOT_MODULES)})",
+    ]
+    assert len(undeclared_deferred_imports(package)) == (3 if where == "function" else 0)
 
 
 def test_nothing_below_the_entrypoints_knows_http():
     for path in PACKAGE.rglob("*.py"):
         if "entrypoints" in path.parts:
             continue
-        names = imported_modules(path)
-        assert not {n for n in names if n.split(".")[0] in ("aiohttp", "pydantic")}, path
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        assert not names & {"aiohttp", "pydantic"}, path

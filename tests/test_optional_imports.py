@@ -1,12 +1,11 @@
-"""``rawpaged.optional_imports.import_optional``: a missing library becomes a ``ValueError`` that names the
+"""``rawpaged.errors.import_optional``: a missing library becomes a ``ValueError`` that names the
 package and how to install it (the server answers it with a 400)."""
 
 import sys
 
 import pytest
 
-from rawpaged.errors import InvalidRequestError, MissingDependencyError
-from rawpaged.optional_imports import import_optional
+from rawpaged.errors import InvalidRequestError, MissingDependencyError, import_optional
 
 
 def test_a_present_module_is_returned():

@@ -1,4 +1,5 @@
-"""rawpaged.weights: GGUF -> HF conversion (synthetic GGUF, no download) and the prepared default model."""
+"""rawpaged.weights: GGUF -> HF conversion (synthetic GGUF, no download), the prepared default model and
+its command line."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import numpy as np
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from rawpaged import weights as W
-from rawpaged.model_executor.gguf_loader import LAYER_NAMES
+from rawpaged.model_executor.gguf_loader import LAYER_NAMES, unpermute_qk
+from rawpaged.weights import default_model as W
+from rawpaged.weights.__main__ import main as weights_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -148,9 +150,9 @@ def test_unpermute_inverts_llama_cpp_permute():
         w = rng.standard_normal((n_head * head_dim, 5)).astype(np.float32)
         p = llama_cpp_permute(w, n_head)
         assert not np.array_equal(p, w)
-        np.testing.assert_array_equal(W.unpermute_qk(p, n_head), w)
+        np.testing.assert_array_equal(unpermute_qk(p, n_head), w)
     with pytest.raises(ValueError):
-        W.unpermute_qk(np.zeros((6, 2), np.float32), 2)
+        unpermute_qk(np.zeros((6, 2), np.float32), 2)
 
 
 def test_convert_tiny_gguf(tiny, tmp_path):
@@ -286,11 +288,11 @@ def test_prepare_refuses_foreign_directory(tmp_path):
 
 def test_paths(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("RAWPAGED_WEIGHTS_DIR", raising=False)
-    assert W.weights_root() == Path(W.__file__).resolve().parent.parent / "weights"
+    assert W.weights_root() == Path(W.__file__).resolve().parents[2] / "weights"
     monkeypatch.setenv("RAWPAGED_WEIGHTS_DIR", str(tmp_path))
     assert W.weights_root() == tmp_path
     assert W.default_model_dir() == tmp_path / W.DEFAULT_MODEL
-    assert W.main(["path"]) == 0
+    assert weights_main(["path"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / W.DEFAULT_MODEL)
     # An installed wheel (no source tree around the package): a per-user cache, never site-packages.
     monkeypatch.delenv("RAWPAGED_WEIGHTS_DIR")

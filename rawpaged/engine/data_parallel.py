@@ -22,13 +22,15 @@ import threading
 import time
 import uuid
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from rawpaged.config import EngineConfig
 from rawpaged.engine.async_engine import RequestStream
 from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.replica import ACCEPTED, EngineReplica
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
 from rawpaged.engine.router import Router
-from rawpaged.errors import EngineDeadError, EngineError, ReplicaUnavailableError
+from rawpaged.errors import EngineDeadError, EngineError, ReplicaUnavailableError, import_optional
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import Tokenizer
 
@@ -55,8 +57,6 @@ def init_ray(address: str | None, data_parallel_size: int) -> bool:
     Raises:
         MissingDependencyError (a ValueError) naming the ``ray`` extra when Ray is not installed.
     """
-    from rawpaged.optional_imports import import_optional
-
     ray = import_optional("ray", "data-parallel replicas (--data-parallel-size > 1)", param="data_parallel_size")
 
     if ray.is_initialized():
@@ -83,7 +83,7 @@ def check_ray_address(address: str) -> None:
 
 def shutdown_ray(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     """``ray.shutdown()``, given up after ``timeout_s`` (see ``DataParallelEngine.shutdown``)."""
-    import ray
+    import ray  # deferred: an optional library (the "ray" extra), installed when replicas started
 
     thread = threading.Thread(target=ray.shutdown, name="rawpaged-ray-shutdown", daemon=True)
     thread.start()
@@ -122,6 +122,7 @@ class DataParallelEngine:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = config
         self._started_ray = init_ray(ray_address, data_parallel_size)
+        # deferred: an optional library (the "ray" extra); init_ray checked that it is installed
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -161,8 +162,6 @@ class DataParallelEngine:
                 ray.kill(r, no_restart=True)
             remove_placement_group(self.placement_group)
             raise RuntimeError(f"a replica failed to start: {_creation_error(e)}") from None
-        from tokenizers import Tokenizer as HFTokenizer
-
         self.tokenizer = Tokenizer.from_objects(HFTokenizer.from_str(info["tokenizer_json"]), info["tokenizer_config"])
         self.max_model_len = info["max_model_len"]
         self.default_sampling_params = info["default_sampling_params"]
@@ -446,7 +445,7 @@ class DataParallelEngine:
         the placement group, stop Ray if this engine started it. Gives up after ``timeout_s``: when Ctrl-C
         has already stopped a local Ray instance (its processes share the terminal's process group), Ray's
         calls would wait for it forever."""
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # deferred: the optional "ray" extra
 
         def work():
             for r in self.replicas:

@@ -28,12 +28,13 @@ from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.errors import EngineError, InvalidRequestError
 from rawpaged.kernels import get_backend
-from rawpaged.model_executor.model_loader import load_model, release_free_heap, resolve_model_dir
+from rawpaged.model_executor.model_loader import load_model, release_free_heap
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.structured_output.manager import StructuredOutputManager
+from rawpaged.weights.resolve import resolve_model_dir
 
 logger = logging.getLogger("rawpaged.engine")
 

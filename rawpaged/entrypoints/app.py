@@ -23,6 +23,8 @@ from aiohttp import web
 
 from rawpaged.config import EngineConfig
 from rawpaged.engine.async_engine import AsyncEngine
+from rawpaged.engine.data_parallel import DataParallelEngine
+from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.entrypoints import cors, health, hosts, playground
 from rawpaged.entrypoints.connections import ConnectionGate
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
@@ -30,10 +32,8 @@ from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_engine import expect_handler
 from rawpaged.entrypoints.openai.serving_models import show_available_models
-from rawpaged.entrypoints.server_config import ServerConfig
+from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
 from rawpaged.entrypoints.server_state import (
-    DEFAULT_MAX_BODY_SIZE,
-    DEFAULT_MAX_TOKENS_LIMIT,
     STATE,
     ServerState,
     authorization_matches,
@@ -42,6 +42,7 @@ from rawpaged.entrypoints.server_state import (
 )
 from rawpaged.entrypoints.websocket import websocket_handler
 from rawpaged.errors import EngineError, ServerShuttingDownError
+from rawpaged.weights import DEFAULT_MODEL, resolve_model_dir
 
 logger = logging.getLogger("rawpaged.server")
 
@@ -147,10 +148,8 @@ async def _handle(state: ServerState, request: web.Request, handler) -> web.Stre
 def model_name_of(config: EngineConfig) -> str:
     """The name clients use for ``config.model``: the default model's name, the directory's, or a GGUF
     file's without ``.gguf``."""
-    from rawpaged import weights
-
     if config.model is None:
-        return weights.DEFAULT_MODEL
+        return DEFAULT_MODEL
     path = Path(config.model).expanduser()
     return (path.stem if path.suffix == ".gguf" else path.name) or str(config.model)
 
@@ -180,15 +179,10 @@ def create_app(
     (``rawpaged.engine.data_parallel``; ``ray_address`` joins a running cluster). ``server_config``: the
     timeouts and limits (``ServerConfig``'s defaults when None).
     """
-    from rawpaged.engine.llm_engine import LLMEngine
-
     config = config or EngineConfig()
     if engine is None and loader is None and data_parallel_size > 1:
 
         def loader():
-            from rawpaged.engine.data_parallel import DataParallelEngine
-            from rawpaged.model_executor.model_loader import resolve_model_dir
-
             if ray_address is None:  # one machine: prepare the default model once, here, not in each replica
                 resolve_model_dir(config.model)
             return DataParallelEngine(config, data_parallel_size, ray_address)

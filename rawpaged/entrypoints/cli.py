@@ -21,6 +21,13 @@ import typing
 from pathlib import Path
 
 from rawpaged.config import EngineConfig
+from rawpaged.engine.data_parallel import init_ray, shutdown_ray
+from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.engine.outputs import DeltaTracker
+from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
+from rawpaged.errors import import_optional
+from rawpaged.sampling_params import SamplingParams
+from rawpaged.weights import DEFAULT_MODEL
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -156,11 +163,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _check_model_arg(model: str | None, quantization: str | None = None) -> str | None:
     """An error line for a ``--model`` that is neither a directory, a .gguf file nor the default model's
     name, or a ``--quantization`` that does not fit it (caught before the server binds its port)."""
-    from rawpaged import weights
-
     path = Path(model).expanduser() if model is not None else None
     is_gguf = path is not None and path.suffix == ".gguf"
-    if path is not None and not path.is_dir() and model != weights.DEFAULT_MODEL:
+    if path is not None and not path.is_dir() and model != DEFAULT_MODEL:
         if is_gguf and not path.exists():
             return f"error: --model {model!r} does not exist"
         if not (path.is_file() and is_gguf):
@@ -174,9 +179,6 @@ def _check_model_arg(model: str | None, quantization: str | None = None) -> str 
 
 # ------------------------------------------------------------------------------------------ serve
 def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
-    from rawpaged.entrypoints.server_config import ServerConfig
-    from rawpaged.entrypoints.server_state import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT
-
     p = argparse.ArgumentParser(
         prog=prog,
         formatter_class=_HelpFormatter,
@@ -256,15 +258,12 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
 def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     """``rawpaged serve``: exit code 0 after Ctrl-C/SIGTERM, 1 for a bad option, port or model, or a
     missing library the server needs (pydantic)."""
-    from rawpaged.optional_imports import import_optional
-
     try:
         import_optional("pydantic", "the HTTP server (its OpenAI request models)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from rawpaged.entrypoints.app import create_app, serve
-    from rawpaged.entrypoints.server_config import ServerConfig
+    from rawpaged.entrypoints.app import create_app, serve  # deferred: pydantic, checked just above
 
     args = build_serve_parser(prog).parse_args(argv)
     logging.basicConfig(
@@ -297,8 +296,6 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         return 1
     if args.data_parallel_size > 1:  # on the main thread, before the server (data_parallel.init_ray)
         try:
-            from rawpaged.engine.data_parallel import init_ray
-
             started_ray = init_ray(args.ray_address, args.data_parallel_size)
         except (ValueError, ConnectionError) as e:  # MissingDependencyError without Ray
             print(f"error: {e}", file=sys.stderr)
@@ -309,8 +306,6 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         return 130
     finally:
         if started_ray:
-            from rawpaged.engine.data_parallel import shutdown_ray
-
             shutdown_ray()
 
 
@@ -337,10 +332,6 @@ def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentP
 
 def generate_main(argv: list | None = None, prog: str = "rawpaged generate") -> int:
     """``rawpaged generate``: prints the text as it is generated; exit code 1 with one ``error:`` line."""
-    from rawpaged.engine.llm_engine import LLMEngine
-    from rawpaged.engine.outputs import DeltaTracker
-    from rawpaged.sampling_params import SamplingParams
-
     args = build_generate_parser(prog).parse_args(argv)
     try:
         params = SamplingParams(

@@ -7,6 +7,10 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
+#: bytes of a request body at most (``--max-body-size``)
+DEFAULT_MAX_BODY_SIZE = 4 << 20
+#: ``max_tokens`` a request may ask for at most (``--max-tokens-limit``)
+DEFAULT_MAX_TOKENS_LIMIT = 4096
 #: connections at most, whatever the open-file limit allows
 MAX_CONNECTIONS_CAP = 4096
 

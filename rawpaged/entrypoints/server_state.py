@@ -14,10 +14,7 @@ from aiohttp import web
 from rawpaged.engine.protocol import EngineClient
 from rawpaged.entrypoints.metrics import ServerMetrics
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, error_body, now
-from rawpaged.entrypoints.server_config import ServerConfig
-
-DEFAULT_MAX_BODY_SIZE = 4 << 20
-DEFAULT_MAX_TOKENS_LIMIT = 4096
+from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, ServerConfig
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The CPU backend's sampler: ``rawpaged.kernels.cpu.sample``'s semantics (temperature, top-k, top-p,
+"""The CPU backend's sampler: ``rawpaged.testing.reference_sampler.sample``'s semantics (temperature, top-k, top-p,
 min-p, then an inverse-CDF draw in token-id order) compiled with Numba, one sample per task.
 
 The NumPy reference sorts the whole vocabulary for top-p (a stable argsort of 49k float64 values: about
@@ -105,7 +105,7 @@ _draw_parallel = nb.njit(parallel=True, **_JIT)(_draw_kernel)
 
 
 def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
-    """Token ids drawn from rows of ``logits``, as ``rawpaged.kernels.cpu.sample`` draws them (see the
+    """Token ids drawn from rows of ``logits``, as ``rawpaged.testing.reference_sampler.sample`` draws them (see the
     module doc for where they may differ).
 
     logits: float32 ``[num_rows, vocab]``; sample_rows (int), temperature (``<= 0``: greedy), top_k,

@@ -245,7 +245,7 @@ class CudaBackend:
 
     def __init__(self, device: int | None = None):
         try:
-            import cupy
+            import cupy  # deferred: an optional library (the cuda12/cuda13 extras)
         except Exception as e:  # ImportError, or a CUDA library that fails to load
             raise RuntimeError(f"no CUDA device found: CuPy is not importable ({e})") from None
         try:
@@ -761,9 +761,10 @@ class CudaBackend:
         return out
 
     def sample(self, logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
-        """Token ids drawn on the device from rows of ``logits [num_rows, vocab]`` (see ``cpu.sample``
-        for the semantics; ``cuda/sampling.cu`` for the kernel). The per-sample arguments are host
-        arrays ``[num_samples]``; two small packed uploads go in, int32 ids come back (4 bytes a sample).
+        """Token ids drawn on the device from rows of ``logits [num_rows, vocab]`` (see
+        ``rawpaged.testing.reference_sampler.sample`` for the semantics; ``cuda/sampling.cu`` for the
+        kernel). The per-sample arguments are host arrays ``[num_samples]``; two small packed uploads go
+        in, int32 ids come back (4 bytes a sample).
         Returns int64 ``[num_samples]`` on the host.
         """
         act = _ctype(logits, "logits")
@@ -1030,9 +1031,9 @@ class CudaBackend:
         if self._capture_blas is not None:
             gemm_ex = self._capture_blas.gemm_ex
         else:
-            try:
+            try:  # deferred: CuPy, an optional library
                 from cupy_backends.cuda.libs import cublas as cupy_cublas
-            except ImportError:  # older CuPy
+            except ImportError:  # deferred: older CuPy keeps cuBLAS here
                 from cupy.cuda import cublas as cupy_cublas
             handle = xp.cuda.device.get_cublas_handle()
 

@@ -44,7 +44,7 @@ def configure(environ=None) -> str | None:
     if "numba" in sys.modules:
         return None
     try:
-        import llvmlite.binding as llvm
+        import llvmlite.binding as llvm  # deferred: LLVM, loaded only before Numba is
 
         host = llvm.get_host_cpu_features()
     except Exception:  # no host feature query on this platform: leave LLVM's defaults

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rawpaged.errors import import_optional
+
 QK = 32  # values per block in all three formats
 #: name -> (bytes per block, bytes of fp16 header: d, or d and m)
 FORMATS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}
@@ -111,8 +113,6 @@ class QuantizedTensor:
             raise ValueError(f"quantize takes a [rows, cols] weight with cols a multiple of {QK}, got {w.shape}")
         if qtype == "Q8_0":
             return cls.from_blocks(qtype, w.shape, _quantize_q8_0(w))
-        from rawpaged.optional_imports import import_optional
-
         gguf = import_optional("gguf", f"quantizing to {qtype}")
         data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
         return cls.from_blocks(qtype, w.shape, data.reshape(w.shape[0], -1))

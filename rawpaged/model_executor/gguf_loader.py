@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tqdm.auto import tqdm
 
+from rawpaged.errors import import_optional
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
+from rawpaged.model_executor.model_config import ModelConfig
+from rawpaged.tokenizer import Tokenizer
 
 # GGUF tensor name (without "blk.N." and the ".weight"/".bias" suffix) -> HF name.
 LAYER_NAMES = {
@@ -120,8 +126,6 @@ def build_tokenizer(
     Raises:
         ValueError: duplicate tokens, a malformed merge, or an unknown ``pre``.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"pre-tokenizer {pre!r} is not supported (supported: {sorted(PRE_TOKENIZERS)})")
 
@@ -134,7 +138,7 @@ def build_tokenizer(
         if len(parts) != 2:
             raise ValueError(f"malformed merge {m!r}")
         pairs.append((parts[0], parts[1]))
-    tok = Tokenizer(
+    tok = tokenizers.Tokenizer(
         models.BPE(
             vocab=vocab,
             merges=pairs,
@@ -269,8 +273,7 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
     """HF name -> float32 array, or ``QuantizedTensor`` for a native format when ``native``.
 
     Raises ValueError naming the file for an unexpected or duplicate tensor."""
-    import gguf
-    from tqdm.auto import tqdm
+    import gguf  # deferred: an optional library (open_reader checked that it is installed)
 
     permute = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -312,8 +315,6 @@ def open_reader(path) -> Any:
         ValueError naming the file when it cannot be read as GGUF; MissingDependencyError (a ValueError)
         naming the package when ``gguf`` is not installed.
     """
-    from rawpaged.optional_imports import import_optional
-
     gguf = import_optional("gguf", "reading a GGUF file")
 
     try:
@@ -326,9 +327,6 @@ def load_gguf(path, native: bool = True) -> tuple:
     """(``ModelConfig``, ``Tokenizer``, weights: HF name -> array or ``QuantizedTensor``) of a GGUF file.
 
     Raises ValueError naming the file (see ``read_metadata``; shapes are checked against the config)."""
-    from rawpaged.model_executor.model_loader import ModelConfig
-    from rawpaged.tokenizer import Tokenizer
-
     source = str(path)
     reader = open_reader(source)
     config, tok, tok_config = read_metadata(reader, source)

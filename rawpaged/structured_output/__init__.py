@@ -20,7 +20,7 @@ __all__ = ["GuidanceBackend", "GuidanceGrammar", "StructuredOutputManager", "Str
 
 def __getattr__(name: str):
     if name in ("GuidanceBackend", "GuidanceGrammar"):
-        from rawpaged.structured_output import backend_guidance
+        from rawpaged.structured_output import backend_guidance  # deferred: llguidance, an optional library
 
         return getattr(backend_guidance, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

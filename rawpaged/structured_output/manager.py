@@ -9,8 +9,7 @@ from threading import Lock
 
 import numpy as np
 
-from rawpaged.errors import InvalidRequestError
-from rawpaged.optional_imports import import_optional
+from rawpaged.errors import InvalidRequestError, import_optional
 from rawpaged.structured_output.params import StructuredOutputsParams
 
 #: compiles that may run at once (llguidance releases the GIL while it builds a grammar)
@@ -68,7 +67,7 @@ class StructuredOutputManager:
         with self._backend_lock:
             if self._backend is None:
                 import_optional("llguidance", "structured outputs", param="structured_outputs")
-                from rawpaged.structured_output.backend_guidance import GuidanceBackend
+                from rawpaged.structured_output.backend_guidance import GuidanceBackend  # deferred: llguidance
 
                 self._backend = GuidanceBackend(self._tokenizer, self._vocab_size, self._eos_token_ids)
             return self._backend
@@ -150,7 +149,7 @@ class StructuredOutputManager:
         if len(grammars) == 1:
             grammars[0].fill_bitmask(bitmask, 0)
         elif grammars:
-            from rawpaged.structured_output.backend_guidance import fill_bitmasks_parallel
+            from rawpaged.structured_output.backend_guidance import fill_bitmasks_parallel  # deferred: llguidance
 
             fill_bitmasks_parallel(grammars, bitmask, self.backend.executor)
         return bitmask

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from rawpaged import LLM, SamplingParams
-from rawpaged.random_model import write_random_model
+from rawpaged.testing.random_model import write_random_model
 from tests.conftest import tiny_engine as _engine
 
 

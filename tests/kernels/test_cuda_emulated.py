@@ -16,6 +16,7 @@ import pytest
 
 from rawpaged.kernels import cpu
 from rawpaged.kernels import cuda_sources as src
+from rawpaged.testing import reference_sampler
 from tests.cuda_emu import (
     SELFTEST_NAMES,
     Emulator,
@@ -511,7 +512,7 @@ def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
     )
     got = backend(emu).sample(logits, **args)
     counts = np.bincount(got, minlength=40)
-    expect = cpu.filtered_probs(logits[0], *case) * n
+    expect = reference_sampler.filtered_probs(logits[0], *case) * n
     assert np.abs(counts - expect).max() <= 1.0
     assert (counts[expect == 0] == 0).all()
 
@@ -657,7 +658,7 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     from rawpaged import LLM, SamplingParams
     from rawpaged.engine import llm_engine as engine_mod
     from rawpaged.kernels.cuda import CudaBackend
-    from rawpaged.random_model import write_random_model
+    from rawpaged.testing.random_model import write_random_model
 
     model = write_random_model(
         tmp_path / "m",
@@ -712,7 +713,7 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     assert bf16.engine.model.embed_tokens.dtype == np.uint16
     hidden = bf16.engine.backend.asarray(np.ones((2, 128), np.float32), dtype=BF16)
     assert bf16.engine.model.compute_logits(hidden).dtype == np.float32  # logits keep float32's resolution
-    from rawpaged.check_cuda_engine import _first_logits
+    from rawpaged.tools.check_cuda_engine import _first_logits
 
     for p in prompts:
         want = _first_logits(cpu_llm, p["prompt_token_ids"])
@@ -749,11 +750,11 @@ def test_gguf_engine_on_emulated_cuda_runs_on_blocks_and_matches_the_cpu_engine(
 
 
 def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, monkeypatch):
-    """rawpaged/check_cuda_engine.py (run by scripts/gpu_check.sh on a GPU) end to end on a tiny shape, so
+    """rawpaged/tools/check_cuda_engine.py (run by scripts/gpu_check.sh on a GPU) end to end on a tiny shape, so
     a device session is never spent on a broken script."""
-    from rawpaged import check_cuda_engine
     from rawpaged.engine import llm_engine as engine_mod
     from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.tools import check_cuda_engine
 
     real = engine_mod.get_backend
     monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
@@ -946,7 +947,7 @@ def test_static_decode_path_on_emulated_cuda_matches_the_eager_cpu_engine(emu, t
     from rawpaged import LLM, SamplingParams
     from rawpaged.engine import llm_engine as engine_mod
     from rawpaged.kernels.cuda import CudaBackend
-    from rawpaged.random_model import write_random_model
+    from rawpaged.testing.random_model import write_random_model
 
     model = write_random_model(
         tmp_path / "m", num_layers=2, hidden_size=128, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=64

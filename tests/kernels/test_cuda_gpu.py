@@ -293,8 +293,8 @@ def test_default_kv_cache_memory_within_device_memory(be):
 def test_engine_on_cuda_matches_cpu_greedy(tmp_path):
     """The whole engine (loader, model, runner, kernels) on the device against the CPU engine."""
     from rawpaged import LLM, SamplingParams
-    from rawpaged.check_cuda_engine import classify_divergences
-    from rawpaged.random_model import write_random_model
+    from rawpaged.testing.random_model import write_random_model
+    from rawpaged.tools.check_cuda_engine import classify_divergences
 
     model = write_random_model(
         tmp_path / "m",
@@ -365,8 +365,8 @@ def test_cuda_graph_decode_matches_eager_and_the_cpu(tmp_path):
     """--no-enforce-eager on the device: a graph per size is captured, decode steps replay them, and the
     greedy ids equal the CPU engine's up to near-ties (float32), with every block returned."""
     from rawpaged import LLM, SamplingParams
-    from rawpaged.check_cuda_engine import classify_divergences
-    from rawpaged.random_model import write_random_model
+    from rawpaged.testing.random_model import write_random_model
+    from rawpaged.tools.check_cuda_engine import classify_divergences
 
     model = write_random_model(
         tmp_path / "m", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64

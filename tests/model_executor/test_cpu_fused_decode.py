@@ -9,7 +9,7 @@ import pytest
 
 from rawpaged import LLM, SamplingParams
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode, _typed_list
-from rawpaged.random_model import write_random_model
+from rawpaged.testing.random_model import write_random_model
 from tests.conftest import tiny_engine
 
 VARIANTS = {

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rawpaged.model_executor.layers.rotary_embedding import RopeScaling, cos_sin_cache
-from rawpaged.model_executor.model_loader import ModelConfig
+from rawpaged.model_executor.model_config import ModelConfig
 from tests.model_reference import rope_inv_freq
 
 BASE = dict(hidden_size=4096, num_attention_heads=32, max_position_embeddings=8192)

@@ -1,4 +1,4 @@
-"""The CPU sampling reference (``rawpaged.kernels.cpu.sample``/``filtered_probs``) against definitions
+"""The CPU sampling reference (``rawpaged.testing.reference_sampler.sample``/``filtered_probs``) against definitions
 written out independently: sort-based top-k/top-p/min-p sets in pure Python with exact sums, and the
 inverse-CDF draw checked by stratified uniforms (the count of each token over N evenly spaced uniforms is
 N * p within one).
@@ -11,9 +11,9 @@ import math
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cpu
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax, sampling_arrays
 from rawpaged.sampling_params import SamplingParams
+from rawpaged.testing import reference_sampler
 
 
 def kept_set(x, temperature, top_k, top_p, min_p):
@@ -55,7 +55,7 @@ CASES = [
 def test_filtered_probs_matches_the_definitions(case):
     rng = np.random.default_rng(7)
     x = (rng.standard_normal(200) * 3).astype(np.float32)
-    p = cpu.filtered_probs(x, **case)
+    p = reference_sampler.filtered_probs(x, **case)
     ids, w = kept_set(x, **case)
     assert set(np.flatnonzero(p)) == ids
     z = math.fsum(w.values())
@@ -65,10 +65,10 @@ def test_filtered_probs_matches_the_definitions(case):
 def test_ties_top_k_keeps_all_ties_top_p_takes_lower_ids_first():
     x = np.array([1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0], dtype=np.float32)
     # top_k=2: the two 3.0s; top_k=3 reaches into the 2.0s, and every 2.0 is kept.
-    assert set(np.flatnonzero(cpu.filtered_probs(x, 1.0, 2, 1.0, 0.0))) == {1, 3}
-    assert set(np.flatnonzero(cpu.filtered_probs(x, 1.0, 3, 1.0, 0.0))) == {1, 2, 3, 4, 5}
+    assert set(np.flatnonzero(reference_sampler.filtered_probs(x, 1.0, 2, 1.0, 0.0))) == {1, 3}
+    assert set(np.flatnonzero(reference_sampler.filtered_probs(x, 1.0, 3, 1.0, 0.0))) == {1, 2, 3, 4, 5}
     # top_p: the 3.0s hold ~0.61 of the mass, each 2.0 ~0.11; 0.65 needs one 2.0: the lowest id (2).
-    p = cpu.filtered_probs(x, 1.0, -1, 0.65, 0.0)
+    p = reference_sampler.filtered_probs(x, 1.0, -1, 0.65, 0.0)
     assert set(np.flatnonzero(p)) == {1, 2, 3}
     assert set(np.flatnonzero(p)) == kept_set(x, 1.0, -1, 0.65, 0.0)[0]
 
@@ -79,7 +79,7 @@ def test_inverse_cdf_draws_follow_the_filtered_distribution(case):
     x = (rng.standard_normal(50) * 2).astype(np.float32)[None, :]
     n = 4000
     u = (np.arange(n) + 0.5) / n  # stratified: token t is drawn for a run of about n * p_t uniforms
-    ids = cpu.sample(
+    ids = reference_sampler.sample(
         x,
         np.zeros(n, np.int64),
         np.full(n, case["temperature"]),
@@ -89,14 +89,16 @@ def test_inverse_cdf_draws_follow_the_filtered_distribution(case):
         u,
     )
     counts = np.bincount(ids, minlength=x.shape[1])
-    expect = cpu.filtered_probs(x[0], **case) * n
+    expect = reference_sampler.filtered_probs(x[0], **case) * n
     assert np.all(np.abs(counts - expect) <= 1.0), np.abs(counts - expect).max()
     assert list(ids) == sorted(ids), "inverse CDF over token ids: increasing uniforms give non-decreasing ids"
 
 
 def test_greedy_rows_take_the_first_maximum_and_rows_are_indexed():
     logits = np.array([[0.0, 5.0, 5.0, 1.0], [9.0, 0.0, 0.0, 0.0]], dtype=np.float32)
-    ids = cpu.sample(logits, np.array([0, 1, 0]), np.zeros(3), np.full(3, -1), np.ones(3), np.zeros(3), np.zeros(3))
+    ids = reference_sampler.sample(
+        logits, np.array([0, 1, 0]), np.zeros(3), np.full(3, -1), np.ones(3), np.zeros(3), np.zeros(3)
+    )
     assert ids.tolist() == [1, 0, 1]
 
 
@@ -155,7 +157,7 @@ def _random_rows(rng, shape, scale):
 
 @pytest.mark.parametrize("scale", [0.5, 3.0, 12.0], ids=["flat", "normal", "peaked"])
 def test_compiled_cpu_sampler_draws_as_the_reference(scale):
-    """``cpu_sampling.sample`` (the backend's) against ``cpu.sample`` (the NumPy reference): every case
+    """``cpu_sampling.sample`` (the backend's) against ``reference_sampler.sample`` (the NumPy reference): every case
     of CASES plus greedy rows and rows sampled twice, on flat to peaked rows with ties."""
     from rawpaged.kernels import cpu_sampling
 
@@ -177,7 +179,7 @@ def test_compiled_cpu_sampler_draws_as_the_reference(scale):
         np.array([c["min_p"] for c in picked]),
         rng.random(draws),
     )
-    expected = cpu.sample(*args)
+    expected = reference_sampler.sample(*args)
     got = cpu_sampling.sample(*args)
     assert got.dtype == np.int64 and got.tolist() == expected.tolist()
     one = cpu_sampling.sample(*(a[:1] if i else a for i, a in enumerate(args)))  # one sample: the serial kernel
@@ -193,4 +195,4 @@ def test_compiled_cpu_sampler_top_p_cut_inside_ties():
     u = (np.arange(n) + 0.5) / n
     args = (x, np.zeros(n, np.int64), np.ones(n), np.full(n, -1), np.full(n, 0.65), np.zeros(n), u)
     assert set(cpu_sampling.sample(*args).tolist()) == {1, 2, 3}  # the lowest-id 2.0 joins the two 3.0s
-    assert cpu_sampling.sample(*args).tolist() == cpu.sample(*args).tolist()
+    assert cpu_sampling.sample(*args).tolist() == reference_sampler.sample(*args).tolist()

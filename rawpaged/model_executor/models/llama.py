@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rawpaged.model_executor.layers.rotary_embedding import cos_sin_cache
-from rawpaged.model_executor.model_loader import ModelConfig
+from rawpaged.model_executor.model_config import ModelConfig
 
 
 @dataclass(slots=True)

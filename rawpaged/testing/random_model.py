@@ -1,5 +1,5 @@
-"""Randomly initialised Llama-style model directories, for tests, overhead measurements and device checks
-that must not depend on downloaded weights.
+"""Randomly initialised Llama-style model directories, and the one table of their shapes (``SHAPES``), for
+tests, overhead measurements and device checks that must not depend on downloaded weights.
 
 ``write_random_model(dst, ...)`` writes ``config.json`` + ``model.safetensors`` (F32, N(0, 0.02) weights,
 unit norms) and copies ``tokenizer.json``/``tokenizer_config.json`` from ``tokenizer_from`` when given
@@ -13,11 +13,81 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+#: The one table of random-model shapes (``write_random_model`` keyword arguments), by name:
+#: ``tiny`` (the defaults: tests and overhead measurements), ``small`` (the server smoke check's fast
+#: shape), the default model's shape and a Llama-like head_dim 128 (timed on a device), and the families'
+#: features checked without timings on a device: Q8_0 weights quantized on load, a Mistral window shorter
+#: than the longest prompts with YaRN, Qwen3 q/k norms with head_dim 128 unlike hidden / heads and
+#: Llama 3 RoPE.
+SHAPES = {
+    "tiny": dict(num_layers=2, hidden_size=72, intermediate_size=64, num_heads=9, num_kv_heads=3, head_dim=8),
+    "small": dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
+    "smollm2-135m-shape": dict(
+        num_layers=30,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+    ),
+    "llama-like-head128": dict(
+        num_layers=8,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        vocab_size=32000,
+    ),
+    "q8_0-on-load": dict(  # the weights in Q8_0 blocks on both backends: cuda/quant.cu on the device
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        quantization="q8_0",
+    ),
+    "mistral-window256-yarn": dict(
+        architecture="MistralForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        sliding_window=256,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    ),
+    "qwen3-head128-llama3": dict(
+        architecture="Qwen3ForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=1,
+        head_dim=128,
+        vocab_size=32000,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ),
+}
+_TINY = SHAPES["tiny"]
 
 
 def _byte_tokenizer(dst: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
     for ch in sorted(alphabet):
@@ -44,12 +114,12 @@ def _byte_tokenizer(dst: Path) -> int:
 def write_random_model(
     dst,
     *,
-    num_layers=2,
-    hidden_size=72,
-    intermediate_size=64,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=8,
+    num_layers=_TINY["num_layers"],
+    hidden_size=_TINY["hidden_size"],
+    intermediate_size=_TINY["intermediate_size"],
+    num_heads=_TINY["num_heads"],
+    num_kv_heads=_TINY["num_kv_heads"],
+    head_dim=_TINY["head_dim"],
     vocab_size=None,
     tokenizer_from=None,
     architecture="LlamaForCausalLM",
@@ -70,8 +140,6 @@ def write_random_model(
     if tokenizer_from is not None:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(Path(tokenizer_from) / f, dst / f)
-        from tokenizers import Tokenizer
-
         tok_size = Tokenizer.from_file(str(dst / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
     else:
         tok_size = _byte_tokenizer(dst)
@@ -114,8 +182,6 @@ def write_random_model(
                     p + "self_attn.v_proj.bias": w(kv),
                 }
             )
-    from safetensors.numpy import save_file
-
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(
         json.dumps(

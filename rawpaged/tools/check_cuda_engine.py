@@ -11,7 +11,7 @@ blocks stay quantized on both backends), checked the same way without timings.
 Writes ``engine_<shape>.json`` to ``--out`` as each shape finishes, and ``engine_check.json`` (all of them)
 at the end.
 
-Usage: ``python -m rawpaged.check_cuda_engine --out DIR [--shapes a,b] [--cpu-only]`` (exit code 1 if a
+Usage: ``python -m rawpaged.tools.check_cuda_engine --out DIR [--shapes a,b] [--cpu-only]`` (exit code 1 if a
 check fails). ``--cpu-only`` runs the CPU engine's half of each shape (the reference), with no GPU: CI
 runs it as the GPU host would, without the packages that host lacks.
 """
@@ -27,78 +27,22 @@ from pathlib import Path
 
 import numpy as np
 
-SHAPES = {
-    "smollm2-135m-shape": dict(
-        num_layers=30,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-    ),
-    "llama-like-head128": dict(
-        num_layers=8,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=128,
-        vocab_size=32000,
-    ),
-}
+from rawpaged import LLM, SamplingParams
+from rawpaged.core.scheduler import SchedulerOutput
+from rawpaged.core.sequence import Sequence
+from rawpaged.testing.random_model import SHAPES as RANDOM_SHAPES
+from rawpaged.testing.random_model import write_random_model
 
-
-#: Family features on the device, checked without timings: a window shorter than the longest prompts
-#: with YaRN (Mistral), q/k norms with head_dim 128 unlike hidden / heads and Llama 3 RoPE (Qwen3).
+#: timed on a device: the default model's shape and a Llama-like head_dim 128
+SHAPES = {name: RANDOM_SHAPES[name] for name in ("smollm2-135m-shape", "llama-like-head128")}
+#: the families' features on a device, checked without timings (see ``rawpaged.testing.random_model.SHAPES``)
 FEATURE_SHAPES = {
-    "q8_0-on-load": dict(  # the weights in Q8_0 blocks on both backends: cuda/quant.cu on the device
-        num_layers=4,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        vocab_size=32000,
-        quantization="q8_0",
-    ),
-    "mistral-window256-yarn": dict(
-        architecture="MistralForCausalLM",
-        num_layers=4,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        sliding_window=256,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
-    ),
-    "qwen3-head128-llama3": dict(
-        architecture="Qwen3ForCausalLM",
-        num_layers=4,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_heads=8,
-        num_kv_heads=1,
-        head_dim=128,
-        vocab_size=32000,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-        },
-    ),
+    name: RANDOM_SHAPES[name] for name in ("q8_0-on-load", "mistral-window256-yarn", "qwen3-head128-llama3")
 }
 
 
 def _first_logits(llm, prompt_ids):
     """float32 logits of the token after ``prompt_ids`` (one prefill through the engine's runner)."""
-    from rawpaged.core.scheduler import SchedulerOutput
-    from rawpaged.core.sequence import Sequence
 
     eng = llm.engine
     kv = eng.kv_cache_manager
@@ -146,7 +90,6 @@ def _timings(llm, rng, batches=(1, 32), max_tokens=64, prefill_len=512) -> dict:
     """Decode tok/s per batch size (``batch`` 32-token prompts: the time of ``max_tokens + 1`` tokens
     minus that of the prefill and first token alone, so prefill is not counted) and, with
     ``prefill_len``, one prompt of that many tokens' prefill time in ms."""
-    from rawpaged import SamplingParams
 
     def timed(prompts, n):
         t0 = time.perf_counter()
@@ -175,8 +118,6 @@ def cpu_reference(name, shape, tmp, rng, prompt_lens=PROMPT_LENS, max_tokens=24)
     prompts drawn from ``rng``, the CPU's first-step logits and greedy ids. Returns a dict with the CPU
     ``llm``, ``prompts``, ``logits``, ``ids``, the greedy and sampled ``SamplingParams``, the engine
     options ``kw`` and the ``shape`` without its quantization."""
-    from rawpaged import LLM, SamplingParams
-    from rawpaged.random_model import write_random_model
 
     shape = dict(shape)
     quantization = shape.pop("quantization", None)
@@ -212,7 +153,6 @@ def check_shape(
     For each dtype in ``graphs`` it also runs with ``enforce_eager=False`` (decode replayed from CUDA
     graphs): float32 held to the same rule against the CPU, its ids compared with eager's on the device
     (equal, or divergent only where eager diverges from the CPU too), and the same timings."""
-    from rawpaged import LLM
 
     ref = cpu_reference(name, shape, tmp, rng, prompt_lens, max_tokens)
     cpu, prompts, cpu_logits, cpu_ids, params, sampled, kw = (
@@ -264,7 +204,6 @@ def check_shape(
 
 def _check_graphs(kw, dtype, prompts, params, cpu, cpu_ids, eager_ids, rng, timing_batches, timing_tokens) -> dict:
     """The engine with CUDA graphs for decode (``enforce_eager=False``) against the CPU and eager."""
-    from rawpaged import LLM
 
     t0 = time.perf_counter()
     llm = LLM(device="cuda", dtype=dtype, enforce_eager=False, **kw)

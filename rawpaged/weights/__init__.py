@@ -1,0 +1,32 @@
+"""Models on disk above the loader: the default model (``default_model``: download, unzip, prepare),
+GGUF -> HF conversion (``gguf_to_hf``), a model name -> its directory (``resolve``), and the command line
+(``python -m rawpaged.weights prepare``, ``__main__``).
+
+The names users call (``rawpaged.weights.prepare()``, ``rawpaged.weights.default_gguf_path()``, ...) are
+re-exported here.
+"""
+
+from rawpaged.weights.default_model import (
+    DEFAULT_MODEL,
+    default_f32_gguf_path,
+    default_gguf_path,
+    default_model_dir,
+    is_prepared,
+    prepare,
+    weights_root,
+)
+from rawpaged.weights.gguf_to_hf import convert_gguf_to_hf, write_f32_gguf
+from rawpaged.weights.resolve import resolve_model_dir
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "convert_gguf_to_hf",
+    "default_f32_gguf_path",
+    "default_gguf_path",
+    "default_model_dir",
+    "is_prepared",
+    "prepare",
+    "resolve_model_dir",
+    "weights_root",
+    "write_f32_gguf",
+]
