@@ -27,8 +27,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from rawpaged.core import kv_cache_snapshot
+from rawpaged.engine.engine_client import RequestStream
 from rawpaged.engine.llm_engine import LLMEngine
-from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
 from rawpaged.errors import EngineDeadError, RequestFailedError
 from rawpaged.sampling_params import SamplingParams
@@ -41,53 +41,6 @@ logger = logging.getLogger("rawpaged.server")
 GATHER_QUIET_S = 0.001
 GATHER_MAX_S = 0.020
 GATHER_RECENT_S = 0.050
-
-
-class RequestStream:
-    """Async iterator of one request's ``RequestOutput``s (newest state only, see module doc).
-
-    Iteration ends after the finished output, or early when the request was aborted (``aborted`` is
-    then True). Raises ``EngineDeadError`` if the engine failed, ``RequestFailedError`` if the engine
-    ended this request alone. ``replica`` is the data-parallel replica serving it (None for a single
-    engine).
-    """
-
-    def __init__(self, request_id: str, replica: int | None = None):
-        self.request_id = request_id
-        self.replica = replica
-        self.aborted = False
-        self.finished = False
-        self._latest: RequestOutput | None = None
-        self._done = False
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        self._latest = output
-        if output.finished:
-            self._done = self.finished = True
-        self._event.set()
-
-    def close(self, error: BaseException | None = None, aborted: bool = False) -> None:
-        self._done = True
-        self._error = error
-        self.aborted = aborted
-        self._event.set()
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                return out
-            if self._done:
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
 
 
 class AsyncEngine:

@@ -25,7 +25,7 @@ import uuid
 from tokenizers import Tokenizer as HFTokenizer
 
 from rawpaged.config import EngineConfig
-from rawpaged.engine.async_engine import RequestStream
+from rawpaged.engine.engine_client import RequestStream
 from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.replica import ACCEPTED, EngineReplica
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons

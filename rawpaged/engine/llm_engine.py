@@ -21,17 +21,17 @@ from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.scheduler import Scheduler, SchedulerStats
 from rawpaged.core.sequence import Sequence
 from rawpaged.dtypes import numpy_dtype
-from rawpaged.engine import beam_search, parallel_sampling
+from rawpaged.engine import beam_search
 from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
-from rawpaged.errors import EngineError, InvalidRequestError
+from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
+from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
 from rawpaged.model_executor.model_loader import load_model, release_free_heap
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
-from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.structured_output.manager import StructuredOutputManager
 from rawpaged.weights.resolve import resolve_model_dir
@@ -99,6 +99,14 @@ class LLMEngine:
             self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.token_selector = TokenSelector(
+            self.runner,
+            lambda grammars: self.structured_output_manager.grammar_bitmask(grammars),
+            self._fork,
+            self.eos_token_ids,
+            self.max_model_len,
+            self.tokenizer,
+        )
         self.requests: dict[str, Request] = {}
         self._structured_output_manager = None
         self._rng = np.random.default_rng(config.seed)
@@ -217,61 +225,23 @@ class LLMEngine:
             return []
         logits, sampling = self.runner.execute_model(sched_out)
         now = time.monotonic()
-        rows = self.runner.fetch_rows(
-            logits, [row for row, seq in enumerate(sampling) if _needs_distribution(seq.sampling_params)]
+        selected = self.token_selector.select(logits, sampling, self.requests, now)
+        self._update_sequences(sched_out, selected, now)
+        return self._make_outputs(selected)
+
+    def _update_sequences(self, sched_out, selected: SelectedTokens, now: float) -> None:
+        """Append the selected tokens, drop pruned and finished beams, and stop the sequences whose
+        output processing (stop strings, texts) ends them; a failure there fails its request alone."""
+        failed = selected.failed
+        self.scheduler.update_from_output(
+            sched_out, [(seq, tok) for seq, tok, _ in selected.samples] + selected.beam_sampled
         )
-        failed: dict[str, Exception] = {}
-        self._apply_grammars(logits, sampling)
-        touched: dict[str, Request] = {}
-        draws, samples = [], []  # per sample: its draw (all drawn in one backend call), (sequence, logprob row)
-        beam_sampled, pruned, beams_done = [], [], []
-        for row, seq in enumerate(sampling):
-            req = self.requests[seq.request_id]
-            if req.request_id in failed:
-                continue
-            params = req.params
-            try:
-                if req.beam is not None:
-                    seq.pending_logprobs = log_softmax(rows[row])
-                    if all(b.pending_logprobs is not None for b in req.beams):
-                        sampled, dead = beam_search.step_beams(
-                            req, self._fork, self.eos_token_ids, self.max_model_len, now, self.tokenizer
-                        )
-                        beam_sampled += sampled
-                        pruned += dead
-                        if req.beam.done:
-                            beams_done.append(req)
-                            touched[req.request_id] = req
-                    continue
-                lp_row = log_softmax(rows[row]) if parallel_sampling.needs_logprobs(params) else None
-                targets = [seq]
-                if not req.forked:
-                    targets += parallel_sampling.fork_samples(req, seq, self._fork)
-                req_draws = []
-                for t in targets:
-                    req_draws.append((row, params, draw_uniform(params, t.rng)))
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                failed[req.request_id] = e
-                continue
-            draws += req_draws
-            for t in targets:
-                samples.append((t, lp_row))
-            touched[req.request_id] = req
-        tokens = self._sample(logits, draws, samples, failed)
-        for (seq, _), tok in zip(samples, tokens):
-            grammar = seq.grammar
-            if grammar is None or grammar.is_terminated() or seq.request_id in failed:
-                continue
-            if not grammar.accept_token(tok):
-                failed[seq.request_id] = EngineError(f"token {tok} broke the output's grammar: {grammar.error}")
-        samples = [(seq, tok, lp_row) for (seq, lp_row), tok in zip(samples, tokens) if seq.request_id not in failed]
-        self.scheduler.update_from_output(sched_out, [(seq, tok) for seq, tok, _ in samples] + beam_sampled)
-        self.scheduler.finish_seqs(pruned, "beam_pruned")
-        for req in beams_done:
+        self.scheduler.finish_seqs(selected.pruned, "beam_pruned")
+        for req in selected.beams_done:
             self.scheduler.finish_seqs(req.beams, "beam_done")
             req.beams = []
         by_request: dict[str, list] = {}
-        for sample in samples:
+        for sample in selected.samples:
             by_request.setdefault(sample[0].request_id, []).append(sample)
         stopped = []
         for rid, group in by_request.items():
@@ -281,8 +251,12 @@ class LLMEngine:
                 failed[rid] = e
         if stopped:
             self.scheduler.finish_seqs([s for s in stopped if s.request_id not in failed], "stop")
-        outputs = []
-        for req in touched.values():
+
+    def _make_outputs(self, selected: SelectedTokens) -> list:
+        """A ``RequestOutput`` per touched request (finished ones leave ``requests``), then one per failed
+        request (its blocks freed, ``error`` set)."""
+        outputs, failed = [], selected.failed
+        for req in selected.touched.values():
             if req.request_id in failed:
                 continue
             try:
@@ -294,39 +268,6 @@ class LLMEngine:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs + [self._fail_request(rid, e) for rid, e in failed.items()]
-
-    def _apply_grammars(self, logits, sampling: list) -> None:
-        """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar
-        does not allow next (the rows' masks computed in parallel). Rows without a grammar are left as
-        they are, and a step without one costs nothing. A grammar that has ended (its EOS accepted,
-        generation going on under ``ignore_eos``) constrains nothing more, as in vLLM."""
-        rows, grammars = [], []
-        for row, seq in enumerate(sampling):
-            if seq.grammar is not None and not seq.grammar.is_terminated():
-                rows.append(row)
-                grammars.append(seq.grammar)
-        if not rows:
-            return
-        bitmask = self.structured_output_manager.grammar_bitmask(grammars)
-        self.backend.apply_token_bitmask(logits, bitmask, np.array(rows, dtype=np.int64))
-
-    def _sample(self, logits, draws: list, samples: list, failed: dict) -> list:
-        """Token ids for ``draws``, in one backend call; if that call fails, one call per draw, so a draw
-        that fails fails only its request (recorded in ``failed``; its token is None)."""
-        try:
-            return [int(t) for t in self.runner.sample(logits, draws)]
-        except Exception:  # noqa: BLE001
-            logger.warning("batched sampling failed; sampling one request at a time", exc_info=True)
-        tokens = []
-        for draw, (seq, _) in zip(draws, samples):
-            token = None
-            if seq.request_id not in failed:
-                try:
-                    token = int(self.runner.sample(logits, [draw])[0])
-                except Exception as e:  # noqa: BLE001
-                    failed[seq.request_id] = e
-            tokens.append(token)
-        return tokens
 
     def _fail_request(self, request_id: str, error: Exception) -> RequestOutput:
         """End a request whose computation failed: its blocks back, a finished output with ``error``."""
@@ -379,9 +320,3 @@ class LLMEngine:
             "generation_tokens_total": sched.stats.num_generation_tokens,
             "num_steps": sched.stats.num_steps,
         }
-
-
-def _needs_distribution(params: SamplingParams) -> bool:
-    """Whether a row's whole distribution must reach the host (logprobs, best_of, beams); sampling itself
-    runs on the backend and returns only ids."""
-    return parallel_sampling.needs_logprobs(params) or params.use_beam_search

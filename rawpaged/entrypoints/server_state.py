@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rawpaged.engine.protocol import EngineClient
+from rawpaged.engine.engine_client import EngineClient
 from rawpaged.entrypoints.metrics import ServerMetrics
 from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, error_body, now
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, ServerConfig

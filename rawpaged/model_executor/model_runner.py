@@ -152,6 +152,11 @@ class ModelRunner:
         the ids reach the host). Returns int64 ``[len(draws)]``."""
         return self.backend.sample(logits, **sampling_arrays(draws, self.model.config.vocab_size))
 
+    def apply_token_bitmask(self, logits, bitmask, rows: list) -> None:
+        """Forbid, in each logits row of ``rows``, the tokens its int32 ``bitmask`` row leaves unset
+        (``bitmask [len(rows), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32``), on the backend."""
+        self.backend.apply_token_bitmask(logits, bitmask, np.array(rows, dtype=np.int64))
+
     def fetch_rows(self, logits, rows: list) -> dict:
         """float32 host copies of the logits ``rows`` that need the whole distribution (logprobs, beam
         search, best_of): ``{row: float32 [vocab]}``."""

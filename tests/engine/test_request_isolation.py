@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rawpaged import SamplingParams
-from rawpaged.engine import llm_engine
+from rawpaged.engine import llm_engine, token_selection
 from rawpaged.errors import RequestFailedError
 from tests.conftest import tiny_engine
 
@@ -47,7 +47,7 @@ def _raise_for_poison(real):
 
 
 def test_a_failing_draw_ends_only_its_request(tiny_dir, reference, monkeypatch):
-    monkeypatch.setattr(llm_engine, "draw_uniform", _raise_for_poison(llm_engine.draw_uniform))
+    monkeypatch.setattr(token_selection, "draw_uniform", _raise_for_poison(token_selection.draw_uniform))
     llm = tiny_engine(tiny_dir)
     got = run_with_poisoned(llm, SamplingParams(n=3, temperature=0.9, seed=POISON_SEED, max_tokens=8))
     assert [o.outputs[0].token_ids for o in got["good"]] == reference
@@ -142,6 +142,6 @@ def test_non_finite_and_out_of_range_values_are_refused(field, value):
 
 def test_the_uniform_stream_is_seeded_per_sample():
     assert np.isclose(
-        llm_engine.draw_uniform(SamplingParams(temperature=1.0), np.random.default_rng(1)),
+        token_selection.draw_uniform(SamplingParams(temperature=1.0), np.random.default_rng(1)),
         np.random.default_rng(1).random(),
     )

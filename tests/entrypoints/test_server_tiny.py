@@ -200,7 +200,7 @@ def test_beam_search_with_logprobs_returns_one_entry_per_token(tiny_server):
 
 
 def test_a_request_failing_in_the_engine_gets_a_500_alone(tiny_server, monkeypatch):
-    from rawpaged.engine import llm_engine
+    from rawpaged.engine import token_selection as llm_engine
 
     real = llm_engine.draw_uniform
 

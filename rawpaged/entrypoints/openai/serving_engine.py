@@ -17,8 +17,8 @@ from typing import Protocol
 
 from aiohttp import web
 
+from rawpaged.engine.engine_client import EngineClient
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
-from rawpaged.engine.protocol import EngineClient
 from rawpaged.entrypoints.chat_utils import template_conversation
 from rawpaged.entrypoints.openai import protocol
 from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
