@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import best_time, conditions, print_table, write_json  # noqa: E402
-from rawpaged.kernels import cpu  # noqa: E402
+from rawpaged.kernels.cpu import attention as cpu_attention  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 512 << 20) -> float:
@@ -71,10 +71,10 @@ def run_case(rng, batch, ctx, num_heads, num_kv_heads, head_dim, block_size):
         for b in range(batch)
     ]
     ref = contiguous_attention(q, ks, vs, scale)
-    cpu.paged_attention(out, q, kc, vc, scattered, lens, scale)
+    cpu_attention.paged_attention(out, q, kc, vc, scattered, lens, scale)
     assert np.allclose(out, ref, rtol=1e-3, atol=1e-4), "paged and contiguous disagree"
-    t_paged = best_time(lambda: cpu.paged_attention(out, q, kc, vc, scattered, lens, scale))
-    t_consec = best_time(lambda: cpu.paged_attention(out, q, kc, vc, consecutive, lens, scale))
+    t_paged = best_time(lambda: cpu_attention.paged_attention(out, q, kc, vc, scattered, lens, scale))
+    t_consec = best_time(lambda: cpu_attention.paged_attention(out, q, kc, vc, consecutive, lens, scale))
     t_contig = best_time(lambda: contiguous_attention(q, ks, vs, scale))
     kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 4
     return dict(
@@ -116,7 +116,7 @@ def main(argv=None):
 
         return kernels_cuda.main(["--out", args.out])
     if not args.engine_dispatch:
-        cpu.PARALLEL_MIN_WORK = 0  # measure the parallel kernel everywhere (see --engine-dispatch)
+        cpu_attention.PARALLEL_MIN_WORK = 0  # measure the parallel kernel everywhere (see --engine-dispatch)
     rng = np.random.default_rng(0)
     bw = copy_bandwidth()
     print(f"measured copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")

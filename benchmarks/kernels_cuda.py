@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.cuda import launch_config
 
 HEAD_CONFIGS = ((64, 9, 3), (128, 32, 8))  # (head_dim, query heads, kv heads)
 DTYPES = (("bf16", np.uint16), ("fp32", np.float32))
@@ -133,7 +133,7 @@ def bench_case(be, timer, dtype, head_dim, num_heads, num_kv_heads, batch, conte
     times = {k: device_time(be, timer, fn) for k, fn in calls.items()}
     eager = timer(calls["paged"])  # with Python dispatch and launch latency, as an eager step pays them
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * np.dtype(dtype).itemsize
-    cfg = src.decode_config(batch, num_heads, num_kv_heads, head_dim, bps * BLOCK_SIZE, be.num_sms)
+    cfg = launch_config.decode_config(batch, num_heads, num_kv_heads, head_dim, bps * BLOCK_SIZE, be.num_sms)
     return dict(
         dtype="bf16" if dtype == np.uint16 else "fp32",
         head_dim=head_dim,
@@ -175,7 +175,7 @@ def bench_sampling(be, timer, batch, vocab, case):
 
 def make_backend(dry_run: bool):
     if not dry_run:
-        from rawpaged.kernels.cuda import CudaBackend
+        from rawpaged.kernels.cuda.backend import CudaBackend
 
         be = CudaBackend()
         props = be.xp.cuda.runtime.getDeviceProperties(be.device.id)

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
     from rawpaged.config import EngineConfig
     from rawpaged.engine.llm_engine import LLMEngine
-    from rawpaged.kernels import cpu_sampling
+    from rawpaged.kernels.cpu import sampling as cpu_sampling
     from rawpaged.sampling_params import SamplingParams
     from rawpaged.testing import reference_sampler
 

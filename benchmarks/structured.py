@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import best_time, conditions, print_table, write_json  # noqa: E402
 from rawpaged import LLM, SamplingParams  # noqa: E402
-from rawpaged.kernels import cpu  # noqa: E402
+from rawpaged.kernels.cpu import sampling as cpu_sampling  # noqa: E402
 from rawpaged.structured_output import StructuredOutputManager, StructuredOutputsParams  # noqa: E402
 from rawpaged.weights import prepare  # noqa: E402
 
@@ -99,7 +99,7 @@ def mask_rows(manager, tokenizer, vocab_size, batches, steps: int = 20) -> list:
             t0 = time.perf_counter()
             bitmask = manager.grammar_bitmask(grammars)
             t1 = time.perf_counter()
-            cpu.apply_token_bitmask(logits, bitmask, index)
+            cpu_sampling.apply_token_bitmask(logits, bitmask, index)
             applies.append(time.perf_counter() - t1)
             fills.append(t1 - t0)
             for g in grammars:

@@ -26,7 +26,7 @@ constexpr int DEC_TPK = 4;                     // threads cooperating on one key
 constexpr int DEC_CHUNK = 128;                 // keys per softmax chunk (scores held in shared memory)
 
 // Dynamic shared memory of paged_attention_kernel, in floats (the host mirrors this formula in
-// rawpaged/kernels/cuda_sources.py: decode_smem_floats).
+// rawpaged/kernels/cuda/launch_config.py: decode_smem_floats).
 template <int D, int GMAX> struct DecodeSmem {
     static constexpr int STATS = GMAX * D;                        // q_s: [GMAX][D] scaled queries
     static constexpr int WORK = STATS + ((3 * GMAX + 3) / 4) * 4;  // m_s, l_s, corr_s: [GMAX] each
@@ -308,7 +308,7 @@ constexpr int PF_THREADS = 128;  // 16 row groups x 8 key/dim groups
 constexpr int PF_KT = 32;        // keys per tile
 
 // Tile geometry and dynamic shared memory (floats) of prefill_attention_kernel; mirrored by
-// rawpaged/kernels/cuda_sources.py: prefill_rows / prefill_smem_floats.
+// rawpaged/kernels/cuda/launch_config.py: prefill_rows / prefill_smem_floats.
 template <int D> struct PrefillCfg {
     static constexpr int RPT = D <= 128 ? 4 : 2;  // query rows per thread
     static constexpr int ROWS = 16 * RPT;         // query rows (token, head) per block

@@ -1,6 +1,6 @@
 // Paged KV-cache maintenance: reshape_and_cache (scatter new K/V rows into their slots) and copy_blocks
 // (copy-on-write block copies for every layer in one launch). Semantics follow vLLM's
-// csrc/cache_kernels.cu and rawpaged/kernels/cpu.py.
+// csrc/cache_kernels.cu and rawpaged/kernels/cpu/cache.py.
 //
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
 #include "common.cuh"

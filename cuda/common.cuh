@@ -1,9 +1,9 @@
 // Shared helpers for the rawpaged CUDA kernels (cache.cu, attention.cu, layers.cu).
 //
 // Compiled by NVRTC through cupy.RawModule (the runtime concatenates this header with the .cu files, see
-// rawpaged/kernels/cuda_sources.py) and by g++ through the CPU emulation in tests/cuda_emu/.
+// rawpaged/kernels/cuda/program.py) and by g++ through the CPU emulation in tests/cuda_emu/.
 // NVRTC rules followed here: no <stdint.h>/<cmath>, no INFINITY macro, templates instantiated only through
-// name expressions (so every instantiation the runtime uses is listed in cuda_sources.py).
+// name expressions (so every instantiation the runtime uses is listed in program.py).
 //
 // Element types: float, __half, __nv_bfloat16. Arithmetic is always float32 (convert on load, round on
 // store with round-to-nearest-even). All offsets into activations and caches are 64-bit (long long).

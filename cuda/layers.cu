@@ -1,5 +1,5 @@
 // Dense per-token layers: RMSNorm (optionally fused with the residual add), rotary embedding (RoPE) and
-// SiLU-and-mul (SwiGLU). Semantics follow rawpaged/kernels/cpu.py (vLLM's csrc/layernorm_kernels.cu,
+// SiLU-and-mul (SwiGLU). Semantics follow rawpaged/kernels/cpu/elementwise.py (vLLM's csrc/layernorm_kernels.cu,
 // csrc/pos_encoding_kernels.cu and csrc/activation_kernels.cu name the same operations).
 // Arithmetic in float32; results rounded to the activation dtype T on store.
 #include "common.cuh"

@@ -1,7 +1,7 @@
 // Token sampling on the device: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020) and
 // min-p (Nguyen et al. 2024), one block per sample, so only the sampled ids leave the GPU.
 //
-// Semantics are those of rawpaged/kernels/cpu.py `sample` (float64 NumPy), in this order on the tempered
+// Semantics are those of rawpaged/testing/reference_sampler.py `sample` (float64 NumPy), in this order on the tempered
 // distribution p_i = exp((x_i - max x) / temperature):
 //   top-k  keep x_i >= the k-th largest logit (ties at the threshold all kept, as np.partition);
 //   top-p  keep the smallest prefix of tokens sorted by descending p whose mass reaches top_p * sum(p),
@@ -17,7 +17,7 @@
 // in a fixed order (deterministic; sums of non-negative floats over nested subsets in the same order are
 // monotone, so the bisection is consistent).
 //
-// grid: (num_samples), block: a multiple of 32, at most 512 (host: see cuda_sources.sample_threads).
+// grid: (num_samples), block: a multiple of 32, at most 512 (host: see launch_config.sample_threads).
 // logits: [num_rows, vocab] of T, row stride logits_stride (elements).
 // sample_ints: int32 [num_samples, 2] = (logits row, top_k; top_k <= 0 or >= vocab keeps all).
 // sample_floats: float32 [num_samples, 4] = (temperature, top_p, min_p, uniform).

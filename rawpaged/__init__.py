@@ -1,7 +1,7 @@
 """rawpaged: LLM inference with a paged KV cache, no PyTorch."""
 
-from rawpaged.kernels.numba_target import configure as _configure_numba
-from rawpaged.kernels.openblas_env import configure as _configure_openblas
+from rawpaged.kernels.cpu.numba_target import configure as _configure_numba
+from rawpaged.kernels.cpu.openblas_env import configure as _configure_openblas
 
 _configure_openblas()  # before anything imports numpy: idle OpenBLAS threads sleep after ~25 us
 _configure_numba()  # before anything imports numba: 512-bit vectors on AVX-512 hosts

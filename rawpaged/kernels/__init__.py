@@ -17,7 +17,7 @@ def get_backend(device: str = "auto"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device in ("auto", "cuda"):
         try:
-            from rawpaged.kernels.cuda import CudaBackend  # deferred: CuPy, an optional library
+            from rawpaged.kernels.cuda.backend import CudaBackend  # deferred: CuPy, an optional library
 
             return CudaBackend()
         except (ImportError, RuntimeError) as e:
@@ -25,6 +25,6 @@ def get_backend(device: str = "auto"):
                 raise RuntimeError(
                     f"device 'cuda' unavailable: {e} (a CUDA host needs pip install -e '.[cuda12]' or '.[cuda13]')"
                 ) from None
-    from rawpaged.kernels.cpu import CPUBackend  # deferred: Numba, after numba_target.configure has run
+    from rawpaged.kernels.cpu.backend import CPUBackend  # deferred: Numba, after numba_target.configure has run
 
     return CPUBackend()

@@ -1,7 +1,7 @@
 """The backend contract: everything the engine, the model runner and the model call on a backend.
 
-``CPUBackend`` (NumPy + Numba, ``rawpaged.kernels.cpu``) and ``CudaBackend`` (CuPy + ``cuda/*.cu``,
-``rawpaged.kernels.cuda``) both implement all of it, with the same names and semantics (vLLM's kernel
+``CPUBackend`` (NumPy + Numba, ``rawpaged.kernels.cpu.backend``) and ``CudaBackend`` (CuPy + ``cuda/*.cu``,
+``rawpaged.kernels.cuda.backend``) both implement all of it, with the same names and semantics (vLLM's kernel
 names), so nothing above this layer asks which backend it runs on. Arrays are the backend's own
 (``xp``: NumPy or CuPy); shapes below use ``T`` tokens, ``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim.
 """

@@ -15,7 +15,7 @@ formats, in block order), ``scales`` and ``mins`` (the fp16 bit patterns, uint16
 them back). Dequantizing all three and quantizing to Q8_0 are computed here (the GGUF format's
 definitions, ggml-quants.c; tests check them bit for bit against the ``gguf`` package's reference
 ``gguf.quants``), so neither needs that package; the kernels that compute on the planes are
-``rawpaged.kernels.cpu_quant``.
+``rawpaged.kernels.cpu.quant``.
 """
 
 from __future__ import annotations

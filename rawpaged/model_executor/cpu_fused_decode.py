@@ -1,5 +1,5 @@
 """Pure-decode steps on the CPU backend as one compiled call: the decoder layers of ``models.llama`` in
-one Numba function (``kernels.cpu_decode.decode_layers``), the CPU's counterpart of replaying a CUDA graph
+one Numba function (``kernels.cpu.fused_decode.decode_layers``), the CPU's counterpart of replaying a CUDA graph
 (``cuda_graph``).
 
 Kernel by kernel, a decode step of the default model makes about 330 calls from Python into Numba (11
@@ -26,8 +26,8 @@ import numba as nb
 import numpy as np
 from numba import typed
 
-from rawpaged.kernels import cpu_decode, cpu_gemm
 from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.cpu import fused_decode, gemm
 
 
 def _typed_list(items):
@@ -45,13 +45,13 @@ class CPUFusedDecode:
         model: a ``LlamaModel`` on the ``CPUBackend``.
         key_caches, value_caches: the runner's per-layer caches ``[num_blocks, block_size,
             num_kv_heads, head_dim]`` (float32 or bfloat16), read and written in place.
-        max_batch_size: decode steps with more rows run op by op (``cpu_gemm.SMALL_M``: above it the
+        max_batch_size: decode steps with more rows run op by op (``gemm.SMALL_M``: above it the
             backend's products go to BLAS).
     Raises:
         ValueError: for a model not on the CPU backend.
     """
 
-    def __init__(self, model, key_caches, value_caches, max_batch_size: int = cpu_gemm.SMALL_M):
+    def __init__(self, model, key_caches, value_caches, max_batch_size: int = gemm.SMALL_M):
         if model.backend.name != "cpu":
             raise ValueError(f"CPUFusedDecode runs on the cpu backend, not {model.backend.name}")
         self.model = model
@@ -59,12 +59,12 @@ class CPUFusedDecode:
         cfg = model.config
         layers = model.layers
         self._caches = (
-            typed.List([cpu_decode.cache_view(c) for c in key_caches]),
-            typed.List([cpu_decode.cache_view(c) for c in value_caches]),
+            typed.List([fused_decode.cache_view(c) for c in key_caches]),
+            typed.List([fused_decode.cache_view(c) for c in value_caches]),
         )
 
         def weights(name):
-            return _typed_list([cpu_decode.linear_weight(layer[name]) for layer in layers])
+            return _typed_list([fused_decode.linear_weight(layer[name]) for layer in layers])
 
         def optional(name):  # every layer's, or an empty list for none; None (op by op) for some
             present = [layer[name] for layer in layers if layer[name] is not None]
@@ -109,7 +109,7 @@ class CPUFusedDecode:
         num_kv_heads = cfg.num_key_value_heads
         context = int(attn.max_context_len) or attn.decode_block_tables.shape[1] * self._caches[0][0].shape[1]
         parallel = M * cfg.num_attention_heads * context >= self.parallel_attention_min_work
-        cpu_decode.decode_layers(
+        fused_decode.decode_layers(
             residual,
             np.ascontiguousarray(positions, dtype=np.int64),
             attn.slot_mapping,
@@ -124,9 +124,9 @@ class CPUFusedDecode:
             self._window,
             cfg.num_attention_heads,
             cfg.intermediate_size,
-            cpu_decode.attention_tasks(M, num_kv_heads),
+            fused_decode.attention_tasks(M, num_kv_heads),
             parallel,
-            cpu_decode.max_chunks(),
+            fused_decode.max_chunks(),
             out,
         )
         return out

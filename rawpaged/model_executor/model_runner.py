@@ -35,7 +35,7 @@ class ModelRunner:
             graphs captured here on a backend that has them (``backend.supports_cuda_graphs``).
         max_num_seqs, max_model_len: size the static decode buffers (needed unless ``enforce_eager``).
         fused_decode: on the CPU backend, run the layers of pure-decode steps (up to
-            ``cpu_gemm.SMALL_M`` rows) in one compiled call (``cpu_fused_decode``; the same kernels and
+            ``kernels.cpu.gemm.SMALL_M`` rows) in one compiled call (``cpu_fused_decode``; the same kernels and
             results as op by op, without the per-op dispatch). Ignored on other backends; the static
             decode path, when enabled, takes the steps it covers first.
     """

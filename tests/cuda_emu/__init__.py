@@ -1,7 +1,7 @@
 """Build and drive the CPU emulation of the CUDA kernels (``cuda_emu.h``) from Python.
 
 :func:`build` compiles the real ``cuda/*.cu`` sources with g++ against the emulation header into a shared
-library (one registered launcher per NVRTC name expression of ``rawpaged.kernels.cuda_sources``), cached
+library (one registered launcher per NVRTC name expression of ``rawpaged.kernels.cuda.program``), cached
 under the system temp dir keyed by a hash of every input. :class:`Emulator` launches kernels through it
 like ``cuLaunchKernel`` (a pointer per argument), checking each argument against the kernel's parameter
 list the way the GPU never would: a NumPy scalar of the right size and kind for every scalar parameter, an
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.cuda import program
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "shim"
@@ -42,7 +42,7 @@ def missing_requirements() -> str | None:
 
 
 def _fp16_include_dir() -> str | None:
-    dirs = src.cuda_include_dirs()
+    dirs = program.cuda_include_dirs()
     return dirs[0] if dirs else None
 
 
@@ -52,14 +52,14 @@ SELFTEST_NAMES = ("neighbour_exchange_kernel<true>", "neighbour_exchange_kernel<
 
 def _inputs() -> list[Path]:
     files = [HERE / "cuda_emu.h", HERE / "selftest.cu", HERE / "replay_main.cpp", *sorted(SHIM.rglob("*"))]
-    files += [src.CUDA_DIR / src.HEADER] + [src.CUDA_DIR / f for f in src.SOURCE_FILES]
+    files += [program.CUDA_DIR / program.HEADER] + [program.CUDA_DIR / f for f in program.SOURCE_FILES]
     return [f for f in files if f.is_file()]
 
 
 def _translation_unit(names: list[str], define_api: bool) -> str:
     lines = ["#define EMU_DEFINE_API 1"] if define_api else []
     lines.append('#include "cuda_emu.h"')
-    lines += [f'#include "{src.CUDA_DIR / f}"' for f in src.SOURCE_FILES]
+    lines += [f'#include "{program.CUDA_DIR / f}"' for f in program.SOURCE_FILES]
     lines.append('#include "selftest.cu"')
     lines.append("namespace {")
     lines.append("[[maybe_unused]] const bool registered[] = {")
@@ -73,7 +73,7 @@ def build(names: list[str] | None = None, tsan: bool = False, replay: bool = Fal
     """Compile (or reuse) the emulation holding ``names`` (default: every name expression, plus the
     self-test kernels): a shared library for ctypes, or with ``replay`` the standalone replay executable
     (``replay_main.cpp``); ``tsan`` builds with ``-fsanitize=thread``."""
-    names = list(names) if names is not None else src.all_name_expressions() + list(SELFTEST_NAMES)
+    names = list(names) if names is not None else program.all_name_expressions() + list(SELFTEST_NAMES)
     flags = list(CXXFLAGS) + (list(TSAN_FLAGS) if tsan else [])
     inc = _fp16_include_dir()
     h = hashlib.sha256()
@@ -262,7 +262,7 @@ def read_replay_output(path: Path) -> list[bytes]:
 def emulated_backend(emulator: Emulator | Recorder, num_sms: int = 4):
     """A ``CudaBackend`` over NumPy arrays whose kernels run in ``emulator`` (or a :class:`Recorder`).
     ``num_sms`` steers the flash-decoding partition count like the GPU's SM count does."""
-    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.kernels.cuda.backend import CudaBackend
 
     def launch(act, cache, name, grid, block, args, smem_bytes):
         emulator.launch(name, grid, block, args, smem_bytes)

@@ -10,8 +10,8 @@ import pytest
 from rawpaged import dtypes
 from rawpaged.config import DType
 from rawpaged.kernels.backend import Backend
-from rawpaged.kernels.cpu import CPUBackend
-from rawpaged.kernels.cuda import CudaBackend
+from rawpaged.kernels.cpu.backend import CPUBackend
+from rawpaged.kernels.cuda.backend import CudaBackend
 
 
 def _members(protocol) -> set:
@@ -64,7 +64,7 @@ def test_cuda_kv_cache_budget_frees_cupys_cache_first_and_keeps_headroom():
     wrong: fragments cannot hold the pool), and activation headroom stays out of the pool."""
     from types import SimpleNamespace
 
-    from rawpaged.kernels import cuda
+    from rawpaged.kernels.cuda import backend as cuda
 
     total, weights = 100 << 30, 2 << 30
 
@@ -102,8 +102,8 @@ def test_split_block_mapping_keeps_order_where_pairs_would_race():
 
 
 def test_copy_in_groups_equals_copying_in_order():
-    from rawpaged.kernels import cpu
     from rawpaged.kernels.backend import split_block_mapping
+    from rawpaged.kernels.cpu import cache as cpu_cache
 
     rng = np.random.default_rng(0)
     caches = [rng.standard_normal((16, 4, 2, 8)).astype(np.float32) for _ in range(4)]
@@ -113,6 +113,6 @@ def test_copy_in_groups_equals_copying_in_order():
         for c in expected:
             c[dst] = c[src]
     for group in split_block_mapping(pairs):
-        cpu.copy_blocks(caches[:2], caches[2:], group)
+        cpu_cache.copy_blocks(caches[:2], caches[2:], group)
     for got, want in zip(caches, expected):
         np.testing.assert_array_equal(got, want)

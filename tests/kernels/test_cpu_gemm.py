@@ -4,8 +4,8 @@ x rows padded to the tile, weight rows past the last full tile, one chunk per th
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cpu_gemm
-from rawpaged.kernels.cpu import CPUBackend
+from rawpaged.kernels.cpu import gemm as cpu_gemm
+from rawpaged.kernels.cpu.backend import CPUBackend
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 17, 64])

@@ -10,8 +10,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cublas
-from rawpaged.kernels.cuda import CudaBackend
+from rawpaged.kernels.cuda import cublas
+from rawpaged.kernels.cuda.backend import CudaBackend
 
 
 def _floats(address: int, count: int) -> np.ndarray:
@@ -197,13 +197,13 @@ def test_capture_graph_warms_up_then_captures_on_its_stream_with_its_pool_and_ha
 
     def fn():
         stream = cuda.get_current_stream()
-        seen.append((stream.name, stream.capturing, cuda.allocator is not None, backend._capture_blas is not None))
+        seen.append((stream.name, stream.capturing, cuda.allocator is not None, backend.ctx.capture_blas is not None))
         return "logits"
 
     replay, output = backend.capture_graph(fn)
     assert output == "logits"
     assert seen == [("graph", False, True, True), ("graph", True, True, True)]
-    assert backend._capture_blas is None and cuda.allocator is None and cuda.get_current_stream() is cuda.null
+    assert backend.ctx.capture_blas is None and cuda.allocator is None and cuda.get_current_stream() is cuda.null
     assert [e for e in cuda.log if e[0] != "sync"] == [("begin", "graph"), ("end", "graph")]
     assert ("stream", 0x1234, 0x77) in lib.calls  # the handle is bound to the capture stream
     with _Stream(cuda, "serving", 1):
@@ -224,7 +224,7 @@ def test_a_failed_capture_ends_the_capture_and_drops_the_handle(monkeypatch):
 
     with pytest.raises(RuntimeError, match="boom"):
         backend.capture_graph(fn)
-    assert cuda.log[-1] == ("end", "graph") and backend._capture_blas is None and cuda.allocator is None
+    assert cuda.log[-1] == ("end", "graph") and backend.ctx.capture_blas is None and cuda.allocator is None
 
 
 def test_capture_needs_a_device():
@@ -240,7 +240,7 @@ def test_linear_goes_through_the_capture_handle_while_capturing():
     rng = np.random.default_rng(1)
     backend = CudaBackend._with_launcher(np, lambda *a: None, lambda a: a.ctypes.data, num_sms=4)
     lib = FakeCublas()
-    backend._capture_blas = cublas.CublasHandle(lib, 1, 2, 3)
+    backend.ctx.capture_blas = cublas.CublasHandle(lib, 1, 2, 3)
     x = rng.standard_normal((3, 8)).astype(np.float32)
     w = rng.standard_normal((5, 8)).astype(np.float32)
     bias = rng.standard_normal(5).astype(np.float32)

@@ -1,7 +1,7 @@
 """The CUDA sources compile with NVRTC exactly as the runtime compiles them (no GPU or driver needed).
 
 NVRTC is called through ctypes from the ``nvidia-cuda-nvrtc-cu12`` wheel (or CUDA 13's
-``nvidia-cuda-nvrtc``), with the runtime's options (``cuda_sources.RUNTIME_OPTIONS`` + the ``-I`` for
+``nvidia-cuda-nvrtc``), with the runtime's options (``program.RUNTIME_OPTIONS`` + the ``-I`` for
 ``cuda_fp16.h``) plus what CuPy adds itself (``-ftz=true``), for sm_80 and sm_90, with every name expression
 the runtime may launch. Any error, any warning or any register spill fails. Register/spill counts are
 printed (``pytest -s``).
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.cuda import launch_config, program
 
 ARCHS = (80, 90)
 
@@ -36,7 +36,7 @@ _NVRTC_PATH = _find_nvrtc()
 pytestmark = [
     pytest.mark.skipif(_NVRTC_PATH is None, reason="NVRTC wheel not installed (pip install nvidia-cuda-nvrtc-cu12)"),
     pytest.mark.skipif(
-        not src.cuda_include_dirs(), reason="cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)"
+        not program.cuda_include_dirs(), reason="cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)"
     ),
 ]
 
@@ -77,9 +77,9 @@ class Nvrtc:
 
 def runtime_options(arch: int) -> list[str]:
     return [
-        *src.RUNTIME_OPTIONS,
-        *src.include_options(),
-        *src.CUPY_IMPLICIT_OPTIONS,
+        *program.RUNTIME_OPTIONS,
+        *program.include_options(),
+        *program.CUPY_IMPLICIT_OPTIONS,
         f"-arch=sm_{arch}",
         "--ptxas-options=-v",
     ]
@@ -107,8 +107,8 @@ def parse_ptxas(log: str) -> dict[str, dict]:
 def module_builds():
     """The runtime's translation unit with every name expression, for each architecture (in parallel)."""
     nvrtc = Nvrtc(_NVRTC_PATH)
-    names = src.all_name_expressions()
-    source = src.module_source()
+    names = program.all_name_expressions()
+    source = program.module_source()
     with ThreadPoolExecutor(len(ARCHS)) as pool:
         results = dict(zip(ARCHS, pool.map(lambda a: nvrtc.compile(source, names, runtime_options(a)), ARCHS)))
     return names, results
@@ -145,23 +145,23 @@ def test_no_register_spills(module_builds, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sample_kernel_static_shared_memory_is_what_the_emulation_assumes(module_builds, arch):
-    """``cuda_sources.SAMPLE_STATIC_SMEM_BYTES`` (the emulation's stand-in for the driver's
+    """``launch_config.SAMPLE_STATIC_SMEM_BYTES`` (the emulation's stand-in for the driver's
     ``shared_size_bytes``) is what ptxas allocates for every ``sample_kernel`` instantiation."""
     names, results = module_builds
     _, log, lowered, _ = results[arch]
     stats = parse_ptxas(log)
     sample = [n for n in names if n.startswith("sample_kernel<")]
-    assert sample and {stats[lowered[n]]["smem"] for n in sample} == {src.SAMPLE_STATIC_SMEM_BYTES}
+    assert sample and {stats[lowered[n]]["smem"] for n in sample} == {launch_config.SAMPLE_STATIC_SMEM_BYTES}
 
 
-@pytest.mark.parametrize("filename", src.SOURCE_FILES)
+@pytest.mark.parametrize("filename", program.SOURCE_FILES)
 def test_each_source_file_compiles_on_its_own(filename):
     """Every .cu is self-contained (includes common.cuh itself); one instantiation each keeps this cheap."""
-    names = src.names_in_file(src.all_name_expressions(), filename)
+    names = program.names_in_file(program.all_name_expressions(), filename)
     assert names, f"no name expression belongs to {filename}"
     first_per_template = list({n.split("<")[0]: n for n in names}.values())
     rc, log, lowered, _ = Nvrtc(_NVRTC_PATH).compile(
-        src.read_source(filename), first_per_template, [*runtime_options(90), f"-I{src.CUDA_DIR}"]
+        program.read_source(filename), first_per_template, [*runtime_options(90), f"-I{program.CUDA_DIR}"]
     )
     assert rc == 0, log[-8000:]
     assert "warning" not in log.lower(), log[-4000:]
@@ -170,7 +170,7 @@ def test_each_source_file_compiles_on_its_own(filename):
 def test_every_template_is_instantiated():
     """Each __global__ template in the sources has at least one name expression (uninstantiated templates
     are never checked by NVRTC)."""
-    names = src.all_name_expressions()
-    for filename in src.SOURCE_FILES:
-        for kernel in re.findall(r"\b(\w+_kernel)\s*\(", src.read_source(filename)):
+    names = program.all_name_expressions()
+    for filename in program.SOURCE_FILES:
+        for kernel in re.findall(r"\b(\w+_kernel)\s*\(", program.read_source(filename)):
             assert any(n.startswith(kernel + "<") for n in names), f"{kernel} ({filename}) is never instantiated"

@@ -14,8 +14,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cpu
-from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.cpu import attention as cpu_attention
+from rawpaged.kernels.cpu import elementwise as cpu_elementwise
+from rawpaged.kernels.cpu import sampling as cpu_sampling
+from rawpaged.kernels.cuda import launch_config, program
+from rawpaged.kernels.cuda import linear as cuda_linear
 from rawpaged.testing import reference_sampler
 from tests.cuda_emu import (
     SELFTEST_NAMES,
@@ -98,7 +101,7 @@ def test_paged_attention_split_k_matches_cpu_and_float64(emu, cache_dtype, head_
     assert [n.split("<")[0] for n, *_ in emu.launches] == ["paged_attention_kernel", "paged_attention_reduce_kernel"]
     assert emu.launches[0][1][2] >= 4, "the long context should span several partitions"
     ref_cpu = np.full_like(q, np.nan)
-    cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
+    cpu_attention.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
     for s, c in enumerate(CONTEXTS):
         ref = attention_ref(q[s : s + 1], keys[s], values[s], scale)[0]
@@ -208,7 +211,7 @@ def test_prefill_attention_causal_chunked(emu, cache_dtype, block_size):
     lens = np.array(seq_lens, np.int32)
     backend(emu).prefill_attention(out, q, dev(kc), dev(vc), bt, qsl, lens, head_dim**-0.5)
     ref_cpu = np.full_like(q, np.nan)
-    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim**-0.5)
+    cpu_attention.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim**-0.5)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
     assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5)
 
@@ -369,7 +372,7 @@ def test_rms_norm_rotary_silu_against_float64_and_cpu(emu):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(res_in, x + res)
     plain = be.rms_norm(x, w, 1e-5)
-    np.testing.assert_allclose(plain, cpu.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(plain, cpu_elementwise.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
 
     D, theta = 64, 100000.0
     cache = rope_cache(D, 50, theta)
@@ -447,7 +450,7 @@ def test_sample_kernel_matches_the_cpu_reference(emu, act, vocab, staged):
     emu.launches.clear()
     got = be.sample(dev(logits), **args)
     assert [n for n, *_ in emu.launches] == [
-        f"sample_kernel<{src.F32 if act == np.float32 else src.F16 if act == F16 else src.BF16}>"
+        f"sample_kernel<{program.F32 if act == np.float32 else program.F16 if act == F16 else program.BF16}>"
     ]
     assert emu.launches[0][3] == (4 * vocab if staged else 0)
     assert got.dtype == np.int64 and ((got >= 0) & (got < vocab)).all()
@@ -470,7 +473,7 @@ def test_sample_kernel_near_the_shared_memory_limit(emu, vocab):
     got = be.sample(dev(logits), **args)
     smem = emu.launches[0][3]
     assert smem == (4 * vocab if vocab == 57_000 else 0)
-    assert smem + src.SAMPLE_STATIC_SMEM_BYTES <= be.max_smem_optin
+    assert smem + launch_config.SAMPLE_STATIC_SMEM_BYTES <= be.max_smem_optin
     assert_draws_match(got, logits, args)  # float32 sums over 57k+ terms: more draws near a boundary
 
 
@@ -487,7 +490,7 @@ def test_apply_token_bitmask_kernel_matches_the_cpu_kernel(emu, act):
     before = padded.copy()
     backend(emu).apply_token_bitmask(dev(logits), bitmask, rows)
     expected = before[:, :vocab].astype(np.float32)
-    cpu.apply_token_bitmask(expected, bitmask, rows)
+    cpu_sampling.apply_token_bitmask(expected, bitmask, rows)
     got = padded[:, :vocab].astype(np.float32)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
     np.testing.assert_array_equal(got[~np.isneginf(got)], expected[~np.isneginf(expected)])
@@ -601,7 +604,7 @@ QUANT_ACTS = {"float32": np.dtype(np.float32), "float16": F16, "bfloat16": BF16}
 def test_quant_linear_and_embedding_on_blocks(emu, qtype, act):
     """cuda/quant.cu against float64 products with the gguf package's dequantization: the GEMV (M <= 8)
     and the tiled GEMM (M > 8, partial tiles), fused parts, a bias, x with a row stride, the lookup."""
-    from rawpaged.kernels.cuda import DeviceQuantized
+    from rawpaged.kernels.cuda.weights import DeviceQuantized
     from rawpaged.kernels.quantization import QuantizedTensor
 
     be = backend(emu)
@@ -641,7 +644,7 @@ def test_quant_linear_and_embedding_on_blocks(emu, qtype, act):
 
 
 # ------------------------------------------------------------------------------------------ the engine
-def _numpy_linear_bf16(self, x, weight, bias, float32_out=False):
+def _numpy_linear_bf16(ctx, x, weight, bias, float32_out=False):
     """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, then one rounding to bf16,
     or none with ``float32_out``)."""
     y = x.view(BF16).astype(np.float32) @ weight.view(BF16).astype(np.float32).T
@@ -657,7 +660,6 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     bfloat16 (the CUDA default): first-step logits within bf16 precision."""
     from rawpaged import LLM, SamplingParams
     from rawpaged.engine import llm_engine as engine_mod
-    from rawpaged.kernels.cuda import CudaBackend
     from rawpaged.testing.random_model import write_random_model
 
     model = write_random_model(
@@ -689,7 +691,7 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
 
     cpu_llm = LLM(device="cpu", **kw)
     ref = run(cpu_llm)
-    monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(cuda_linear, "linear_bf16", _numpy_linear_bf16)
     monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
     f32 = LLM(device="cuda", dtype="float32", **kw)
     assert f32.engine.backend.name == "cuda" and f32.engine.kv_cache_dtype == "float32"
@@ -731,7 +733,7 @@ def test_gguf_engine_on_emulated_cuda_runs_on_blocks_and_matches_the_cpu_engine(
     cuda/quant.cu) and gives the CPU engine's greedy ids, float32 activations."""
     from rawpaged import LLM, SamplingParams
     from rawpaged.engine import llm_engine as engine_mod
-    from rawpaged.kernels.cuda import DeviceQuantized
+    from rawpaged.kernels.cuda.weights import DeviceQuantized
     from tests.model_executor.test_gguf import _write_gguf
 
     path = _write_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, arch=arch, hidden=128, n_head=2)  # head_dim 64
@@ -753,11 +755,10 @@ def test_gpu_engine_check_script_runs_on_the_emulated_kernels(emu, tmp_path, mon
     """rawpaged/tools/check_cuda_engine.py (run by scripts/gpu_check.sh on a GPU) end to end on a tiny shape, so
     a device session is never spent on a broken script."""
     from rawpaged.engine import llm_engine as engine_mod
-    from rawpaged.kernels.cuda import CudaBackend
     from rawpaged.tools import check_cuda_engine
 
     real = engine_mod.get_backend
-    monkeypatch.setattr(CudaBackend, "_linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(cuda_linear, "linear_bf16", _numpy_linear_bf16)
     monkeypatch.setattr(
         engine_mod, "get_backend", lambda device: backend(emu, num_sms=4) if device == "cuda" else real(device)
     )
@@ -838,7 +839,7 @@ def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
     rng = np.random.default_rng(0)
     kc, vc, bt, *_, q = _decode_case(rng, [40], 1, 4, 64, 16, np.float32)
     out = np.full_like(q, np.nan)
-    cfg = src.decode_config(1, 4, 1, 64, 48, num_sms=1)
+    cfg = launch_config.decode_config(1, 4, 1, 64, 48, num_sms=1)
     args = (
         out,
         np.int64(4 * 64),
@@ -946,7 +947,7 @@ def test_static_decode_path_on_emulated_cuda_matches_the_eager_cpu_engine(emu, t
     tables as wide as max_model_len. Greedy and sampled ids equal the eager CPU engine's, float32."""
     from rawpaged import LLM, SamplingParams
     from rawpaged.engine import llm_engine as engine_mod
-    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.kernels.cuda.backend import CudaBackend
     from rawpaged.testing.random_model import write_random_model
 
     model = write_random_model(

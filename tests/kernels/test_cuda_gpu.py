@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cpu
+from rawpaged.kernels.cpu import attention as cpu_attention
+from rawpaged.kernels.cpu import cache as cpu_cache
 from tests.kv_reference import (
     BF16,
     assert_cache_rows_written,
@@ -57,7 +58,7 @@ def be():
         from tests.cuda_emu import Emulator, build, emulated_backend
 
         return emulated_backend(Emulator(build()), num_sms=8)
-    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.kernels.cuda.backend import CudaBackend
 
     return CudaBackend()
 
@@ -94,7 +95,7 @@ def test_paged_attention(be, num_sms, cache_dtype, head_dim, group):
         be.num_sms = saved
     out = be.to_numpy(out_d)
     ref_cpu = np.full_like(q, np.nan)
-    cpu.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
+    cpu_attention.paged_attention(ref_cpu, q, kc, vc, bt, ctx, scale)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
     for s, c in enumerate(CONTEXTS):
         np.testing.assert_allclose(
@@ -138,7 +139,7 @@ def test_prefill_attention(be, cache_dtype, num_kv_heads, group, head_dim, block
     be.prefill_attention(out_d, be.asarray(q), be.asarray(kc), be.asarray(vc), bt, qsl, lens, head_dim**-0.5)
     out = be.to_numpy(out_d)
     ref_cpu = np.full_like(q, np.nan)
-    cpu.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim**-0.5)
+    cpu_attention.prefill_attention(ref_cpu, q, kc, vc, bt, qsl, lens, head_dim**-0.5)
     np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
     assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5)
 
@@ -352,7 +353,7 @@ def test_rotary_embedding_and_cache_matches_the_cpu_composition(be, act, cache):
     be.rotary_embedding_and_cache(pos, q_d, k_d, v_d, kc_d, vc_d, slots, be.asarray(cos_sin))
     q, k, v = ref[:, : Hq * D].reshape(T, Hq, D), ref[:, Hq * D : (Hq + H) * D].reshape(T, H, D), ref[:, (Hq + H) * D :]
     kc, vc = np.full(nan_cache.shape, np.nan, np.float32), np.full(nan_cache.shape, np.nan, np.float32)
-    cpu.rotary_embedding_and_cache(pos, q, k, v.reshape(T, H, D), kc, vc, slots, cos_sin)
+    cpu_cache.rotary_embedding_and_cache(pos, q, k, v.reshape(T, H, D), kc, vc, slots, cos_sin)
     t = dict(rtol=2e-2, atol=2e-2) if act != np.float32 or cache != np.float32 else dict(rtol=1e-5, atol=1e-5)
     got_q = be.to_numpy(qkv_d)[:, : Hq * D].astype(np.float32).reshape(T, Hq, D)
     np.testing.assert_allclose(got_q, q, **t)

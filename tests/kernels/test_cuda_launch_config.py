@@ -7,70 +7,70 @@ import types
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cuda_sources as src
+from rawpaged.kernels.cuda import launch_config, program
 
 
-@pytest.mark.parametrize("head_dim", src.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", program.HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64])
 def test_decode_config_covers_group_and_fits_shared_memory(head_dim, group):
-    cfg = src.decode_config(
+    cfg = launch_config.decode_config(
         num_seqs=3, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, max_context_len=5000, num_sms=132
     )
-    assert cfg["gmax"] in src.DECODE_GMAX and cfg["gmax"] <= src.gmax_cap(head_dim)
+    assert cfg["gmax"] in program.DECODE_GMAX and cfg["gmax"] <= program.gmax_cap(head_dim)
     assert cfg["gchunks"] * cfg["gmax"] >= group > (cfg["gchunks"] - 1) * cfg["gmax"]
-    assert f"paged_attention_kernel<float, float, {head_dim}, {cfg['gmax']}>" in src.all_name_expressions()
+    assert f"paged_attention_kernel<float, float, {head_dim}, {cfg['gmax']}>" in program.all_name_expressions()
     assert cfg["smem_bytes"] <= 48 * 1024, "decode must run without the shared-memory opt-in"
     assert cfg["num_splits"] * cfg["split_len"] >= 5000 > (cfg["num_splits"] - 1) * cfg["split_len"]
     assert cfg["grid"] == (2 * cfg["gchunks"], 3, cfg["num_splits"])
 
 
 def test_decode_splits_fill_the_gpu_only_when_needed():
-    one = src.decode_config(1, 32, 8, 128, 4096, num_sms=132)
+    one = launch_config.decode_config(1, 32, 8, 128, 4096, num_sms=132)
     assert one["num_splits"] > 1 and np.prod(one["grid"]) >= 132, "batch 1 must fill the SMs"
-    assert one["split_len"] >= src.MIN_SPLIT_TOKENS
-    big = src.decode_config(64, 32, 8, 128, 4096, num_sms=132)
+    assert one["split_len"] >= launch_config.MIN_SPLIT_TOKENS
+    big = launch_config.decode_config(64, 32, 8, 128, 4096, num_sms=132)
     assert big["num_splits"] == 1, "512 (seq, kv-head) blocks already fill 132 SMs"
-    short = src.decode_config(1, 9, 3, 64, 100, num_sms=132)
+    short = launch_config.decode_config(1, 9, 3, 64, 100, num_sms=132)
     assert short["num_splits"] == 1, "a context shorter than one partition is never split"
 
 
 def test_a_small_decode_grid_takes_shorter_partitions():
     """Batch 1 of the default model's heads (9/3) at 1024 tokens: 128-token partitions would give 24 blocks
     on 132 SMs; shorter ones (not below SMALL_GRID_MIN_SPLIT_TOKENS) fill most of them."""
-    cfg = src.decode_config(1, 9, 3, 64, 1024, num_sms=132)
+    cfg = launch_config.decode_config(1, 9, 3, 64, 1024, num_sms=132)
     assert np.prod(cfg["grid"]) >= 96, cfg["grid"]
-    assert src.SMALL_GRID_MIN_SPLIT_TOKENS <= cfg["split_len"] < src.MIN_SPLIT_TOKENS
+    assert launch_config.SMALL_GRID_MIN_SPLIT_TOKENS <= cfg["split_len"] < launch_config.MIN_SPLIT_TOKENS
     assert cfg["num_splits"] * cfg["split_len"] >= 1024
-    eight = src.decode_config(8, 9, 3, 64, 1024, num_sms=132)
-    assert eight["split_len"] >= src.MIN_SPLIT_TOKENS, "24 x 8 blocks fill the SMs at the usual length"
+    eight = launch_config.decode_config(8, 9, 3, 64, 1024, num_sms=132)
+    assert eight["split_len"] >= launch_config.MIN_SPLIT_TOKENS, "24 x 8 blocks fill the SMs at the usual length"
 
 
-@pytest.mark.parametrize("head_dim", src.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", program.HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 3, 6, 16, 80])
 def test_prefill_config(head_dim, group):
-    cfg = src.prefill_config(2, 4 * group, 4, head_dim, max_query_len=100)
-    rows = src.prefill_rows(head_dim)
+    cfg = launch_config.prefill_config(2, 4 * group, 4, head_dim, max_query_len=100)
+    rows = launch_config.prefill_rows(head_dim)
     assert 1 <= cfg["heads_per_block"] <= rows and cfg["tokens_per_tile"] * cfg["heads_per_block"] <= rows
     assert cfg["grid"][0] * cfg["tokens_per_tile"] >= 100
     assert cfg["smem_bytes"] <= 163 * 1024, "must fit the sm_80 opt-in limit"
 
 
 def test_copy_word_and_threads():
-    assert src.copy_word_bytes(16 * 8 * 128 * 2) == 16
-    assert src.copy_word_bytes(36) == 4
-    assert src.copy_word_bytes(6) == 2
-    assert src.round_threads(576, 1024) == 576 and src.round_threads(5, 1024) == 32
-    assert src.round_threads(4096, 1024) == 1024
+    assert launch_config.copy_word_bytes(16 * 8 * 128 * 2) == 16
+    assert launch_config.copy_word_bytes(36) == 4
+    assert launch_config.copy_word_bytes(6) == 2
+    assert launch_config.round_threads(576, 1024) == 576 and launch_config.round_threads(5, 1024) == 32
+    assert launch_config.round_threads(4096, 1024) == 1024
 
 
 def test_module_source_inlines_the_header_once():
-    code = src.module_source()
+    code = program.module_source()
     assert code.count("namespace rp {") >= 1 and '#include "common.cuh"' not in code
-    for f in src.SOURCE_FILES:
+    for f in program.SOURCE_FILES:
         assert f"// ---- {f}" in code
 
 
-def test_cuda_sources_does_not_import_cupy():
+def test_the_cuda_modules_do_not_import_cupy():
     import subprocess
     import sys
     from pathlib import Path
@@ -79,7 +79,7 @@ def test_cuda_sources_does_not_import_cupy():
         [
             sys.executable,
             "-c",
-            "import sys, rawpaged.kernels.cuda_sources, rawpaged.kernels.cuda; "
+            "import sys, rawpaged.kernels.cuda.backend, rawpaged.kernels.cuda.program; "
             "assert 'cupy' not in sys.modules, 'cupy imported'",
         ],
         capture_output=True,
@@ -97,7 +97,7 @@ def test_cuda_backend_without_gpu_raises_one_clear_line():
             pytest.skip("a GPU is present")
     except Exception:
         pass
-    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.kernels.cuda.backend import CudaBackend
 
     with pytest.raises(RuntimeError, match=r"^no CUDA device found: ") as exc:
         CudaBackend()
@@ -152,7 +152,7 @@ class _HostArray:
 
 
 def test_pinned_stager_copies_in_chunks_through_two_alternating_buffers():
-    from rawpaged.kernels.cuda import PinnedStager
+    from rawpaged.kernels.cuda.weights import PinnedStager
 
     fake = _FakeCuda()
     stager = PinnedStager(fake, chunk_bytes=1000)
@@ -176,8 +176,8 @@ def test_pinned_stager_copies_in_chunks_through_two_alternating_buffers():
 # ------------------------------------------------------------------------------------------ dtypes
 def test_dtype_auto_resolution_and_unsupported_pairs():
     from rawpaged.config import resolve_dtypes
-    from rawpaged.kernels.cpu import CPUBackend
-    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.kernels.cpu.backend import CPUBackend
+    from rawpaged.kernels.cuda.backend import CudaBackend
 
     cpu, cuda = CPUBackend, CudaBackend  # the class attributes resolution reads need no device
     assert resolve_dtypes("auto", "auto", cpu, "bfloat16") == ("float32", "float32")
@@ -189,14 +189,14 @@ def test_dtype_auto_resolution_and_unsupported_pairs():
         resolve_dtypes("bfloat16", "auto", cpu, None)
     with pytest.raises(ValueError, match="kv_cache_dtype 'float32' with dtype 'bfloat16'"):
         resolve_dtypes("bfloat16", "float32", cuda, None)
-    names = {"float32": src.F32, "float16": src.F16, "bfloat16": src.BF16}
-    assert {(names[a], names[c]) for a, c in CudaBackend.dtype_pairs} == set(src.DTYPE_PAIRS)
+    names = {"float32": program.F32, "float16": program.F16, "bfloat16": program.BF16}
+    assert {(names[a], names[c]) for a, c in CudaBackend.dtype_pairs} == set(program.DTYPE_PAIRS)
     assert names == {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def test_attention_refuses_a_block_size_that_is_not_a_power_of_two():
     """The kernels split positions into block and row with a shift and a mask."""
-    from rawpaged.kernels.cuda import CudaBackend
+    from rawpaged.kernels.cuda.backend import CudaBackend
 
     be = CudaBackend._with_launcher(np, lambda *a: pytest.fail("launched"), lambda a: a.ctypes.data, num_sms=4)
     q = np.zeros((1, 4, 64), np.float32)
@@ -212,12 +212,12 @@ def test_sampling_stages_a_row_in_shared_memory_only_beside_the_static_arrays():
     """The opt-in maximum bounds static plus dynamic shared memory together: on Hopper (227 KiB) a
     vocabulary of 57.8k-58.1k fits the probabilities alone but not with the kernel's ~1.3 KB of scratch."""
     hopper = 227 * 1024
-    static = src.SAMPLE_STATIC_SMEM_BYTES
+    static = launch_config.SAMPLE_STATIC_SMEM_BYTES
     assert 1024 < static < 2048
-    assert src.sample_smem_bytes(49152, hopper) == 4 * 49152  # the default model: staged
-    assert src.sample_smem_bytes(58000, hopper) == 0  # 232000 bytes fit 232448, but not with the scratch
+    assert launch_config.sample_smem_bytes(49152, hopper) == 4 * 49152  # the default model: staged
+    assert launch_config.sample_smem_bytes(58000, hopper) == 0  # 232000 bytes fit 232448, but not with the scratch
     fits = (hopper - static) // 4
-    assert src.sample_smem_bytes(fits, hopper) == 4 * fits and 4 * fits + static <= hopper
-    assert src.sample_smem_bytes(fits + 1, hopper) == 0
-    assert src.sample_smem_bytes(100, 400, static_smem_bytes=0) == 400  # what the driver reports decides
-    assert src.sample_smem_bytes(100, 400, static_smem_bytes=1) == 0
+    assert launch_config.sample_smem_bytes(fits, hopper) == 4 * fits and 4 * fits + static <= hopper
+    assert launch_config.sample_smem_bytes(fits + 1, hopper) == 0
+    assert launch_config.sample_smem_bytes(100, 400, static_smem_bytes=0) == 400  # what the driver reports decides
+    assert launch_config.sample_smem_bytes(100, 400, static_smem_bytes=1) == 0

@@ -4,7 +4,11 @@ import numba as nb
 import numpy as np
 import pytest
 
-from rawpaged.kernels import cpu, cpu_gemm
+from rawpaged.kernels.cpu import attention as cpu_attention
+from rawpaged.kernels.cpu import cache as cpu_cache
+from rawpaged.kernels.cpu import elementwise as cpu_elementwise
+from rawpaged.kernels.cpu import gemm as cpu_gemm
+from rawpaged.kernels.cpu import intrinsics as cpu_intrinsics
 from tests.kv_reference import (
     BF16,
     assert_cache_rows_written,
@@ -30,7 +34,7 @@ def _tol(dtype):
 @pytest.fixture(params=["serial", "parallel"])
 def numba_mode(request, monkeypatch):
     """Run the Numba attention kernels in their serial and their parallel (prange) build."""
-    monkeypatch.setattr(cpu, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
+    monkeypatch.setattr(cpu_attention, "PARALLEL_MIN_WORK", 1 << 62 if request.param == "serial" else 0)
     return request.param
 
 
@@ -45,7 +49,7 @@ def test_paged_attention_matches_float64(dtype, head_dim, group, numba_mode):
     q = rng.standard_normal((len(CONTEXTS), num_heads, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
     scale = head_dim**-0.5
-    cpu.paged_attention(out, q, kc, vc, bt, np.array(CONTEXTS, np.int32), scale)
+    cpu_attention.paged_attention(out, q, kc, vc, bt, np.array(CONTEXTS, np.int32), scale)
     for s, ctx in enumerate(CONTEXTS):
         ref = attention_ref(q[s : s + 1], keys[s], values[s], scale)[0]
         np.testing.assert_allclose(out[s], ref, **_tol(dtype), err_msg=f"ctx={ctx}")
@@ -64,7 +68,7 @@ def test_prefill_attention_causal_chunked(dtype, block_size, numba_mode):
     qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
     q = rng.standard_normal((qsl[-1], num_heads, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
+    cpu_attention.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
     assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5, **_tol(dtype))
 
 
@@ -80,12 +84,12 @@ def test_paged_attention_sliding_window(dtype, window, numba_mode):
     poison_before(kc, vc, bt, [max(0, c - window) for c in contexts])
     q = rng.standard_normal((len(contexts), num_kv_heads * group, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    cpu.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125, sliding_window=window)
+    cpu_attention.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125, sliding_window=window)
     for s, ctx in enumerate(contexts):
         ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.125, window=window)[0]
         np.testing.assert_allclose(out[s], ref, **_tol(dtype), err_msg=f"ctx={ctx}")
     with pytest.raises(ValueError, match="sliding_window"):
-        cpu.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125, sliding_window=0)
+        cpu_attention.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 0.125, sliding_window=0)
 
 
 @pytest.mark.parametrize("window", [1, 8, 100, 259])
@@ -103,11 +107,13 @@ def test_prefill_attention_sliding_window(window, numba_mode):
     # NaN in the blocks wholly before each sequence's first new token's window: never read
     firsts = [max(0, s - n + 1 - window) for s, n in zip(seq_lens, new_tokens)]
     poison_before(*poisoned, bt, [f - f % 16 for f in firsts])
-    cpu.prefill_attention(out, q, *poisoned, bt, qsl, np.array(seq_lens, np.int32), 0.125, sliding_window=window)
+    cpu_attention.prefill_attention(
+        out, q, *poisoned, bt, qsl, np.array(seq_lens, np.int32), 0.125, sliding_window=window
+    )
     assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125, window=window)
     # A window as long as the sequence is plain causal attention.
     full = np.full_like(q, np.nan)
-    cpu.prefill_attention(full, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), 0.125, sliding_window=600)
+    cpu_attention.prefill_attention(full, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), 0.125, sliding_window=600)
     assert_prefill_matches(full, q, qsl, seq_lens, keys, values, 0.125)
 
 
@@ -121,7 +127,7 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
     slots[[3, 17]] = -1
     key = rng.standard_normal((40, H, D)).astype(np.float32)
     value = rng.standard_normal((40, H, D)).astype(np.float32)
-    cpu.reshape_and_cache(key, value, kc, vc, slots)
+    cpu_cache.reshape_and_cache(key, value, kc, vc, slots)
     # Stored values equal the input rounded to the cache dtype (round-to-nearest-even for bf16).
     assert_cache_rows_written(kc, vc, key, value, slots)
 
@@ -131,7 +137,7 @@ def test_bf16_rounding_is_nearest_even():
     key = np.tile(vals[:, None, None], (1, 1, 2)).astype(np.float32)  # [8, 1, 2]
     kc = np.zeros((1, 8, 1, 2), BF16)
     vc = np.zeros_like(kc)
-    cpu.reshape_and_cache(key, key, kc, vc, np.arange(8, dtype=np.int64))
+    cpu_cache.reshape_and_cache(key, key, kc, vc, np.arange(8, dtype=np.int64))
     np.testing.assert_array_equal(kc[0, :, 0, 0].view(np.uint16), vals.astype(BF16).view(np.uint16))
 
 
@@ -143,7 +149,7 @@ def test_copy_blocks_all_layers(dtype):
     vcs = [rng.standard_normal(shape).astype(np.float32).astype(dtype) for _ in range(3)]
     mapping = np.array([[2, 7], [5, 1], [2, 9]], np.int64)
     exp_k, exp_v = copy_blocks_expected(kcs, mapping), copy_blocks_expected(vcs, mapping)
-    cpu.copy_blocks(kcs, vcs, mapping)
+    cpu_cache.copy_blocks(kcs, vcs, mapping)
     for layer in range(3):
         np.testing.assert_array_equal(kcs[layer], exp_k[layer])
         np.testing.assert_array_equal(vcs[layer], exp_v[layer])
@@ -163,7 +169,7 @@ def test_copy_blocks_refuses_mappings_the_kernels_would_race_on(mapping, message
     kcs, vcs = [np.zeros(shape, np.float32)], [np.zeros(shape, np.float32)]
     kcs[0][2] = 1.0
     with pytest.raises(ValueError, match=message):
-        cpu.copy_blocks(kcs, vcs, np.array(mapping, np.int64))
+        cpu_cache.copy_blocks(kcs, vcs, np.array(mapping, np.int64))
     assert not kcs[0][7].any() and not kcs[0][3].any()  # refused before anything was copied
 
 
@@ -174,7 +180,7 @@ def test_rms_norm_rotary_silu_against_float64():
     w = rng.standard_normal(576).astype(np.float32)
     ref, s = rms_norm_ref(x, w, 1e-5, residual=res)
     res_in = res.copy()
-    out = cpu.rms_norm(x, w, 1e-5, residual=res_in)
+    out = cpu_elementwise.rms_norm(x, w, 1e-5, residual=res_in)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(res_in, s, rtol=1e-6)
 
@@ -185,14 +191,14 @@ def test_rms_norm_rotary_silu_against_float64():
     k = rng.standard_normal((4, 3, D)).astype(np.float32)
 
     rq, rk = rope_ref(q, pos, theta), rope_ref(k, pos, theta)
-    cpu.rotary_embedding(pos, q, k, cache)
+    cpu_elementwise.rotary_embedding(pos, q, k, cache)
     np.testing.assert_allclose(q, rq, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k, rk, rtol=1e-5, atol=1e-5)
 
     g = rng.standard_normal((3, 20)).astype(np.float32)
     gd = g.astype(np.float64)
     np.testing.assert_allclose(
-        cpu.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:], rtol=1e-5, atol=1e-6
+        cpu_elementwise.silu_and_mul(g), gd[:, :10] / (1 + np.exp(-gd[:, :10])) * gd[:, 10:], rtol=1e-5, atol=1e-6
     )
 
 
@@ -200,7 +206,7 @@ def test_rms_norm_rotary_silu_against_float64():
 def _exp_each(x):
     out = np.full_like(x, np.nan)
     for i in range(x.shape[0]):
-        out[i] = cpu._exp_f32(x[i])
+        out[i] = cpu_intrinsics.exp_f32(x[i])
     return out
 
 
@@ -222,7 +228,7 @@ def test_silu_and_mul_against_float64_over_the_whole_range():
     xd = x.astype(np.float64)
     inter = g.shape[1]
     ref = xd[:, :inter] / (1 + np.exp(-xd[:, :inter])) * xd[:, inter:]
-    got = cpu.silu_and_mul(x[1:])  # a view that starts mid-buffer
+    got = cpu_elementwise.silu_and_mul(x[1:])  # a view that starts mid-buffer
     np.testing.assert_allclose(got, ref[1:], rtol=2e-6, atol=1e-30)
 
 
@@ -242,5 +248,5 @@ def test_prefill_attention_long_sequences_cross_kv_tiles(dtype, seq_lens, new_to
     qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
     q = rng.standard_normal((qsl[-1], num_kv_heads * group, head_dim)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    cpu.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
+    cpu_attention.prefill_attention(out, q, kc, vc, bt, qsl, np.array(seq_lens, np.int32), head_dim**-0.5)
     assert_prefill_matches(out, q, qsl, seq_lens, keys, values, head_dim**-0.5, **_tol(dtype))

@@ -7,7 +7,7 @@ import sys
 
 import llvmlite.binding as llvm
 
-from rawpaged.kernels.numba_target import OPT_OUT, cpu_features
+from rawpaged.kernels.cpu.numba_target import OPT_OUT, cpu_features
 
 AVX512 = {"avx512f": True, "avx2": True, "sse2": True, "amx-tile": False}
 

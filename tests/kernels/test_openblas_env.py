@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from rawpaged.kernels.openblas_env import THREAD_TIMEOUT, configure
+from rawpaged.kernels.cpu.openblas_env import THREAD_TIMEOUT, configure
 
 
 def test_sets_the_timeout_unless_the_user_did_or_numpy_is_loaded():

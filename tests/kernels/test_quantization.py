@@ -9,9 +9,9 @@ import gguf
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels import cpu_quant
-from rawpaged.kernels.cpu import CPUBackend
-from rawpaged.kernels.cpu_intrinsics import q4_block_rows, q8_block_rows
+from rawpaged.kernels.cpu import quant as cpu_quant
+from rawpaged.kernels.cpu.backend import CPUBackend
+from rawpaged.kernels.cpu.intrinsics import q4_block_rows, q8_block_rows
 from rawpaged.kernels.quantization import FORMATS, NATIVE, QuantizedTensor
 
 # M = 1 (GEMV), 2, 3, 8 and ROWS_MAX_BATCH (48 rows dequantized at a time into register tiles; 300
@@ -114,7 +114,7 @@ def test_repacking_round_trips_the_gguf_bytes(weights, qtype):
 def test_half_to_float_is_exact_for_every_finite_fp16():
     import numba as nb
 
-    from rawpaged.kernels.cpu_intrinsics import half_to_float
+    from rawpaged.kernels.cpu.intrinsics import half_to_float
 
     @nb.njit
     def convert(bits, out):

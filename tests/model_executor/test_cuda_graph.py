@@ -8,7 +8,7 @@ import pytest
 
 from rawpaged import SamplingParams
 from rawpaged.core.block_table import BlockTable
-from rawpaged.kernels.cpu import CPUBackend
+from rawpaged.kernels.cpu.backend import CPUBackend
 from rawpaged.model_executor.cuda_graph import (
     CUDAGraphRunner,
     DecodeInputBuffers,

@@ -159,7 +159,7 @@ def _random_rows(rng, shape, scale):
 def test_compiled_cpu_sampler_draws_as_the_reference(scale):
     """``cpu_sampling.sample`` (the backend's) against ``reference_sampler.sample`` (the NumPy reference): every case
     of CASES plus greedy rows and rows sampled twice, on flat to peaked rows with ties."""
-    from rawpaged.kernels import cpu_sampling
+    from rawpaged.kernels.cpu import sampling as cpu_sampling
 
     rng = np.random.default_rng(11)
     logits = _random_rows(rng, (6, 3000), scale)
@@ -188,7 +188,7 @@ def test_compiled_cpu_sampler_draws_as_the_reference(scale):
 
 
 def test_compiled_cpu_sampler_top_p_cut_inside_ties():
-    from rawpaged.kernels import cpu_sampling
+    from rawpaged.kernels.cpu import sampling as cpu_sampling
 
     x = np.array([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]], dtype=np.float32)
     n = 2000

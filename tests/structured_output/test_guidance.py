@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from rawpaged.errors import InvalidRequestError
-from rawpaged.kernels import cpu
+from rawpaged.kernels.cpu import sampling as cpu_sampling
 from rawpaged.structured_output import StructuredOutputsParams
 from rawpaged.structured_output.backend_guidance import bitmask_words
 
@@ -171,7 +171,7 @@ def test_apply_token_bitmask_against_an_independent_unpacking():
     bitmask = rng.integers(-(2**31), 2**31, size=(2, 3), dtype=np.int64).astype(np.int32)
     rows = np.array([3, 1])
     got = logits.copy()
-    cpu.apply_token_bitmask(got, bitmask, rows)
+    cpu_sampling.apply_token_bitmask(got, bitmask, rows)
     expected = logits.copy()
     for i, r in enumerate(rows):
         keep = np.zeros(vocab, bool)
@@ -181,9 +181,9 @@ def test_apply_token_bitmask_against_an_independent_unpacking():
     np.testing.assert_array_equal(got[[0, 2, 4]], logits[[0, 2, 4]])  # rows without a mask untouched
     assert np.isneginf(got[3]).sum() > 0 and np.isfinite(got[3]).sum() > 0
     with pytest.raises(ValueError, match="rows"):
-        cpu.apply_token_bitmask(got, bitmask, np.array([0, 5]))
+        cpu_sampling.apply_token_bitmask(got, bitmask, np.array([0, 5]))
     with pytest.raises(ValueError, match="bitmask"):
-        cpu.apply_token_bitmask(got, bitmask.astype(np.int64), rows)
+        cpu_sampling.apply_token_bitmask(got, bitmask.astype(np.int64), rows)
 
 
 def test_bitmask_rows_and_masked_greedy_decoding(manager, tokenizer):
@@ -197,7 +197,7 @@ def test_bitmask_rows_and_masked_greedy_decoding(manager, tokenizer):
         if not live:
             break
         logits = rng.standard_normal((2, tokenizer.vocab_size)).astype(np.float32)
-        cpu.apply_token_bitmask(logits, manager.grammar_bitmask([grammars[i] for i in live]), np.array(live))
+        cpu_sampling.apply_token_bitmask(logits, manager.grammar_bitmask([grammars[i] for i in live]), np.array(live))
         for i in live:
             token = int(np.argmax(logits[i]))
             assert grammars[i].accept_token(token)

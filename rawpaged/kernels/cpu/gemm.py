@@ -199,7 +199,7 @@ def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @nb.njit(**_JIT)
 def gemm_nt_into(x, w, out):
     """``out [Mp, N] = x [Mp, K] @ w.T`` for one row (the GEMV) or Mp a multiple of TILE_M (the tiles), all
-    C-contiguous float32: what ``gemm_nt`` runs, callable from compiled code (``cpu_decode``)."""
+    C-contiguous float32: what ``gemm_nt`` runs, callable from compiled code (``fused_decode``)."""
     if x.shape[0] == 1:
         _gemv_nt(x[0], w, out[0])
     else:

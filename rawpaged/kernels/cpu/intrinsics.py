@@ -1,4 +1,4 @@
-"""Scalar operations for Numba kernels, written as LLVM IR so that they keep their natural width.
+"""Scalar operations for Numba kernels, most written as LLVM IR so that they keep their natural width.
 
 Numba types integer arithmetic on small integers at 64 bits (``uint8 & 15`` is an int64), which halves or
 quarters the width of the vectors LLVM builds from a loop. These helpers emit the operation on the
@@ -12,22 +12,28 @@ bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the lo
 - ``low_nibble(q)`` / ``high_nibble(q)``: ``q & 15`` and ``q >> 4`` of a uint8, as float32.
 - ``signed_byte(q)``: a uint8 read as int8 (two's complement), as float32 (``Q8_0``'s quants).
 - ``pow2_int(n)``: 2.0 ** n as float32 for an int32 n in [-126, 127], built from its exponent bits
-  (``(n + 127) << 23``): the last step of a vectorizable ``exp`` (``cpu._exp_f32``), where a loop over
+  (``(n + 127) << 23``): the last step of a vectorizable ``exp`` (``exp_f32``), where a loop over
   ``math.exp`` stays scalar (Numba links no vector math library).
+- ``exp_f32(x)``: float32 ``exp`` that vectorizes (Cephes ``expf`` on ``pow2_int``), and
+  ``f32_to_bf16_bits(u)``: float32 bits rounded to nearest even as bfloat16 bits; plain Numba functions.
 - ``prefetch(array, byte_offset)``: a read prefetch of the cache line at ``array``'s data + offset, into
   every cache level (``llvm.prefetch``; a no-op where the target has no prefetch instruction).
 - ``q4_block_rows`` / ``q8_block_rows(qs, byte_offset, dm, w, row0, col)``: one block of 16 interleaved
-  rows (``cpu_quant``'s repacked layout) dequantized into 16 rows of a row-major float32 matrix. Written as
+  rows (``quant``'s repacked layout) dequantized into 16 rows of a row-major float32 matrix. Written as
   vector IR because the loop form does not vectorize (a 16-iteration byte loop stays scalar, 1.6 G
   weights/s on one AVX-512 core) and its transposition is a shuffle of one vector of 256 or 512 bytes.
 """
 
 from __future__ import annotations
 
+import numba as nb
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
+
+from rawpaged.kernels.cpu.jit import JIT
 
 _I8 = ir.IntType(8)
 _I32 = ir.IntType(32)
@@ -117,7 +123,7 @@ def prefetch(typingctx, array, byte_offset):
 
 _V16F = ir.VectorType(_F32, 16)
 _V16B = ir.VectorType(_I8, 16)
-#: block rows the block intrinsics write (cpu_quant.R)
+#: block rows the block intrinsics write (quant.R)
 BLOCK_ROWS = 16
 
 
@@ -205,3 +211,30 @@ def q8_block_rows(typingctx, qs, byte_offset, dm, w, row0, col):
     of 16 interleaved rows (512 bytes of ``qs`` from ``byte_offset``); as ``q4_block_rows``."""
     sig = _block_rows_signature(qs, byte_offset, dm, w, row0, col)
     return (sig, _block_rows_codegen(False)) if sig is not None else None
+
+
+@nb.njit(inline="always", **JIT)
+def exp_f32(x):
+    """float32 ``exp(x)`` for x in [-87, 88] (clamped to it), ~1 ulp: Cephes ``expf`` (S. Moshier):
+    ``x = n ln 2 + r`` with ``|r| <= ln 2 / 2`` (ln 2 in two parts, Cody-Waite), a degree-7 polynomial
+    for ``exp(r)``, times ``2^n`` from its exponent bits. Unlike ``math.exp`` it vectorizes."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * pow2_int(np.int32(n))
+
+
+@nb.njit(**JIT)
+def f32_to_bf16_bits(u):
+    """Round-to-nearest-even float32 bits -> bfloat16 bits (NaN stays NaN)."""
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    rounding = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16((u + rounding) >> np.uint32(16))

@@ -16,9 +16,9 @@ the GGUF ones in another order (rows padded to a multiple of 16 with zero blocks
   ``out[n] += d * sum_j q_j x_j + m * sum_j x_j`` (Q4_1's minimum, and Q4_0's ``-8 d``, cost one
   multiply per block, as in llama.cpp's dot products). The bytes a few kilobytes ahead are prefetched.
 - 1 < M <= ``ROWS_MAX_BATCH`` (batched decode): 48 weight rows at a time are dequantized into a
-  row-major ``[48, K]`` float32 scratch (L2) and multiplied with ``cpu_gemm``'s 4 x 6 register tiles. A
+  row-major ``[48, K]`` float32 scratch (L2) and multiplied with ``gemm``'s 4 x 6 register tiles. A
   block of 16 interleaved rows is dequantized and transposed in vector registers
-  (``cpu_intrinsics.q4_block_rows``), so the scratch costs about one float32 store per weight.
+  (``intrinsics.q4_block_rows``), so the scratch costs about one float32 store per weight.
 - larger M (prefill, big batches): the transposed weight is dequantized ``TILE_BYTES`` at a time (on one
   thread, see ``_dequant_tile_t``) into a float32 ``[K, n]`` tile and goes through SGEMM (``x @ tile``),
   so compute-bound products run at BLAS speed.
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu_gemm import TILE_M, TILE_N, _tile_4x6, pad_rows
-from rawpaged.kernels.cpu_intrinsics import (
+from rawpaged.kernels.cpu.gemm import TILE_M, TILE_N, _tile_4x6, pad_rows
+from rawpaged.kernels.cpu.intrinsics import (
     half_to_float,
     high_nibble,
     low_nibble,
@@ -56,9 +56,9 @@ _JIT = dict(cache=True, nogil=True, fastmath=_FAST)
 #: numba's prange deals out to the threads: enough to balance dozens of threads.
 CHUNKS = 128
 #: up to this many x rows (from 2) a product dequantizes 48 weight rows at a time into a row-major
-#: scratch and multiplies them in ``cpu_gemm``'s register tiles (``_gemm_rows``); above, tiles go
+#: scratch and multiplies them in ``gemm``'s register tiles (``_gemm_rows``); above, tiles go
 #: through SGEMM (and no OpenBLAS threads are left spinning against the Numba kernels around it, as
-#: ``cpu_gemm.SMALL_M``). Against the block-at-a-time kernel it replaced (default model's Q4_1 layer
+#: ``gemm.SMALL_M``). Against the block-at-a-time kernel it replaced (default model's Q4_1 layer
 #: shapes, 2-core AVX-512 host): equal at M = 2, 1.5x at 4, 1.9x at 8, 2x at 16 and 32. Against the
 #: SGEMM tiles: 4x at M = 2-8, 1.7x at 32, 1.4x at 64, 1.25x at 192, equal at 256.
 ROWS_MAX_BATCH = 256
@@ -243,7 +243,7 @@ def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
                 w[16 + j, col + r] = dm[0, r] * high_nibble(q) + dm[1, r]
 
 
-#: weight rows one tile pass of ``_gemm_rows`` dequantizes: 3 groups, 8 of ``cpu_gemm``'s 4 x 6 tiles
+#: weight rows one tile pass of ``_gemm_rows`` dequantizes: 3 groups, 8 of ``gemm``'s 4 x 6 tiles
 ROWS_PER_PASS = 3 * R
 
 
@@ -251,8 +251,8 @@ ROWS_PER_PASS = 3 * R
 def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS: 48 rows at a time are dequantized into an ``[48, K]`` row-major float32
-    scratch (one vector-IR block at a time, ``cpu_intrinsics.q4_block_rows``), then multiplied by
-    ``cpu_gemm``'s 4 x 6 tiles (rows past the weight's groups are zero). ``max_chunks``: passes are split
+    scratch (one vector-IR block at a time, ``intrinsics.q4_block_rows``), then multiplied by
+    ``gemm``'s 4 x 6 tiles (rows past the weight's groups are zero). ``max_chunks``: passes are split
     into at most this many chunks, each with its own 110 KB scratch (at K = 576), so it is sized to the
     threads, not to CHUNKS."""
     Mp = x.shape[0]
@@ -324,7 +324,7 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
 
     Raises ValueError when K differs from the weight's columns, or for a weight not repacked."""
     if not isinstance(w, RepackedQuantized):
-        raise ValueError(f"quant_linear takes a RepackedQuantized weight (cpu_quant.repack), not {type(w).__name__}")
+        raise ValueError(f"quant_linear takes a RepackedQuantized weight (quant.repack), not {type(w).__name__}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, K = x.shape
     N, cols = w.shape
@@ -357,7 +357,7 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
 def rows_into(fmt, x, qs, scales, mins, out, max_chunks):
     """``out [Mp, N] = x [Mp, K] @ dequantize(W).T`` for one row (the GEMVs) or Mp a multiple of TILE_M up
     to ROWS_MAX_BATCH (``_gemm_rows``), W given as its format code (``_FMT``) and planes (``_planes``):
-    what ``quant_linear`` runs for those rows, callable from compiled code (``cpu_decode``).
+    what ``quant_linear`` runs for those rows, callable from compiled code (``fused_decode``).
     ``max_chunks``: as ``_gemm_rows`` takes it (Numba's thread count is read by the caller: reading it
     in compiled code keeps that code from being cached)."""
     if x.shape[0] == 1:

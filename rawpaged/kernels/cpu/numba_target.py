@@ -2,7 +2,7 @@
 
 LLVM's tuning for Intel server cores (skylake-avx512 onwards) prefers 256-bit vectors, so Numba kernels
 run at half the vector width the host has. Our memory-bound decode kernels (the quantized GEMVs of
-``cpu_quant``) are compute-bound at that width: 512-bit vectors made the Q4_1 GEMV 2.1x faster on one
+``quant``) are compute-bound at that width: 512-bit vectors made the Q4_1 GEMV 2.1x faster on one
 thread of a Xeon (Emerald Rapids) in one side-by-side run.
 
 ``configure()`` sets ``NUMBA_CPU_FEATURES`` to the host's features plus ``-prefer-256-bit``, which Numba

@@ -2,11 +2,12 @@
 decode rows: what ``models.llama.LlamaModel.forward`` does op by op, in one Numba call
 (``model_executor.cpu_fused_decode`` runs pure-decode steps through it).
 
-It calls the kernels the backend's ops call (``cpu_gemm._gemv_nt``/``_gemm_nt``, ``cpu_quant``'s GEMVs
-and row products, ``cpu._rms_norm_rows``/``_add_rms_norm_rows``, ``_rotate_half``, the cache writes,
-``_paged_attention_*``, ``_silu_and_mul_rows``), on the same inputs and in the same order, so its hidden
-states equal the op-by-op forward's bit for bit. Activations are sized once per call; x rows are padded
-to a multiple of ``cpu_gemm.TILE_M`` (zero rows, as ``cpu_gemm.pad_rows`` pads them) for the products.
+It calls the kernels the backend's ops call (``gemm._gemv_nt``/``_gemm_nt``, ``quant``'s GEMVs and
+row products, ``elementwise``'s ``rms_norm_rows``/``add_rms_norm_rows``, ``rotate_half`` and
+``silu_and_mul_rows``, ``cache``'s writes, ``attention.paged_attention_*``), on the same inputs and in the
+same order, so its hidden states equal the op-by-op forward's bit for bit. Activations are sized once per
+call; x rows are padded to a multiple of ``gemm.TILE_M`` (zero rows, as ``gemm.pad_rows`` pads them) for
+the products.
 
 Weights and caches come as ``numba.typed.List``s (one entry per layer) of the arrays the model holds:
 Numba compiles the pass once per combination of entry types (float32 or quantized per projection, float32
@@ -20,7 +21,7 @@ import numpy as np
 from numba import types as nb_types
 from numba.extending import overload
 
-from rawpaged.kernels import cpu, cpu_gemm, cpu_quant
+from rawpaged.kernels.cpu import attention, cache, elementwise, gemm, quant
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -32,14 +33,14 @@ def _linear(x, w, out, max_chunks):
 @overload(_linear, jit_options=_JIT)
 def _linear_impl(x, w, out, max_chunks):
     """``out [Mp, N] = x [Mp, K] @ W.T`` as ``CPUBackend.linear`` computes it for those rows: a float32
-    ``W [N, K]`` through ``cpu_gemm.gemm_nt_into``, a quantized one given as ``(format, qs, scales,
-    mins)`` through ``cpu_quant.rows_into``."""
+    ``W [N, K]`` through ``gemm.gemm_nt_into``, a quantized one given as ``(format, qs, scales,
+    mins)`` through ``quant.rows_into``."""
     if isinstance(w, nb_types.Array):
-        return lambda x, w, out, max_chunks: cpu_gemm.gemm_nt_into(x, w, out)
+        return lambda x, w, out, max_chunks: gemm.gemm_nt_into(x, w, out)
 
     def quantized(x, w, out, max_chunks):
         fmt, qs, scales, mins = w
-        cpu_quant.rows_into(fmt, x, qs, scales, mins, out, max_chunks)
+        quant.rows_into(fmt, x, qs, scales, mins, out, max_chunks)
 
     return quantized
 
@@ -50,17 +51,17 @@ def _write_kv(key, value, key_cache, value_cache, slot_mapping):
 
 @overload(_write_kv, jit_options=_JIT)
 def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping):
-    """``cpu.reshape_and_cache`` for float32 caches or bf16 caches seen as their uint16 bits."""
+    """``cache.reshape_and_cache`` for float32 caches or bf16 caches seen as their uint16 bits."""
     if key_cache.dtype == nb_types.uint16:
 
         def bf16(key, value, key_cache, value_cache, slot_mapping):
             key_bits, value_bits = key.view(np.uint32), value.view(np.uint32)
-            cpu._reshape_and_cache_bf16(key_bits, value_bits, key_cache, value_cache, slot_mapping)
+            cache.reshape_and_cache_bf16(key_bits, value_bits, key_cache, value_cache, slot_mapping)
 
         return bf16
 
     def f32(key, value, key_cache, value_cache, slot_mapping):
-        cpu._reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping)
+        cache.reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping)
 
     return f32
 
@@ -100,21 +101,21 @@ def decode_layers(
     Args:
         residual: float32 ``[M, hidden]``, the token embeddings; updated in place (the residual stream).
         positions: int64 ``[M]``; slot_mapping: int64 ``[M]``; block_tables: int32 ``[M, max_blocks]``;
-            context_lens: int32 ``[M]`` (as ``cpu.paged_attention`` takes them).
+            context_lens: int32 ``[M]`` (as ``attention.paged_attention`` takes them).
         key_caches, value_caches: typed lists of each layer's cache (``cache_view``), written in place.
         input_norms, post_norms: typed lists of float32 ``[hidden]``; final_norm: float32 ``[hidden]``.
         qkv_proj, o_proj, gate_up_proj, down_proj: typed lists of ``linear_weight`` entries.
         qkv_bias, q_norms, k_norms: typed lists, one per layer, or empty (no bias / no q-k norm).
         cos_sin_cache: float32 ``[max_position, head_dim]``; eps, scale: float32; window: the attention
             kernels' ``sliding_window`` argument (0: none); num_heads, intermediate_size: ints.
-        attention_nkv: KV heads per attention task (``cpu._kv_heads_per_task``); parallel_attention:
+        attention_nkv: KV heads per attention task (``attention.kv_heads_per_task``); parallel_attention:
             the thread-parallel attention kernel or the serial one (the same results).
-        max_chunks: chunks of the quantized row products (as ``cpu_quant.quant_linear`` sizes them).
+        max_chunks: chunks of the quantized row products (as ``quant.quant_linear`` sizes them).
         out: float32 ``[M, hidden]``, written.
     Math: ``models.llama.LlamaModel.forward``, step for step, on the kernels named in the module
     docstring."""
     M, H = residual.shape
-    Mp = 1 if M == 1 else -(-M // cpu_gemm.TILE_M) * cpu_gemm.TILE_M
+    Mp = 1 if M == 1 else -(-M // gemm.TILE_M) * gemm.TILE_M
     num_kv_heads, head_dim = key_caches[0].shape[2], key_caches[0].shape[3]
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     has_bias = len(qkv_bias) == len(qkv_proj)
@@ -134,9 +135,9 @@ def decode_layers(
     att_flat = att.reshape(M * q_dim)
     for i in range(len(qkv_proj)):
         if i == 0:
-            cpu._rms_norm_rows(residual, input_norms[i], eps, x)
+            elementwise.rms_norm_rows(residual, input_norms[i], eps, x)
         else:
-            cpu._add_rms_norm_rows(h[:M], residual, input_norms[i], eps, x)
+            elementwise.add_rms_norm_rows(h[:M], residual, input_norms[i], eps, x)
         _linear(x, qkv_proj[i], qkv, max_chunks)
         for r in range(M):
             if has_bias:
@@ -150,51 +151,51 @@ def decode_layers(
                 k_flat[r * kv_dim + c] = qkv[r, q_dim + c]
                 v_flat[r * kv_dim + c] = qkv[r, q_dim + kv_dim + c]
         if has_qk_norm:
-            cpu._rms_norm_rows(q_rows, q_norms[i], eps, q_rows)
-            cpu._rms_norm_rows(k_rows, k_norms[i], eps, k_rows)
-        cpu._rotate_half(positions, q, cos_sin_cache)
-        cpu._rotate_half(positions, k, cos_sin_cache)
+            elementwise.rms_norm_rows(q_rows, q_norms[i], eps, q_rows)
+            elementwise.rms_norm_rows(k_rows, k_norms[i], eps, k_rows)
+        elementwise.rotate_half(positions, q, cos_sin_cache)
+        elementwise.rotate_half(positions, k, cos_sin_cache)
         _write_kv(k, v, key_caches[i], value_caches[i], slot_mapping)
         if parallel_attention:
-            cpu._paged_attention_parallel(
+            attention.paged_attention_parallel(
                 att, q, key_caches[i], value_caches[i], block_tables, context_lens, scale, attention_nkv, window
             )
         else:
-            cpu._paged_attention_serial(
+            attention.paged_attention_serial(
                 att, q, key_caches[i], value_caches[i], block_tables, context_lens, scale, attention_nkv, window
             )
         for r in range(M):
             for c in range(q_dim):
                 att_rows[r, c] = att_flat[r * q_dim + c]
         _linear(att_rows, o_proj[i], h, max_chunks)
-        cpu._add_rms_norm_rows(h[:M], residual, post_norms[i], eps, x)
+        elementwise.add_rms_norm_rows(h[:M], residual, post_norms[i], eps, x)
         _linear(x, gate_up_proj[i], gate_up, max_chunks)
-        cpu._silu_and_mul_rows(gate_up, act)
+        elementwise.silu_and_mul_rows(gate_up, act)
         _linear(act, down_proj[i], h, max_chunks)
-    cpu._add_rms_norm_rows(h[:M], residual, final_norm, eps, out)
+    elementwise.add_rms_norm_rows(h[:M], residual, final_norm, eps, out)
 
 
 def linear_weight(w):
     """A linear weight as ``decode_layers`` takes it: a float32 ``[out, in]`` array as it is, a
-    ``cpu_quant.RepackedQuantized`` as ``(format, qs, scales, mins)``."""
-    if isinstance(w, cpu_quant.RepackedQuantized):
-        qs, scales, mins = cpu_quant._planes(w)
-        return (cpu_quant._FMT[w.qtype], qs, scales, mins)
+    ``quant.RepackedQuantized`` as ``(format, qs, scales, mins)``."""
+    if isinstance(w, quant.RepackedQuantized):
+        qs, scales, mins = quant._planes(w)
+        return (quant._FMT[w.qtype], qs, scales, mins)
     return w
 
 
-def cache_view(cache):
+def cache_view(kv_cache):
     """A KV cache as ``decode_layers`` takes it: float32 as it is, bfloat16 as its uint16 bits (a view)."""
-    return cpu._cache_view(cache)[0]
+    return cache.cache_view(kv_cache)[0]
 
 
 def attention_tasks(num_seqs: int, num_kv_heads: int) -> int:
-    """KV heads per attention task for ``decode_layers``' ``attention_nkv`` (as ``cpu.paged_attention``
+    """KV heads per attention task for ``decode_layers``' ``attention_nkv`` (as ``attention.paged_attention``
     picks them)."""
-    return cpu._kv_heads_per_task(num_seqs, num_kv_heads)
+    return attention.kv_heads_per_task(num_seqs, num_kv_heads)
 
 
 def max_chunks() -> int:
-    """``decode_layers``' ``max_chunks``: what ``cpu_quant.quant_linear`` passes (Numba's thread count,
+    """``decode_layers``' ``max_chunks``: what ``quant.quant_linear`` passes (Numba's thread count,
     read here because reading it inside compiled code keeps the code from being cached)."""
     return 4 * nb.get_num_threads()

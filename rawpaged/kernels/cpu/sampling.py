@@ -1,4 +1,5 @@
-"""The CPU backend's sampler: ``rawpaged.testing.reference_sampler.sample``'s semantics (temperature, top-k, top-p,
+"""The CPU backend's token selection: structured outputs' bitmask on the logits (``apply_token_bitmask``),
+then the sampler: ``rawpaged.testing.reference_sampler.sample``'s semantics (temperature, top-k, top-p,
 min-p, then an inverse-CDF draw in token-id order) compiled with Numba, one sample per task.
 
 The NumPy reference sorts the whole vocabulary for top-p (a stable argsort of 49k float64 values: about
@@ -144,3 +145,39 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     )
     out[hot] = drawn
     return out
+
+
+@nb.njit(cache=True, nogil=True)  # no fastmath: it writes -inf
+def _apply_token_bitmask(logits, bitmask, rows):
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    for i in range(rows.shape[0]):
+        row = logits[rows[i]]
+        words = bitmask[i]
+        for v in range(covered):
+            if (words[v >> 5] >> (v & 31)) & 1 == 0:
+                row[v] = -np.inf
+        for v in range(covered, vocab):
+            row[v] = -np.inf
+
+
+def apply_token_bitmask(logits, bitmask, rows):
+    """Structured outputs: set the logits of the tokens a bitmask forbids to ``-inf``, in place.
+
+    Args:
+        logits: float32 ``[num_rows, vocab]``, modified.
+        bitmask: int32 ``[n, words]``; token ``t`` is allowed in mask ``i`` when bit ``t % 32`` of word
+            ``t // 32`` is set (the packed layout of vLLM, xgrammar and llguidance); tokens past
+            ``32 * words`` are forbidden.
+        rows: int ``[n]``, the logits row each mask applies to (rows without a mask are untouched).
+    Raises:
+        ValueError on shapes or dtypes that do not fit.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if logits.dtype != np.float32 or logits.ndim != 2:
+        raise ValueError(f"logits must be float32 [rows, vocab], got {logits.dtype} {logits.shape}")
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != rows.shape[0]:
+        raise ValueError(f"bitmask must be int32 [{rows.shape[0]}, words], got {bitmask.dtype} {bitmask.shape}")
+    if rows.size and (rows.min() < 0 or rows.max() >= logits.shape[0]):
+        raise ValueError(f"rows must index the {logits.shape[0]} logits rows")
+    _apply_token_bitmask(logits, bitmask, rows)

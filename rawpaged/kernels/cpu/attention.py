@@ -1,0 +1,338 @@
+"""The CPU's paged attention in Numba (vLLM's ``csrc/attention/`` names):
+
+* ``paged_attention``: decode attention, one query token per sequence, K/V read through the block table.
+* ``prefill_attention``: causal attention of a sequence's new tokens over all its cached K/V (plain
+  prefill, prefill after a cached prefix, chunked prefill); sequences with many new tokens go to the
+  BLAS-tiled path of ``prefill_tiled``.
+
+Caches ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32 or bfloat16 (read as uint16 bits and
+widened exactly). Queries/outputs float32. Math in float32 with an online (streaming) softmax (Milakov &
+Gimelshein 2018; FlashAttention, Dao et al. 2022), one pass over each K/V block per GQA group: query head
+``h`` reads KV head ``h // (num_heads // num_kv_heads)``. All index arithmetic is 64-bit.
+
+Numba indexes with wraparound (a negative index counts from the end), so a loop whose index LLVM cannot
+prove non-negative reads element by element; the loops here run from 0 over slices, which keeps them in
+vectors.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba import types as nb_types
+from numba.extending import overload
+
+from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.cpu.cache import cache_view
+from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
+from rawpaged.kernels.cpu.intrinsics import exp_f32
+from rawpaged.kernels.cpu.jit import JIT, jit_serial_and_parallel
+from rawpaged.kernels.cpu.prefill_tiled import TILED_PREFILL_MIN_TOKENS, blas_nt, prefill_tiled
+
+
+def _block_rows(cache, b, t0, n, kv0, nkv, buf):
+    """Rows ``t0 .. n-1`` of block ``b`` as float32 ``[n - t0, num_kv_heads, head_dim]``, KV heads
+    ``kv0 .. kv0+nkv-1`` valid. bf16 bits are widened (exactly) into ``buf`` (uint32 ``[block_size,
+    num_kv_heads, head_dim]``) and a float32 view of it returned. A float32 block is copied into ``buf``
+    when all its heads are read (one linear read of the block, which the hardware prefetcher streams:
+    in the engine, where the blocks come from DRAM, 10% faster at 32 sequences than reading each
+    head's rows in place); with fewer heads, the rows are read in place (a view)."""
+
+
+@overload(_block_rows, jit_options=JIT)
+def _block_rows_impl(cache, b, t0, n, kv0, nkv, buf):
+    if cache.dtype == nb_types.float32:
+
+        def float32_rows(cache, b, t0, n, kv0, nkv, buf):
+            src = cache[b, t0:n]
+            if nkv < cache.shape[2]:
+                return src
+            dst = buf.view(np.float32)[: n - t0]
+            for t in range(n - t0):
+                srow = src[t]
+                drow = dst[t]
+                for h in range(srow.shape[0]):
+                    for d in range(srow.shape[1]):
+                        drow[h, d] = srow[h, d]
+            return dst
+
+        return float32_rows
+
+    def bf16_rows(cache, b, t0, n, kv0, nkv, buf):
+        src = cache[b, t0:n]
+        dst = buf[: n - t0]
+        for t in range(n - t0):
+            for h in range(kv0, kv0 + nkv):
+                srow = src[t, h]
+                drow = dst[t, h]
+                for d in range(srow.shape[0]):
+                    drow[d] = np.uint32(srow[d]) << np.uint32(16)
+        return dst.view(np.float32)
+
+    return bf16_rows
+
+
+@nb.njit(**JIT)
+def _attend(q, out, kc, vc, block_row, kv0, nkv, group, start, causal_limit, scale):
+    """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
+    positions ``start .. causal_limit-1`` of one sequence (``start`` > 0: a sliding window; the blocks
+    before it are not read). q, out: ``[nkv * group, head_dim]``; kc, vc: float32 caches or bf16 bits.
+
+    Block by block, per KV head: each K row is read once for the ``group`` query rows that share it,
+    scores for the block, one rescale of the running (max, sum, acc) per block and row (online
+    softmax, Milakov & Gimelshein 2018), then each V row accumulated into the ``group`` rows.
+    (Prefetching the next block in software measured no faster in the engine.)
+    """
+    block_size = kc.shape[1]
+    head_dim = kc.shape[3]
+    rows = nkv * group
+    acc = np.zeros((rows, head_dim), dtype=np.float32)
+    m = np.full(rows, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
+    denom = np.zeros(rows, dtype=np.float32)
+    kbits = np.empty((block_size, kc.shape[2], head_dim), dtype=np.uint32)
+    vbits = np.empty((block_size, kc.shape[2], head_dim), dtype=np.uint32)
+    s = np.empty((rows, block_size), dtype=np.float32)
+    qs = np.empty((rows, head_dim), dtype=np.float32)
+    for r in range(rows):
+        qr = q[r]
+        qsr = qs[r]
+        for d in range(head_dim):
+            qsr[d] = qr[d] * scale
+    num_blocks = (causal_limit + block_size - 1) // block_size
+    for j in range(start // block_size, num_blocks):
+        b = np.int64(block_row[j])
+        n = min(block_size, causal_limit - j * block_size)
+        t0 = max(0, start - j * block_size)  # rows of the block before the window's first position
+        nt = n - t0
+        kb = _block_rows(kc, b, t0, n, kv0, nkv, kbits)
+        vb = _block_rows(vc, b, t0, n, kv0, nkv, vbits)
+        for hh in range(nkv):
+            h = kv0 + hh
+            r0 = hh * group
+            for i in range(nt):
+                krow = kb[i, h]
+                for g in range(group):
+                    qsr = qs[r0 + g]
+                    dot = np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += qsr[d] * krow[d]
+                    s[r0 + g, i] = dot
+            for r in range(r0, r0 + group):
+                sr = s[r, :nt]
+                bm = np.float32(-1e30)
+                for i in range(nt):
+                    bm = max(bm, sr[i])
+                new_m = max(m[r], bm)
+                corr = exp_f32(m[r] - new_m)
+                m[r] = new_m
+                total = np.float32(0.0)
+                for i in range(nt):
+                    p = exp_f32(sr[i] - new_m)
+                    sr[i] = p
+                    total += p
+                denom[r] = denom[r] * corr + total
+                ar = acc[r]
+                for d in range(head_dim):
+                    ar[d] *= corr
+            for i in range(nt):
+                vrow = vb[i, h]
+                for g in range(group):
+                    p = s[r0 + g, i]
+                    ar = acc[r0 + g]
+                    for d in range(head_dim):
+                        ar[d] += p * vrow[d]
+    for r in range(rows):
+        inv = np.float32(1.0) / denom[r] if denom[r] > 0 else np.float32(0.0)
+        ar = acc[r]
+        orow = out[r]
+        for d in range(head_dim):
+            orow[d] = ar[d] * inv
+
+
+def kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
+    """All KV heads in one task (contiguous block reads) when there are enough items to keep every
+    thread busy; one KV head per task otherwise (a batch of one still uses all threads)."""
+    return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
+
+
+def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scale, nkv, window):
+    num_seqs = query.shape[0]
+    num_heads = query.shape[1]
+    num_kv_heads = kc.shape[2]
+    group = num_heads // num_kv_heads
+    chunks = num_kv_heads // nkv
+    for task in nb.prange(num_seqs * chunks):
+        s = task // chunks
+        kv0 = (task % chunks) * nkv
+        h0 = kv0 * group
+        ctx = np.int64(context_lens[s])
+        _attend(
+            query[s, h0 : h0 + nkv * group],
+            out[s, h0 : h0 + nkv * group],
+            kc,
+            vc,
+            block_tables[s],
+            kv0,
+            nkv,
+            group,
+            max(0, ctx - window) if window > 0 else 0,
+            ctx,
+            scale,
+        )
+
+
+def _check_attention_args(out, query, key_cache, value_cache, block_tables):
+    if out.shape != query.shape or out.dtype != np.float32 or query.dtype != np.float32:
+        raise ValueError(f"out {out.shape}/{out.dtype} must match query {query.shape}/{query.dtype}, float32")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key_cache and value_cache must have the same shape and dtype")
+    num_heads, head_dim = query.shape[-2:]
+    num_kv_heads = key_cache.shape[2]
+    if head_dim != key_cache.shape[3] or num_heads % num_kv_heads:
+        raise ValueError(f"query heads/head_dim {query.shape[-2:]} incompatible with cache {key_cache.shape}")
+    if block_tables.dtype != np.int32 or block_tables.ndim != 2:
+        raise ValueError("block_tables must be int32 [num_seqs, max_blocks_per_seq]")
+
+
+def paged_attention(
+    out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None, sliding_window=None
+):
+    """Decode attention: one query token per sequence over its paged K/V.
+
+    Args:
+        out: float32 ``[num_seqs, num_heads, head_dim]``, written.
+        query: float32 ``[num_seqs, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bf16.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        context_lens: int32 ``[num_seqs]``, tokens of K/V to attend (including the current one).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        max_context_len: an upper bound on ``context_lens`` (as the CUDA backend takes it); with the
+            batch's size it picks the serial or the thread-parallel kernel.
+        sliding_window: W or None; with W the query sees only the last W positions (itself and the
+            W - 1 before it, as HF's Mistral), and blocks wholly before them are not read.
+    Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``
+    (Vaswani et al. 2017, eq. 1), GQA: head h uses KV head ``h // (num_heads // num_kv_heads)``.
+    """
+    _check_attention_args(out, query, key_cache, value_cache, block_tables)
+    kc, _ = cache_view(key_cache)
+    vc, _ = cache_view(value_cache)
+    nkv = kv_heads_per_task(query.shape[0], key_cache.shape[2])
+    work = (
+        query.shape[0]
+        * query.shape[1]
+        * (int(max_context_len) if max_context_len else block_tables.shape[1] * key_cache.shape[1])
+    )
+    kernel = paged_attention_parallel if work >= PARALLEL_MIN_WORK else paged_attention_serial
+    window = sliding_window_arg(sliding_window)
+    kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), nkv, window)
+
+
+def _prefill_attention_kernel(
+    out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, token_rows, token_seq, nkv, window
+):
+    """Causal attention for the query rows ``token_rows`` (sequence ``token_seq`` of each)."""
+    num_heads = query.shape[1]
+    num_kv_heads = kc.shape[2]
+    group = num_heads // num_kv_heads
+    chunks = num_kv_heads // nkv
+    for task in nb.prange(token_rows.shape[0] * chunks):
+        t = token_rows[task // chunks]
+        s = token_seq[task // chunks]
+        kv0 = (task % chunks) * nkv
+        q_start = np.int64(query_start_loc[s])
+        n_new = np.int64(query_start_loc[s + 1]) - q_start
+        seq_len = np.int64(seq_lens[s])
+        pos = seq_len - n_new + (t - q_start)  # absolute position of this query token
+        h0 = kv0 * group
+        _attend(
+            query[t, h0 : h0 + nkv * group],
+            out[t, h0 : h0 + nkv * group],
+            kc,
+            vc,
+            block_tables[s],
+            kv0,
+            nkv,
+            group,
+            max(0, pos + 1 - window) if window > 0 else 0,
+            pos + 1,
+            scale,
+        )
+
+
+paged_attention_serial, paged_attention_parallel = jit_serial_and_parallel(_paged_attention_kernel)
+prefill_attention_serial, prefill_attention_parallel = jit_serial_and_parallel(_prefill_attention_kernel)
+# Below this many (query row x cached position) pairs a kernel runs on the calling thread: in the
+# engine, waking Numba's pool right after an OpenBLAS call (whose threads still spin) cost ~0.8 ms per
+# call on a quiet 2-core machine, more than serial attention below ~1.6 ms of work.
+PARALLEL_MIN_WORK = 1 << 17
+
+
+def prefill_attention(
+    out,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    max_query_len=None,
+    sliding_window=None,
+):
+    """Causal attention of each sequence's new tokens over all of its cached K/V.
+
+    Args:
+        out: float32 ``[num_tokens, num_heads, head_dim]``, written.
+        query: float32 ``[num_tokens, num_heads, head_dim]``; sequence s owns rows
+            ``query_start_loc[s] : query_start_loc[s+1]``.
+        key_cache, value_cache: paged caches holding the K/V of every position (old and new).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        query_start_loc: int32 ``[num_seqs + 1]``, cumulative new-token counts starting at 0.
+        seq_lens: int32 ``[num_seqs]``, total length of each sequence; the new tokens are its last
+            ``query_start_loc[s+1] - query_start_loc[s]`` positions.
+        scale: softmax scale.
+        max_query_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
+        sliding_window: W or None (see ``paged_attention``).
+    New token at absolute position p attends positions ``0 .. p`` (causal mask), or ``p - W + 1 .. p``
+    with a window.
+    """
+    _check_attention_args(out, query, key_cache, value_cache, block_tables)
+    window = sliding_window_arg(sliding_window)
+    kc, _ = cache_view(key_cache)
+    vc, _ = cache_view(value_cache)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    counts = np.diff(qsl)
+    if qsl[0] != 0 or qsl[-1] != query.shape[0] or (counts < 0).any():
+        raise ValueError("query_start_loc must start at 0, be non-decreasing and end at num_tokens")
+    if (np.asarray(seq_lens) < counts).any():
+        raise ValueError("seq_lens must be >= the number of new tokens of each sequence")
+    tiled = counts >= TILED_PREFILL_MIN_TOKENS
+    # A step whose linears run in Numba (few tokens) keeps its tile products in Numba too: an OpenBLAS
+    # call leaves its threads spinning, and the next Numba parallel region fights them (a 64-token
+    # prefill took 3.5x as long with BLAS here).
+    matmul_nt = gemm_nt if query.shape[0] <= SMALL_M else blas_nt
+    for s in np.flatnonzero(tiled):
+        prefill_tiled(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables[s],
+            int(qsl[s]),
+            int(qsl[s + 1]),
+            int(seq_lens[s]),
+            np.float32(scale),
+            window,
+            matmul_nt,
+        )
+    if tiled.all():
+        return
+    # The rest: the Numba kernel, one task per (token, KV heads).
+    token_seq = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    keep = ~tiled[token_seq]
+    token_rows = np.flatnonzero(keep).astype(np.int64)
+    token_seq = token_seq[keep]
+    nkv = kv_heads_per_task(len(token_rows), key_cache.shape[2])
+    work = len(token_rows) * query.shape[1] * int(np.max(seq_lens, initial=0))
+    kernel = prefill_attention_parallel if work >= PARALLEL_MIN_WORK else prefill_attention_serial
+    kernel(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), token_rows, token_seq, nkv, window)
