@@ -27,12 +27,12 @@ from rawpaged.engine.data_parallel import DataParallelEngine
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.entrypoints import cors, health, hosts, playground
 from rawpaged.entrypoints.connections import ConnectionGate
-from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError
+from rawpaged.entrypoints.http_errors import ProtocolError
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_engine import expect_handler
 from rawpaged.entrypoints.openai.serving_models import show_available_models
-from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
+from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
 from rawpaged.entrypoints.server_state import (
     STATE,
     ServerState,

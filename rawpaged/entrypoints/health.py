@@ -8,9 +8,9 @@ import time
 
 from aiohttp import web
 
+from rawpaged.entrypoints.http_errors import ProtocolError, field_error
 from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from rawpaged.entrypoints.openai.protocol import ProtocolError
-from rawpaged.entrypoints.server_state import STATE, field_error, json_response, require_engine
+from rawpaged.entrypoints.server_state import STATE, json_response, require_engine
 from rawpaged.errors import EngineDeadError
 
 

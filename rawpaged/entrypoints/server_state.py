@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from rawpaged.engine.engine_client import EngineClient
+from rawpaged.entrypoints.http_errors import ProtocolError, error_body
 from rawpaged.entrypoints.metrics import ServerMetrics
-from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, error_body, now
-from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, ServerConfig
+from rawpaged.entrypoints.openai.response_builders import now
+from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, Limits, ServerConfig
 
 
 @dataclass
@@ -73,13 +74,6 @@ def unauthorized() -> ProtocolError:
         type="authentication_error",
         code="invalid_api_key",
     )
-
-
-def field_error(e: ValueError) -> ProtocolError:
-    """A 400 for a ``ValueError`` whose message starts with the field it names (``"start must be ..."``,
-    as the KV cache snapshot's checks word them)."""
-    message = str(e)
-    return ProtocolError(message, param=message.split(" ", 1)[0])
 
 
 def require_engine(state: ServerState) -> EngineClient:

@@ -21,8 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
 from rawpaged.engine.outputs import DeltaTracker
-from rawpaged.entrypoints.openai import protocol, request_body
-from rawpaged.entrypoints.openai.protocol import ProtocolError, WebSocketGenerateRequest
+from rawpaged.entrypoints.http_errors import ProtocolError, field_error
+from rawpaged.entrypoints.openai import request_body
+from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
+from rawpaged.entrypoints.openai.response_builders import new_id
 from rawpaged.entrypoints.openai.serving_chat import ChatFormat
 from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
 from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
@@ -31,7 +33,6 @@ from rawpaged.entrypoints.server_state import (
     authorization_matches,
     check_capacity,
     check_model,
-    field_error,
     require_engine,
     unauthorized,
 )
@@ -172,7 +173,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
             prompt_tokens = len(prompts[0].ids)
             if job.cancelled:
                 raise asyncio.CancelledError
-            job.rid = protocol.new_id("ws")
+            job.rid = new_id("ws")
             stream = (await add_requests(engine, req, prompts, job.rid, log_label=f"websocket id {job.id!r}"))[0]
             replica = stream.replica
             if job.cancelled:  # cancelled while being added

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rawpaged.entrypoints.openai import protocol, request_body
+from rawpaged.entrypoints.openai import request_body, response_builders
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
 from rawpaged.entrypoints.openai.tool_parsers import DeltaMessage, extract_tool_calls
@@ -19,8 +19,8 @@ class ChatFormat:
     and ``finish_reason`` "tool_calls" after a call."""
 
     id_prefix = "chatcmpl"
-    response = staticmethod(protocol.chat_response)
-    chunk = staticmethod(protocol.chat_chunk)
+    response = staticmethod(response_builders.chat_response)
+    chunk = staticmethod(response_builders.chat_chunk)
 
     def __init__(self):
         self._parsers: dict = {}  # choice index -> its tool parser (streaming)
@@ -30,19 +30,22 @@ class ChatFormat:
         """Chat's ``logprobs`` object for these tokens (None unless asked for)."""
         if req.num_logprobs is None or not token_ids:
             return None
-        return protocol.chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
+        return response_builders.chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
 
     def choice(self, req, index, prompt, output):
         lp = self.logprobs(req, prompt, output.token_ids, output.logprobs)
         parser = req.tool_parser()
         if parser is None:
-            return protocol.chat_choice(index, output.text, output.finish_reason, lp)
+            return response_builders.chat_choice(index, output.text, output.finish_reason, lp)
         content, tool_calls = extract_tool_calls(parser, output.text)
-        return protocol.chat_choice(index, content, parser.finish_reason(output.finish_reason), lp, tool_calls)
+        return response_builders.chat_choice(index, content, parser.finish_reason(output.finish_reason), lp, tool_calls)
 
     @staticmethod
     def opening_choices(req, num_choices):
-        return [protocol.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
+        return [
+            response_builders.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)
+            for i in range(num_choices)
+        ]
 
     def chunk_choices(self, req, index, prompt, delta):
         lp = self.logprobs(req, prompt, delta.token_ids, delta.logprobs)
@@ -63,9 +66,9 @@ class ChatFormat:
             fields = {"content": message.content} if message.content or not message.tool_calls else {}
             if message.tool_calls:
                 fields["tool_calls"] = message.tool_calls
-            choices.append(protocol.chat_chunk_choice(index, fields, None, lp))
+            choices.append(response_builders.chat_chunk_choice(index, fields, None, lp))
         if finish_reason is not None:
-            choices.append(protocol.chat_chunk_choice(index, {}, finish_reason))
+            choices.append(response_builders.chat_chunk_choice(index, {}, finish_reason))
         return choices
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rawpaged.entrypoints.openai import protocol, request_body
+from rawpaged.entrypoints.openai import request_body, response_builders
 from rawpaged.entrypoints.openai.protocol import CompletionRequest
 from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
 from rawpaged.entrypoints.server_state import STATE
@@ -13,19 +13,19 @@ from rawpaged.entrypoints.server_state import STATE
 
 class CompletionFormat:
     id_prefix = "cmpl"
-    response = staticmethod(protocol.completion_response)
-    chunk = staticmethod(protocol.completion_chunk)
+    response = staticmethod(response_builders.completion_response)
+    chunk = staticmethod(response_builders.completion_chunk)
 
     @staticmethod
     def logprobs(req, prompt, token_ids, entries, text_offset):
         """Completions' ``logprobs`` object for these tokens (None unless asked for)."""
         if req.num_logprobs is None or not token_ids:
             return None
-        return protocol.completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
+        return response_builders.completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
 
     def choice(self, req, index, prompt, output):
         prefix = prompt.echo_text if req.echo else ""
-        return protocol.completion_choice(
+        return response_builders.completion_choice(
             index,
             prefix + output.text,
             output.finish_reason,
@@ -44,9 +44,9 @@ class CompletionFormat:
         choices = []
         if delta.text or lp is not None or echo:
             text = prompt.echo_text + delta.text if echo else delta.text
-            choices.append(protocol.completion_choice(index, text, None, lp))
+            choices.append(response_builders.completion_choice(index, text, None, lp))
         if delta.finish_reason is not None:
-            choices.append(protocol.completion_choice(index, "", delta.finish_reason))
+            choices.append(response_builders.completion_choice(index, "", delta.finish_reason))
         return choices
 
 

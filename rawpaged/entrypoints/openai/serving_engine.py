@@ -20,8 +20,10 @@ from aiohttp import web
 from rawpaged.engine.engine_client import EngineClient
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
 from rawpaged.entrypoints.chat_utils import template_conversation
-from rawpaged.entrypoints.openai import protocol
-from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
+from rawpaged.entrypoints.http_errors import ProtocolError, error_body
+from rawpaged.entrypoints.openai import response_builders
+from rawpaged.entrypoints.openai.protocol import GenerationRequest
+from rawpaged.entrypoints.server_config import Limits
 from rawpaged.entrypoints.server_state import (
     STATE,
     ServerState,
@@ -34,6 +36,8 @@ from rawpaged.errors import EngineDeadError, EngineError, InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("rawpaged.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _too_large(state: ServerState) -> ProtocolError:
@@ -134,7 +138,7 @@ async def prepare_prompts(engine: EngineClient, req: GenerationRequest, limits: 
         room = max_len - len(ids)
         requested = req.requested_max_tokens
         if requested is None:
-            default = protocol.DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else limits.max_tokens
+            default = DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else limits.max_tokens
             max_tokens = min(default, room)
         elif requested > room:
             raise ProtocolError(
@@ -246,7 +250,7 @@ async def serve_generation(request: web.Request, req: GenerationRequest, fmt: Re
     check_capacity(state, engine)  # before the tokenizer's work
     prompts = await prepare_prompts(engine, req, state.limits)
     check_capacity(state, engine, len(prompts))
-    rid = protocol.new_id(fmt.id_prefix)
+    rid = response_builders.new_id(fmt.id_prefix)
     streams = await add_requests(engine, req, prompts, rid)
     headers = replica_header(streams)
     try:
@@ -266,7 +270,7 @@ async def _full_response(state: ServerState, req, fmt: ResponseFormat, rid, prom
         final[i] = out
     check_complete(streams)
     n = req.num_choices
-    created = protocol.now()
+    created = response_builders.now()
 
     def render() -> str:  # in a worker: n=8 x 512 tokens with 20 logprobs each is 5 MB of JSON
         choices, completion_tokens = [], 0
@@ -274,7 +278,7 @@ async def _full_response(state: ServerState, req, fmt: ResponseFormat, rid, prom
             for c in sorted(final[i].outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
                 choices.append(fmt.choice(req, i * n + c.index, p, c))
-        usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)
+        usage = response_builders.usage(sum(len(p.ids) for p in prompts), completion_tokens)
         return dumps_by_part(fmt.response(rid, created, state.model_name, choices, usage), "choices")
 
     return web.Response(text=await asyncio.to_thread(render), content_type="application/json")
@@ -309,7 +313,7 @@ async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat
         },
     )
     await resp.prepare(request)
-    created = protocol.now()
+    created = response_builders.now()
     model = state.model_name
     n = req.num_choices
 
@@ -330,10 +334,10 @@ async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         check_complete(streams)
         if req.include_usage:
-            usage = protocol.usage(sum(len(p.ids) for p in prompts), completion_tokens)
+            usage = response_builders.usage(sum(len(p.ids) for p in prompts), completion_tokens)
             await send(fmt.chunk(rid, created, model, [], usage, True))
     except EngineError as e:  # ReplicaUnavailableError and ServerShuttingDownError are 503s
-        error = protocol.error_body(str(e), e.type)
+        error = error_body(str(e), e.type)
     except ConnectionError:
         return resp  # the client left; the caller aborts its requests
     else:
