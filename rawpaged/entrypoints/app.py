@@ -26,20 +26,16 @@ from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.data_parallel import DataParallelEngine
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.entrypoints import cors, health, hosts, playground
+from rawpaged.entrypoints.app_state import STATE, AppState
+from rawpaged.entrypoints.auth import authorization_matches, unauthorized
 from rawpaged.entrypoints.connections import ConnectionGate
 from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.http_responses import error_response
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_engine import expect_handler
 from rawpaged.entrypoints.openai.serving_models import show_available_models
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
-from rawpaged.entrypoints.server_state import (
-    STATE,
-    ServerState,
-    authorization_matches,
-    error_response,
-    unauthorized,
-)
 from rawpaged.entrypoints.websocket import websocket_handler
 from rawpaged.errors import EngineError, ServerShuttingDownError
 from rawpaged.weights import DEFAULT_MODEL, resolve_model_dir
@@ -81,7 +77,7 @@ def _log_refusal(request: web.Request, response: web.StreamResponse) -> None:
     logger.info("%s %s -> %d %s", request.method, request.rel_url.path, response.status, message[:300])
 
 
-async def _handle(state: ServerState, request: web.Request, handler) -> web.StreamResponse:
+async def _handle(state: AppState, request: web.Request, handler) -> web.StreamResponse:
     host = hosts.refused_host(state.allowed_host_names, request)
     if host is not None:
         return error_response(
@@ -197,7 +193,7 @@ def create_app(
     name = served_model_name or model_name_of(config)
     aliases = {name, model_name_of(config)} | ({config.model} if config.model else set())
     server_config = server_config or ServerConfig()
-    state = ServerState(
+    state = AppState(
         model_name=name,
         model_aliases=aliases,
         loader=loader,
@@ -359,7 +355,7 @@ async def serve(
     return code
 
 
-async def drain(state: ServerState) -> None:
+async def drain(state: AppState) -> None:
     """Graceful shutdown: new requests get 503 and ``/health`` says draining; requests in flight get
     ``--shutdown-timeout`` seconds to finish; each one left then ends with a ``ServerShuttingDownError``
     (a stream's error event and ``[DONE]``, a 503 body, a websocket ``error``) and its blocks are freed."""

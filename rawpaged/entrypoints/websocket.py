@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
 from rawpaged.engine.outputs import DeltaTracker
+from rawpaged.entrypoints.admission import check_capacity, check_model, require_engine
+from rawpaged.entrypoints.app_state import STATE
+from rawpaged.entrypoints.auth import authorization_matches, unauthorized
 from rawpaged.entrypoints.http_errors import ProtocolError, field_error
 from rawpaged.entrypoints.openai import request_body
 from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
@@ -28,14 +31,6 @@ from rawpaged.entrypoints.openai.response_builders import new_id
 from rawpaged.entrypoints.openai.serving_chat import ChatFormat
 from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
 from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
-from rawpaged.entrypoints.server_state import (
-    STATE,
-    authorization_matches,
-    check_capacity,
-    check_model,
-    require_engine,
-    unauthorized,
-)
 from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 #: Keys of a ``generate`` message that are not request parameters (a socket always streams).

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.openai import request_body, response_builders
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
 from rawpaged.entrypoints.openai.tool_parsers import DeltaMessage, extract_tool_calls
-from rawpaged.entrypoints.server_state import STATE
 
 
 class ChatFormat:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.openai import request_body, response_builders
 from rawpaged.entrypoints.openai.protocol import CompletionRequest
 from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
-from rawpaged.entrypoints.server_state import STATE
 
 
 class CompletionFormat:

@@ -19,19 +19,14 @@ from aiohttp import web
 
 from rawpaged.engine.engine_client import EngineClient
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput, DeltaTracker
+from rawpaged.entrypoints.admission import check_capacity, check_model, require_engine
+from rawpaged.entrypoints.app_state import STATE, AppState
 from rawpaged.entrypoints.chat_utils import template_conversation
 from rawpaged.entrypoints.http_errors import ProtocolError, error_body
+from rawpaged.entrypoints.http_responses import error_response
 from rawpaged.entrypoints.openai import response_builders
 from rawpaged.entrypoints.openai.protocol import GenerationRequest
 from rawpaged.entrypoints.server_config import Limits
-from rawpaged.entrypoints.server_state import (
-    STATE,
-    ServerState,
-    check_capacity,
-    check_model,
-    error_response,
-    require_engine,
-)
 from rawpaged.errors import EngineDeadError, EngineError, InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
 
@@ -40,7 +35,7 @@ logger = logging.getLogger("rawpaged.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _too_large(state: ServerState) -> ProtocolError:
+def _too_large(state: AppState) -> ProtocolError:
     return ProtocolError(f"request body is larger than {state.max_body_size} bytes (--max-body-size)", status=413)
 
 
@@ -264,7 +259,7 @@ async def serve_generation(request: web.Request, req: GenerationRequest, fmt: Re
             engine.abort(s.request_id)
 
 
-async def _full_response(state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams) -> web.Response:
+async def _full_response(state: AppState, req, fmt: ResponseFormat, rid, prompts, streams) -> web.Response:
     final = {}
     async for i, out in merge_streams(streams):
         final[i] = out
@@ -302,7 +297,7 @@ def replica_header(streams: list) -> dict:
     return {"X-Rawpaged-Replica": ",".join(dict.fromkeys(replicas))} if replicas else {}
 
 
-async def _stream_response(request, state: ServerState, req, fmt: ResponseFormat, rid, prompts, streams, headers):
+async def _stream_response(request, state: AppState, req, fmt: ResponseFormat, rid, prompts, streams, headers):
     resp = web.StreamResponse(
         status=200,
         headers={
