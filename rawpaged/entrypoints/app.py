@@ -29,11 +29,11 @@ from rawpaged.entrypoints import cors, health, hosts, playground
 from rawpaged.entrypoints.app_state import STATE, AppState
 from rawpaged.entrypoints.auth import authorization_matches, unauthorized
 from rawpaged.entrypoints.connections import ConnectionGate
+from rawpaged.entrypoints.http_body import expect_handler
 from rawpaged.entrypoints.http_errors import ProtocolError
 from rawpaged.entrypoints.http_responses import error_response
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
-from rawpaged.entrypoints.openai.serving_engine import expect_handler
 from rawpaged.entrypoints.openai.serving_models import show_available_models
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
 from rawpaged.entrypoints.websocket import websocket_handler

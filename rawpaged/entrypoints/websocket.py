@@ -26,11 +26,10 @@ from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.auth import authorization_matches, unauthorized
 from rawpaged.entrypoints.http_errors import ProtocolError, field_error
 from rawpaged.entrypoints.openai import request_body
+from rawpaged.entrypoints.openai.engine_requests import add_requests
+from rawpaged.entrypoints.openai.preprocessing import prepare_prompts
 from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
-from rawpaged.entrypoints.openai.response_builders import new_id
-from rawpaged.entrypoints.openai.serving_chat import ChatFormat
-from rawpaged.entrypoints.openai.serving_completion import CompletionFormat
-from rawpaged.entrypoints.openai.serving_engine import add_requests, prepare_prompts
+from rawpaged.entrypoints.openai.response_builders import ChatFormat, CompletionFormat, new_id
 from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 #: Keys of a ``generate`` message that are not request parameters (a socket always streams).

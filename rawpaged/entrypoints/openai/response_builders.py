@@ -1,11 +1,17 @@
-"""The answer's shapes: OpenAI's response, choice and stream-chunk dicts (completions and chat), their
-``logprobs`` objects and ``usage``. Knows JSON, not HTTP or the engine.
+"""Step 4 of a generation request, the answer's shapes: OpenAI's response, choice and stream-chunk dicts
+(completions and chat), their ``logprobs`` objects and ``usage``, and the two routes' formats
+(``CompletionFormat``, ``ChatFormat``: echo, the role chunk, tool calls parsed out of the text) that
+``response_writer`` answers in. Knows JSON, not HTTP or the engine.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from typing import Protocol
+
+from rawpaged.engine.outputs import CompletionDelta, CompletionOutput
+from rawpaged.entrypoints.openai.tool_parsers import DeltaMessage, extract_tool_calls
 
 
 def new_id(prefix: str) -> str:
@@ -143,3 +149,126 @@ def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict
             }
         )
     return {"content": content}
+
+
+# ------------------------------------------------------------------------------------------ formats
+class ResponseFormat(Protocol):
+    """The shapes of one route's responses. ``prompt`` arguments are ``preprocessing.PreparedPrompt``s;
+    ``req`` arguments ``protocol.GenerationRequest``s."""
+
+    def response(self, rid: str, created: int, model: str, choices: list, usage: dict) -> dict: ...
+
+    def choice(self, req, index: int, prompt, output: CompletionOutput) -> dict:
+        """One choice of the full (non-streamed) response."""
+
+    def chunk(
+        self, rid: str, created: int, model: str, choices: list, usage: dict | None, include_usage: bool
+    ) -> dict: ...
+
+    def opening_choices(self, req, num_choices: int) -> list:
+        """Chunk choices sent before any token (chat: the role of every choice)."""
+
+    def chunk_choices(self, req, index: int, prompt, delta: CompletionDelta) -> list:
+        """The chunk choices of one delta (its new text and logprobs; then its finish_reason), each sent
+        as a chunk of its own."""
+
+    def logprobs(self, req, prompt, token_ids: list, entries: list, text_offset: int) -> dict | None:
+        """This route's ``logprobs`` object for ``token_ids`` (None unless asked for)."""
+
+
+class CompletionFormat:
+    """``/v1/completions``' shapes: the prompt echoed with ``echo``, integer ``logprobs``."""
+
+    response = staticmethod(completion_response)
+    chunk = staticmethod(completion_chunk)
+
+    @staticmethod
+    def logprobs(req, prompt, token_ids, entries, text_offset):
+        """Completions' ``logprobs`` object for these tokens (None unless asked for)."""
+        if req.num_logprobs is None or not token_ids:
+            return None
+        return completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
+
+    def choice(self, req, index, prompt, output):
+        prefix = prompt.echo_text if req.echo else ""
+        return completion_choice(
+            index,
+            prefix + output.text,
+            output.finish_reason,
+            self.logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)),
+        )
+
+    @staticmethod
+    def opening_choices(req, num_choices):
+        return []
+
+    def chunk_choices(self, req, index, prompt, delta):
+        echo = req.echo and delta.first
+        lp = self.logprobs(
+            req, prompt, delta.token_ids, delta.logprobs, delta.text_offset + (len(prompt.echo_text) if req.echo else 0)
+        )
+        choices = []
+        if delta.text or lp is not None or echo:
+            text = prompt.echo_text + delta.text if echo else delta.text
+            choices.append(completion_choice(index, text, None, lp))
+        if delta.finish_reason is not None:
+            choices.append(completion_choice(index, "", delta.finish_reason))
+        return choices
+
+
+class ChatFormat:
+    """Chat's shapes for one request. With tools, each choice's text goes through its own tool parser
+    (``ChatCompletionRequest.tool_parser``): content and ``tool_calls`` in the message or the deltas,
+    and ``finish_reason`` "tool_calls" after a call."""
+
+    response = staticmethod(chat_response)
+    chunk = staticmethod(chat_chunk)
+
+    def __init__(self):
+        self._parsers: dict = {}  # choice index -> its tool parser (streaming)
+
+    @staticmethod
+    def logprobs(req, prompt, token_ids, entries, text_offset=0):
+        """Chat's ``logprobs`` object for these tokens (None unless asked for)."""
+        if req.num_logprobs is None or not token_ids:
+            return None
+        return chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
+
+    def choice(self, req, index, prompt, output):
+        lp = self.logprobs(req, prompt, output.token_ids, output.logprobs)
+        parser = req.tool_parser()
+        if parser is None:
+            return chat_choice(index, output.text, output.finish_reason, lp)
+        content, tool_calls = extract_tool_calls(parser, output.text)
+        return chat_choice(index, content, parser.finish_reason(output.finish_reason), lp, tool_calls)
+
+    @staticmethod
+    def opening_choices(req, num_choices):
+        return [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
+
+    def chunk_choices(self, req, index, prompt, delta):
+        lp = self.logprobs(req, prompt, delta.token_ids, delta.logprobs)
+        message, finish_reason = self._parse(req, index, delta)
+        choices = []
+        if message or lp is not None:
+            fields = {"content": message.content} if message.content or not message.tool_calls else {}
+            if message.tool_calls:
+                fields["tool_calls"] = message.tool_calls
+            choices.append(chat_chunk_choice(index, fields, None, lp))
+        if finish_reason is not None:
+            choices.append(chat_chunk_choice(index, {}, finish_reason))
+        return choices
+
+    def _parse(self, req, index: int, delta: CompletionDelta) -> tuple:
+        """``(DeltaMessage, finish_reason)`` of one delta, through choice ``index``'s tool parser if any."""
+        if index not in self._parsers:
+            self._parsers[index] = req.tool_parser()
+        parser = self._parsers[index]
+        if parser is None:
+            return DeltaMessage(delta.text), delta.finish_reason
+        message = parser.feed(delta.text)
+        if delta.finish_reason is None:
+            return message, None
+        rest = parser.finish()
+        message = DeltaMessage(message.content + rest.content, message.tool_calls + rest.tool_calls)
+        return message, parser.finish_reason(delta.finish_reason)
