@@ -21,7 +21,7 @@ from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, Limits, Se
 class AppState:
     model_name: str
     model_aliases: set  # the names a request's ``model`` may give (``admission.check_model``)
-    loader: Callable | None  # () -> an engine, run in a thread at start-up (``app``); None: given one
+    loader: Callable | None  # () -> an engine, run in a thread at start-up (``lifecycle``); None: given one
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
@@ -29,7 +29,7 @@ class AppState:
     engine: EngineClient | None = None
     owns_engine: bool = True  # closed at clean-up
     load_error: str | None = None
-    failed: asyncio.Event | None = None  # set when the model failed to load (``app.serve`` exits)
+    failed: asyncio.Event | None = None  # set when the model failed to load (``launcher.serve`` exits)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's ``created``
     load_started: float = 0.0
