@@ -19,6 +19,8 @@ from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, Limits, Se
 
 @dataclass
 class AppState:
+    """What the middleware, the routes and the start-up and shutdown code share for one app."""
+
     model_name: str
     model_aliases: set  # the names a request's ``model`` may give (``admission.check_model``)
     loader: Callable | None  # () -> an engine, run in a thread at start-up (``lifecycle``); None: given one

@@ -12,6 +12,7 @@ from rawpaged.entrypoints.http_errors import error_body
 
 
 def json_response(obj, status: int = 200) -> web.Response:
+    """``obj`` as a JSON body (``application/json``) with ``status``."""
     return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
 
 

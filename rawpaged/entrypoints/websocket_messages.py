@@ -23,6 +23,7 @@ def max_frame_size(max_body_size: int) -> int:
 
 
 def utf8_size(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (a lone surrogate as its 3 bytes)."""
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 

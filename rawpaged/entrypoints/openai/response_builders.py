@@ -15,14 +15,17 @@ from rawpaged.entrypoints.openai.tool_parsers import DeltaMessage, extract_tool_
 
 
 def new_id(prefix: str) -> str:
+    """A response or request id: ``prefix-`` and 32 hex digits."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:
+    """Unix time in whole seconds (a response's ``created``)."""
     return int(time.time())
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage``: prompt, completion and total token counts."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -31,6 +34,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def models_response(name: str, created: int, max_model_len: int | None) -> dict:
+    """``GET /v1/models``' list with the one model card (its ``max_model_len`` once the model has loaded)."""
     card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name, "parent": None}
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
@@ -38,6 +42,7 @@ def models_response(name: str, created: int, max_model_len: int | None) -> dict:
 
 
 def completion_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
+    """A ``text_completion`` response with its ``choices`` and ``usage``."""
     return {
         "id": rid,
         "object": "text_completion",
@@ -50,6 +55,7 @@ def completion_response(rid: str, created: int, model: str, choices: list, usage
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """A completions choice (full or in a chunk): ``{index, text, logprobs, finish_reason}``."""
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -72,10 +78,12 @@ def _chunk(
 def completion_chunk(
     rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
 ) -> dict:
+    """A ``text_completion`` stream chunk; ``usage`` only with ``include_usage`` (null until the last)."""
     return _chunk("text_completion", rid, created, model, choices, usage_, include_usage)
 
 
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
+    """A ``chat.completion`` response with its ``choices`` and ``usage``."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -100,14 +108,17 @@ def chat_choice(
 def chat_chunk(
     rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
 ) -> dict:
+    """A ``chat.completion.chunk``; ``usage`` only with ``include_usage`` (null until the last)."""
     return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage)
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """A chat chunk's choice: ``{index, delta, logprobs, finish_reason}``."""
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def token_text(tokenizer, token_id: int) -> str:
+    """One token's text, special tokens included (a piece of a character shows as U+FFFD)."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

@@ -24,6 +24,7 @@ from rawpaged.entrypoints.openai.response_writer import write_response
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``; a refusal is raised as ``ProtocolError`` (the middleware answers it)."""
     state = request.app[STATE]
     req = parse_request(ChatCompletionRequest, await read_body(request), state.limits)
     engine = admit(state, req.model)  # before the tokenizer's work

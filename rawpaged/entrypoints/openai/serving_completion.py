@@ -21,6 +21,7 @@ from rawpaged.entrypoints.openai.response_writer import write_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``; a refusal is raised as ``ProtocolError`` (the middleware answers it)."""
     state = request.app[STATE]
     req = parse_request(CompletionRequest, await read_body(request), state.limits)
     engine = admit(state, req.model)  # before the tokenizer's work
