@@ -1,2 +1,3 @@
 """Ways in: the offline ``LLM`` (``llm``), the HTTP server (``app`` with the OpenAI routes in ``openai/``,
-the websocket in ``websocket``, health and metrics in ``health``) and the ``rawpaged`` command (``cli``)."""
+the websocket in ``websocket``, health and metrics in ``health``; run by ``launcher``) and the ``rawpaged``
+command (``cli``)."""

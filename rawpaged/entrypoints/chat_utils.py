@@ -32,12 +32,40 @@ def tools_system_prompt(tools: list) -> str:
     return TOOLS_PROMPT.format(tools=listing, open=OPEN, close=CLOSE)
 
 
+def template_message(message) -> dict:
+    """A ``protocol.ChatMessage`` as chat templates take it (HF transformers' form): text parts joined,
+    "developer" as "system", and each call's ``arguments`` as an object where its JSON text is one
+    (templates write them with ``tojson``)."""
+    content = message.content or ""
+    if isinstance(content, list):
+        content = "".join(p.text for p in content)
+    msg = {"role": "system" if message.role == "developer" else message.role, "content": content}
+    if message.tool_calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+            for c in message.tool_calls
+        ]
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            msg[key] = getattr(message, key)
+    return msg
+
+
+def _arguments(call):
+    """A call's ``arguments``: its JSON text as an object, or the text where it is not one."""
+    try:
+        value = json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
+
+
 def template_conversation(messages: list, tools: list | None, template_supports_tools: bool) -> tuple:
     """``(messages, tools)`` to render: unchanged where the template renders tools (or none are given),
     else the tools written into the messages (see the module) and None.
 
     Args:
-        messages: HF-style message dicts (``ChatMessage.as_template_message``).
+        messages: HF-style message dicts (``template_message``).
         tools: OpenAI tool dicts, or None.
         template_supports_tools: ``Tokenizer.supports_tools``.
     """

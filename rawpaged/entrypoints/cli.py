@@ -263,7 +263,8 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from rawpaged.entrypoints.app import create_app, serve  # deferred: pydantic, checked just above
+    from rawpaged.entrypoints.app import create_app  # deferred: pydantic, checked just above
+    from rawpaged.entrypoints.launcher import serve  # deferred: pydantic, checked just above
 
     args = build_serve_parser(prog).parse_args(argv)
     logging.basicConfig(

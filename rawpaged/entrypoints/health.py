@@ -8,13 +8,15 @@ import time
 
 from aiohttp import web
 
+from rawpaged.entrypoints.admission import require_engine
+from rawpaged.entrypoints.app_state import STATE, AppState
+from rawpaged.entrypoints.http_errors import ProtocolError, field_error
+from rawpaged.entrypoints.http_responses import json_response
 from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from rawpaged.entrypoints.openai.protocol import ProtocolError
-from rawpaged.entrypoints.server_state import STATE, field_error, json_response, require_engine
 from rawpaged.errors import EngineDeadError
 
 
-def health_status(state) -> tuple:
+def health_status(state: AppState) -> tuple:
     """``(status, body)`` of ``GET /health``: 200 while the model serves; 503 while it loads, after it
     failed to, while the server drains on shutdown, or (data parallel) while no replica takes requests."""
     if state.draining:

@@ -1,6 +1,7 @@
-"""The playground page: ``GET /`` serves ``static/index.html``, ``GET /static/...`` its script and style
-sheet, all shipped in the package (no build step, no CDN: it works offline). The page chats or completes
-over ``/v1/ws`` and draws the KV block pool live from the same socket's ``subscribe_kv_cache``.
+"""The playground page: ``GET /`` serves ``static/index.html``, ``GET /static/...`` its scripts
+(``playground.js``, the chat page; ``kv_view.js``, the KV cache view) and style sheet, all shipped in the
+package (no build step, no CDN: it works offline). The page chats or completes over ``/v1/ws`` and draws
+the KV block pool live from the same socket's ``subscribe_kv_cache``.
 
 The page and its files hold no data, so they are public even with ``--api-key``; the page asks for the
 key, keeps it in the browser's session storage, sends it as a bearer token over HTTP and in a first

@@ -1,6 +1,7 @@
-"""How the server treats its clients: timeouts, connection and queue limits, shutdown, hosts. Each field's
-docstring is also its ``--help`` text (``rawpaged.entrypoints.cli`` builds one option per field, as for
-``EngineConfig``); docs/server.md, "Timeouts and limits", says what each does and why its default."""
+"""How the server treats its clients: timeouts, connection and queue limits, shutdown, hosts
+(``ServerConfig``), and the limits a request body is parsed under (``Limits``). Each ``ServerConfig``
+field's docstring is also its ``--help`` text (``rawpaged.entrypoints.cli`` builds one option per field, as
+for ``EngineConfig``); docs/server.md, "Timeouts and limits", says what each does and why its default."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ DEFAULT_MAX_BODY_SIZE = 4 << 20
 DEFAULT_MAX_TOKENS_LIMIT = 4096
 #: connections at most, whatever the open-file limit allows
 MAX_CONNECTIONS_CAP = 4096
+#: prompts in one ``/v1/completions`` request at most
+MAX_PROMPTS = 64
 
 
 def default_max_connections() -> int:
@@ -68,3 +71,13 @@ class ServerConfig:
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         self.allowed_hosts = tuple(h.lower() for h in self.allowed_hosts or ())
+
+
+@dataclass
+class Limits:
+    """Server-side limits applied while parsing a request (``rawpaged.entrypoints.openai.protocol``)."""
+
+    max_tokens: int = 4096  # a request asking for more generated tokens gets a 400
+    max_n: int = 16  # n and best_of at most
+    max_prompts: int = MAX_PROMPTS  # prompts per /v1/completions request at most
+    reject_unknown_fields: bool = False  # a field the API does not define: a 400 (else logged, ignored)

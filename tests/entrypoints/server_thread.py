@@ -9,8 +9,8 @@ import time
 
 import aiohttp
 
-from rawpaged.entrypoints.app import serve
-from rawpaged.entrypoints.server_state import STATE
+from rawpaged.entrypoints.app_state import STATE
+from rawpaged.entrypoints.launcher import serve
 
 
 class ServerThread:

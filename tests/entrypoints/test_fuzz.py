@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.openai.protocol import Limits, ProtocolError, WebSocketGenerateRequest
+from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
 from rawpaged.entrypoints.openai.request_body import parse_request
+from rawpaged.entrypoints.server_config import Limits
 from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
 
 FIELDS = (

@@ -8,14 +8,10 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 
 import json
 
-from rawpaged.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    Limits,
-    ProtocolError,
-    WebSocketGenerateRequest,
-)
+from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, WebSocketGenerateRequest
 from rawpaged.entrypoints.openai.request_body import parse_request
+from rawpaged.entrypoints.server_config import Limits
 from rawpaged.sampling_params import SamplingParams
 
 LIMITS = Limits(max_tokens=512, max_n=16, max_prompts=4)

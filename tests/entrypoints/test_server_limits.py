@@ -21,7 +21,7 @@ import aiohttp
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.openai.serving_engine import dumps_by_part
+from rawpaged.entrypoints.openai.response_writer import dumps_by_part
 from rawpaged.entrypoints.server_config import ServerConfig
 from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
 

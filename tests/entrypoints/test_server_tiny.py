@@ -16,7 +16,7 @@ import aiohttp
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.openai import protocol
+from rawpaged.entrypoints.openai.response_builders import chat_logprobs, completion_logprobs, token_text
 from tests.entrypoints.server_thread import ServerThread, run, sse, wait_pool_empty
 
 ORIGIN = "https://ok.example"
@@ -235,7 +235,7 @@ class CollidingTokenizer:
 def test_top_logprobs_keep_the_chosen_then_the_best_ranked_on_collisions():
     tok = CollidingTokenizer()
     # The chosen token 8 first, then the top ones by rank: 7 and 9 share its text.
-    lp = protocol.completion_logprobs(tok, [8, 1], [{8: -2.0, 7: -0.5, 1: -1.0, 9: -3.0}, {1: -0.1, 9: -0.2, 7: -0.3}])
+    lp = completion_logprobs(tok, [8, 1], [{8: -2.0, 7: -0.5, 1: -1.0, 9: -3.0}, {1: -0.1, 9: -0.2, 7: -0.3}])
     assert lp["token_logprobs"] == [-2.0, -0.1]
     assert lp["top_logprobs"][0] == {"X": -2.0, "<1>": -1.0}  # the chosen token's own value
     assert lp["top_logprobs"][1] == {"<1>": -0.1, "X": -0.2}  # the best-ranked of 9 and 7
@@ -247,16 +247,16 @@ def test_repeated_emoji_logprobs_are_consistent(model_dir):
 
     llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
     out = llm.generate(["🎉🎉🎉🎉🎉🎉"], SamplingParams(temperature=0, max_tokens=8, logprobs=5))[0].outputs[0]
-    lp = protocol.completion_logprobs(llm.tokenizer, out.token_ids, out.logprobs)
+    lp = completion_logprobs(llm.tokenizer, out.token_ids, out.logprobs)
     for token, value, top, entry in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], out.logprobs):
         assert top[token] == value
         texts = {}
         for t, v in entry.items():
-            texts.setdefault(protocol.token_text(llm.tokenizer, t), []).append(v)
+            texts.setdefault(token_text(llm.tokenizer, t), []).append(v)
         for text, values in texts.items():
             if text != token:
                 assert top[text] == max(values)
-    chat = protocol.chat_logprobs(llm.tokenizer, out.token_ids, out.logprobs, 5)["content"]
+    chat = chat_logprobs(llm.tokenizer, out.token_ids, out.logprobs, 5)["content"]
     rebuilt = b"".join(bytes(c["bytes"]) for c in chat).decode("utf-8", errors="replace")
     assert rebuilt == llm.tokenizer.decode(out.token_ids) and "\ufffd" in "".join(c["token"] for c in chat)
 

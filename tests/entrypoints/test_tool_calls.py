@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rawpaged.entrypoints.chat_utils import template_conversation, tools_system_prompt
-from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest, Limits
+from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.request_body import parse_request
 from rawpaged.entrypoints.openai.tool_parsers import (
     ForcedToolParser,
@@ -26,6 +26,7 @@ from rawpaged.entrypoints.openai.tool_parsers import (
     extract_tool_calls,
     forced_tool_schema,
 )
+from rawpaged.entrypoints.server_config import Limits
 from rawpaged.structured_output import StructuredOutputsParams
 from rawpaged.tokenizer import Tokenizer
 from tests.structured_output.test_guidance import walk

@@ -1,80 +1,32 @@
-"""The wire protocol: request bodies as pydantic models (as vLLM's ``entrypoints/openai/protocol.py``),
-the OpenAI response and stream-chunk shapes, and error bodies. Knows JSON, not HTTP or the engine.
+"""The wire protocol's request side: request bodies as pydantic models (as vLLM's
+``entrypoints/openai/protocol.py``), each with the rules it must meet and what it asks of the engine
+(``sampling_params``). Knows JSON, not HTTP or the engine; the responses' shapes are ``response_builders``'s.
 
 Parsing checks JSON types (strict: ``true`` is not a number, ``"1"`` is not an integer) and the rules
 that are OpenAI's or this server's (limits, streaming restrictions, refused parameters). Ranges and
 cross-field rules are ``SamplingParams``'s: its ``InvalidRequestError`` names the field, which becomes the
-error body's ``param``. Every refusal is a :class:`ProtocolError`. From bytes to a checked model:
-``request_body.parse_request``.
+error body's ``param``. Every refusal is a :class:`~rawpaged.entrypoints.http_errors.ProtocolError`. From
+bytes to a checked model: ``request_body.parse_request``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rawpaged.entrypoints.chat_utils import template_message
+from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.openai.sampling import to_sampling_params
 from rawpaged.entrypoints.openai.tool_parsers import ForcedToolParser, HermesToolParser, ToolParser, forced_tool_schema
+from rawpaged.entrypoints.server_config import Limits
 from rawpaged.errors import InvalidRequestError
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import RESERVED_TEMPLATE_KWARGS
 
-logger = logging.getLogger("rawpaged.server")
-
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
-MAX_PROMPTS = 64
 
 
-class ProtocolError(Exception):
-    """A request the server refuses; ``status`` and ``body()`` are what the client gets."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict | None = None,
-        close: bool = False,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.code = code
-        self.headers = headers or {}  # e.g. Retry-After
-        self.close = close  # close the connection after the response (a body that never arrived)
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-@dataclass
-class Limits:
-    """Server-side limits applied while parsing."""
-
-    max_tokens: int = 4096  # a request asking for more generated tokens gets a 400
-    max_n: int = 16  # n and best_of at most
-    max_prompts: int = MAX_PROMPTS  # prompts per /v1/completions request at most
-    reject_unknown_fields: bool = False  # a field the API does not define: a 400 (else logged, ignored)
-
-
-# ------------------------------------------------------------------------------------------ requests
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are ignored, as by OpenAI; known ones must have exactly their JSON type.
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -121,32 +73,6 @@ class ChatMessage(OpenAIBaseModel):
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
-
-    def as_template_message(self) -> dict:
-        """The message as chat templates take it (HF transformers' form): text parts joined, "developer"
-        as "system", and each call's ``arguments`` as an object where its JSON text is one (templates
-        write them with ``tojson``)."""
-        content = self.content or ""
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        msg = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.tool_calls:
-            msg["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _loads(c)}}
-                for c in self.tool_calls
-            ]
-        for key in ("tool_call_id", "name"):
-            if getattr(self, key) is not None:
-                msg[key] = getattr(self, key)
-        return msg
-
-
-def _loads(call: ToolCall):
-    try:
-        value = json.loads(call.function.arguments)
-    except ValueError:
-        return call.function.arguments
-    return value if isinstance(value, dict) else call.function.arguments
 
 
 class FunctionDefinition(OpenAIBaseModel):
@@ -251,47 +177,10 @@ class GenerationRequest(OpenAIBaseModel):
         """A fresh parser of one choice's tool calls, or None when the request has none to parse."""
         return None
 
-    def sampling_kwargs(self, defaults: dict | None = None) -> dict:
-        """``SamplingParams`` keyword arguments except ``max_tokens``; ``defaults`` (the model's
-        generation config: temperature, top_p, top_k, min_p) fill the fields the request leaves unset."""
-        kw = dict(defaults or {})
-        kw.update(n=self.num_choices, temperature=kw.get("temperature", 1.0))
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "stop",
-            "stop_token_ids",
-            "ignore_eos",
-            "include_stop_str_in_output",
-        ):
-            if getattr(self, name) is not None:
-                kw[name] = getattr(self, name)
-        if self.seed is not None:
-            kw["seed"] = self.seed % (1 << 64)  # negative seeds (valid in OpenAI's API) map to unsigned
-        if self.num_logprobs is not None:
-            kw["logprobs"] = self.num_logprobs
-        best_of = getattr(self, "best_of", None)
-        if best_of is not None:
-            kw["best_of"] = best_of
-        structured = self.structured_outputs_fields()
-        if structured is not None:
-            kw["structured_outputs"] = structured
-        if self.use_beam_search:  # vLLM's extra parameters: width best_of (or n), greedy by nature
-            kw["beam_width"] = max(kw.pop("best_of", kw["n"]), kw["n"], 2)
-            kw["temperature"] = 0.0
-            if self.length_penalty is not None:
-                kw["length_penalty"] = self.length_penalty
-        return kw
-
     def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
-        """The engine's ``SamplingParams`` (``defaults``: see ``sampling_kwargs``); its
-        ``InvalidRequestError`` becomes a ProtocolError naming the field as the client sent it."""
-        try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling_kwargs(defaults))
-        except InvalidRequestError as e:
-            raise self.client_error(e) from None
+        """The engine's ``SamplingParams`` for this request (``sampling.to_sampling_params``; ``defaults``:
+        the model's generation config). Raises ProtocolError naming the field as the client sent it."""
+        return to_sampling_params(self, max_tokens, defaults)
 
     def client_error(self, e: InvalidRequestError) -> ProtocolError:
         """An engine refusal as the client sees it: its field (and the message's leading field name) as
@@ -538,7 +427,7 @@ class ChatCompletionRequest(GenerationRequest):
                 raise ProtocolError(f"tool_choice {choice} cannot be combined with beam search", param="tool_choice")
 
     def template_messages(self) -> list:
-        return [m.as_template_message() for m in self.messages]
+        return [template_message(m) for m in self.messages]
 
 
 class WebSocketGenerateRequest(GenerationRequest):
@@ -573,142 +462,4 @@ class WebSocketGenerateRequest(GenerationRequest):
         return _prompt_list(self.prompt)
 
     def template_messages(self) -> list:
-        return [m.as_template_message() for m in self.messages]
-
-
-# -------------------------------------------------------------------------------------- responses
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def models_response(name: str, created: int, max_model_len: int | None) -> dict:
-    card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name, "parent": None}
-    if max_model_len is not None:
-        card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
-
-
-def completion_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _chunk(
-    obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None, include_usage: bool
-) -> dict:
-    chunk = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "system_fingerprint": None,
-    }
-    if include_usage:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def completion_chunk(
-    rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
-) -> dict:
-    return _chunk("text_completion", rid, created, model, choices, usage_, include_usage)
-
-
-def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
-def chat_choice(
-    index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None, tool_calls: list = ()
-) -> dict:
-    """A chat choice; ``tool_calls`` (OpenAI's ``[{"id", "type", "function"}]``) when any were made."""
-    message = {"role": "assistant", "content": text}
-    if tool_calls:
-        message["tool_calls"] = list(tool_calls)
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_chunk(
-    rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
-) -> dict:
-    return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage)
-
-
-def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: int = 0) -> dict:
-    """OpenAI's completions ``logprobs`` object for generated tokens; ``entries[i]`` is the engine's
-    ``{token_id: logprob}`` for token i (the chosen token first, then the top ones by rank). Tokens whose
-    texts collide (byte pieces of one character) share a ``top_logprobs`` key: the chosen token's value
-    wins, then the best-ranked."""
-    tokens, lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(token_ids, entries):
-        s = token_text(tokenizer, tid)
-        tokens.append(s)
-        lps.append(entry.get(tid))
-        top: dict = {}  # entry: the chosen token first, then by rank: where texts collide, the first stays
-        for t, lp in entry.items():
-            top.setdefault(token_text(tokenizer, t), lp)
-        tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(s)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict:
-    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
-    ``bytes`` are the token's own bytes (a piece of a character included), so a client can rebuild the
-    text from them where ``token`` shows U+FFFD."""
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-        content.append(
-            {
-                "token": token_text(tokenizer, tid),
-                "logprob": entry.get(tid),
-                "bytes": list(tokenizer.token_bytes(tid)),
-                "top_logprobs": [
-                    {"token": token_text(tokenizer, t), "logprob": lp, "bytes": list(tokenizer.token_bytes(t))}
-                    for t, lp in top
-                ],
-            }
-        )
-    return {"content": content}
+        return [template_message(m) for m in self.messages]

@@ -1,6 +1,6 @@
-"""A request body from bytes to a checked request model: JSON decoding at any depth, lone UTF-16
-surrogates, fields the API does not define, and pydantic's errors as a :class:`ProtocolError` that
-names the field. The models themselves are ``protocol``'s."""
+"""Step 1 of a generation request: its body from bytes to a checked request model. JSON decoding at any
+depth, lone UTF-16 surrogates, fields the API does not define, and pydantic's errors as a
+:class:`ProtocolError` that names the field. The models themselves are ``protocol``'s."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import logging
 
 from pydantic import BaseModel, ValidationError
 
-from rawpaged.entrypoints.openai.protocol import GenerationRequest, Limits, ProtocolError
+from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.openai.protocol import GenerationRequest
+from rawpaged.entrypoints.server_config import Limits
 
 logger = logging.getLogger("rawpaged.server")
 

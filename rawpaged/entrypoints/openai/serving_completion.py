@@ -1,55 +1,32 @@
 """``POST /v1/completions``: OpenAI's legacy completions (prompts as strings or token ids, ``echo``,
-integer ``logprobs``, ``best_of``), JSON or server-sent events."""
+integer ``logprobs``, ``best_of``), JSON or server-sent events.
+
+The handler takes a request through the steps ``serving_chat``'s does, in the same order, answering in
+``CompletionFormat``'s shapes (``response_builders``).
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from rawpaged.entrypoints.openai import protocol, request_body
+from rawpaged.entrypoints.admission import admit, check_capacity
+from rawpaged.entrypoints.app_state import STATE
+from rawpaged.entrypoints.http_body import read_body
+from rawpaged.entrypoints.openai.engine_requests import submitted
+from rawpaged.entrypoints.openai.preprocessing import prepare_prompts
 from rawpaged.entrypoints.openai.protocol import CompletionRequest
-from rawpaged.entrypoints.openai.serving_engine import read_body, serve_generation
-from rawpaged.entrypoints.server_state import STATE
-
-
-class CompletionFormat:
-    id_prefix = "cmpl"
-    response = staticmethod(protocol.completion_response)
-    chunk = staticmethod(protocol.completion_chunk)
-
-    @staticmethod
-    def logprobs(req, prompt, token_ids, entries, text_offset):
-        """Completions' ``logprobs`` object for these tokens (None unless asked for)."""
-        if req.num_logprobs is None or not token_ids:
-            return None
-        return protocol.completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
-
-    def choice(self, req, index, prompt, output):
-        prefix = prompt.echo_text if req.echo else ""
-        return protocol.completion_choice(
-            index,
-            prefix + output.text,
-            output.finish_reason,
-            self.logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)),
-        )
-
-    @staticmethod
-    def opening_choices(req, num_choices):
-        return []
-
-    def chunk_choices(self, req, index, prompt, delta):
-        echo = req.echo and delta.first
-        lp = self.logprobs(
-            req, prompt, delta.token_ids, delta.logprobs, delta.text_offset + (len(prompt.echo_text) if req.echo else 0)
-        )
-        choices = []
-        if delta.text or lp is not None or echo:
-            text = prompt.echo_text + delta.text if echo else delta.text
-            choices.append(protocol.completion_choice(index, text, None, lp))
-        if delta.finish_reason is not None:
-            choices.append(protocol.completion_choice(index, "", delta.finish_reason))
-        return choices
+from rawpaged.entrypoints.openai.request_body import parse_request
+from rawpaged.entrypoints.openai.response_builders import CompletionFormat, new_id
+from rawpaged.entrypoints.openai.response_writer import write_response
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    req = request_body.parse_request(CompletionRequest, await read_body(request), request.app[STATE].limits)
-    return await serve_generation(request, req, CompletionFormat())
+    """``POST /v1/completions``; a refusal is raised as ``ProtocolError`` (the middleware answers it)."""
+    state = request.app[STATE]
+    req = parse_request(CompletionRequest, await read_body(request), state.limits)
+    engine = admit(state, req.model)  # before the tokenizer's work
+    prompts = await prepare_prompts(engine, req, state.limits)
+    check_capacity(state, engine, len(prompts))
+    rid = new_id("cmpl")
+    async with submitted(engine, req, prompts, rid) as streams:
+        return await write_response(request, state, req, CompletionFormat(), rid, prompts, streams)

@@ -1,12 +1,13 @@
-// rawpaged playground: chat and completion over /v1/ws, and a live view of the KV block pool from the
-// same socket's subscribe_kv_cache (a snapshot, then deltas). No dependencies, no build step.
+// rawpaged playground: chat and completion over /v1/ws, and the same socket's subscribe_kv_cache (a
+// snapshot, then deltas), whose messages go to the KV cache view (kv_view.js, loaded first).
+// No dependencies, no build step.
 "use strict";
 
 (() => {
   const $ = (id) => document.getElementById(id);
+  const kvView = window.rawpagedKvView;
   const KEY_STORAGE = "rawpaged.api_key";
   const KV_INTERVAL_MS = 200;
-  const MAX_EVENTS_SHOWN = 60;
 
   const state = {
     mode: "chat",
@@ -18,23 +19,9 @@
     last: null, // the last generation's request, for Regenerate
     conversation: [], // chat turns sent to the model: {role, content}
     needKey: false, // the server refused this tab's key (or its lack of one): wait for a new one
-  };
-  const kv = {
-    subId: null,
-    replica: null,
-    start: 0,
-    count: 0,
-    numBlocks: 0,
-    blocks: [],
-    cells: [],
-    requests: [],
-    colors: new Map(),
-    highlighted: [],
-    hovered: null, // the request id whose block tables are shown
+    kvSubId: null, // the socket's KV cache subscription
   };
 
-  // server request ids are long (ws-<32 hex digits>): lists show the start and the end, titles all of it
-  const short = (id) => (id.length > 16 ? `${id.slice(0, 7)}…${id.slice(-4)}` : id);
   const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 
   // ------------------------------------------------------------------ API key
@@ -75,13 +62,7 @@
     }
     try {
       const health = await fetch("/health").then((r) => r.json());
-      const replicas = health.replicas || [];
-      const select = $("replica");
-      $("replica-row").hidden = replicas.length < 2;
-      if (replicas.length >= 2 && select.options.length !== replicas.length) {
-        select.textContent = "";
-        for (const r of replicas) select.add(new Option(String(r.replica), String(r.replica)));
-      }
+      kvView.showReplicas(health.replicas || []);
     } catch (e) {
       /* health is informational here */
     }
@@ -109,7 +90,7 @@
       if (state.ws !== ws) return;
       state.ws = null;
       state.open = false;
-      kv.subId = null;
+      state.kvSubId = null;
       if (state.job) endJob("connection closed");
       if (ev.code === 4401) {
         state.needKey = true;
@@ -135,9 +116,9 @@
       case "done":
         return onDone(msg);
       case "kv_cache":
-        return msg.id === kv.subId && applySnapshot(msg);
+        return msg.id === state.kvSubId && kvView.applySnapshot(msg);
       case "kv_cache_delta":
-        return msg.id === kv.subId && applyKvDelta(msg);
+        return msg.id === state.kvSubId && kvView.applyDelta(msg);
       case "error":
         return onError(msg);
       default:
@@ -152,8 +133,8 @@
       showError(named ? `${msg.message} (${msg.param})` : msg.message);
       $("gen-stats").textContent = "";
       endJob("error");
-    } else if (msg.id === kv.subId) {
-      $("kv-range").textContent = `KV cache view: ${msg.message}`;
+    } else if (msg.id === state.kvSubId) {
+      kvView.showError(msg.message);
     } else {
       showError(msg.message);
     }
@@ -447,208 +428,17 @@
   $("mode-chat").addEventListener("click", () => setMode("chat"));
   $("mode-completion").addEventListener("click", () => setMode("completion"));
 
-  // ------------------------------------------------------------------ KV cache view
+  // ------------------------------------------------------------------ KV cache view (kv_view.js draws it)
   function subscribeKv() {
-    if (kv.subId) send({ type: "cancel", id: kv.subId });
-    $("kv-events").textContent = ""; // a new subscription (another replica, a new socket) lists its own
-    kv.subId = "kv" + state.nextId++;
-    const msg = { type: "subscribe_kv_cache", id: kv.subId, interval_ms: KV_INTERVAL_MS };
-    if (kv.replica !== null) msg.replica = kv.replica;
+    if (state.kvSubId) send({ type: "cancel", id: state.kvSubId });
+    kvView.clearEvents();
+    state.kvSubId = "kv" + state.nextId++;
+    const msg = { type: "subscribe_kv_cache", id: state.kvSubId, interval_ms: KV_INTERVAL_MS };
+    if (kvView.replica() !== null) msg.replica = kvView.replica();
     send(msg);
   }
 
-  $("replica").addEventListener("change", () => {
-    kv.replica = parseInt($("replica").value, 10);
-    subscribeKv();
-  });
-
-  function colorOf(requestId) {
-    let c = kv.colors.get(requestId);
-    if (!c) {
-      let h = 0;
-      for (let i = 0; i < requestId.length; i++) h = (h * 31 + requestId.charCodeAt(i)) >>> 0;
-      c = `hsl(${h % 360} 65% 52%)`;
-      kv.colors.set(requestId, c);
-    }
-    return c;
-  }
-
-  function paint(b) {
-    const el = kv.cells[b.block_id - kv.start];
-    if (!el) return;
-    const used = b.ref_count > 0;
-    el.classList.toggle("used", used);
-    el.classList.toggle("shared", b.ref_count > 1);
-    el.classList.toggle("cached", !used && b.cached);
-    el.classList.toggle("free", !used && !b.cached);
-    el.style.background = used && b.owners.length ? colorOf(b.owners[0]) : "";
-    el.dataset.refCount = String(b.ref_count);
-    let title = `block ${b.block_id} · ref_count ${b.ref_count}`;
-    if (b.owners.length) title += ` · ${b.owners.join(", ")}`;
-    if (b.cached) title += " · prefix cached";
-    el.title = title;
-  }
-
-  function applySnapshot(s) {
-    kv.start = s.start;
-    kv.count = s.count;
-    kv.numBlocks = s.num_blocks;
-    kv.blocks = s.blocks.slice();
-    const grid = $("kv-grid");
-    const frag = document.createDocumentFragment();
-    kv.cells = s.blocks.map((b) => {
-      const el = document.createElement("i");
-      el.className = "block";
-      el.dataset.blockId = String(b.block_id);
-      frag.append(el);
-      return el;
-    });
-    grid.textContent = "";
-    grid.append(frag);
-    for (const b of s.blocks) paint(b);
-    $("kv-range").textContent =
-      s.count < s.num_blocks ? `showing blocks ${s.start}-${s.start + s.count - 1} of ${s.num_blocks}` : "";
-    setRequests(s.requests);
-    addEvents(s.events, s.events_missed, false);
-    showCounts(s);
-  }
-
-  function applyKvDelta(d) {
-    for (const b of d.blocks) {
-      kv.blocks[b.block_id - kv.start] = b;
-      paint(b);
-    }
-    if (d.requests) setRequests(d.requests);
-    addEvents(d.events, d.events_missed, true);
-    showCounts(d);
-  }
-
-  function showCounts(s) {
-    let used = 0;
-    let shared = 0;
-    let cached = 0;
-    for (const b of kv.blocks) {
-      if (b.ref_count > 0) used++;
-      if (b.ref_count > 1) shared++;
-      if (b.ref_count === 0 && b.cached) cached++;
-    }
-    const replica = s.replica !== undefined ? `replica ${s.replica} · ` : "";
-    $("kv-counts").textContent =
-      `${replica}${s.num_blocks} blocks of ${s.block_size} tokens · used ${used} (shared ${shared}) · ` +
-      `free ${s.num_free_blocks} (prefix cached ${cached}) · step ${s.step}`;
-  }
-
-  function setRequests(requests) {
-    kv.requests = requests;
-    const list = $("kv-requests");
-    list.textContent = "";
-    for (const r of requests) {
-      const li = document.createElement("li");
-      li.dataset.requestId = r.request_id;
-      li.title = r.request_id;
-      const sw = document.createElement("span");
-      sw.className = "swatch";
-      sw.style.background = colorOf(r.request_id);
-      const longest = Math.max(...r.sequences.map((q) => q.num_tokens));
-      const blocks = new Set(r.sequences.flatMap((q) => q.block_table)).size;
-      const seqs = r.sequences.length === 1 ? "1 sequence" : `${r.sequences.length} sequences`;
-      li.append(sw, `${short(r.request_id)} · ${seqs} · ${plural(blocks, "block")} · longest ${longest} tokens`);
-      list.append(li);
-    }
-    showTable(); // the hovered request's tables, as of this look
-  }
-
-  // the list is rebuilt on every look, so hovering is tracked on the list itself
-  $("kv-requests").addEventListener("mouseover", (ev) => {
-    const li = ev.target.closest("li");
-    if (li && li.dataset.requestId !== kv.hovered) {
-      kv.hovered = li.dataset.requestId;
-      showTable();
-    }
-  });
-  $("kv-requests").addEventListener("mouseleave", () => {
-    // the list empties when the hovered request ends: its "finished" line stays until the next hover
-    const live = kv.requests.some((r) => r.request_id === kv.hovered);
-    kv.hovered = null;
-    if (live) showTable();
-  });
-
-  function showTable() {
-    clearHighlight();
-    const table = $("kv-table");
-    if (kv.hovered === null) {
-      table.textContent = "Hover a request to see its block tables (logical → physical).";
-      return;
-    }
-    const r = kv.requests.find((x) => x.request_id === kv.hovered);
-    if (!r) {
-      table.textContent = `${short(kv.hovered)}: finished, its blocks returned to the pool.`;
-      return;
-    }
-    const lines = [];
-    for (const q of r.sequences) {
-      lines.push(
-        `${short(r.request_id)} #${q.index} (${q.status}, ${q.num_tokens} tokens, ` +
-          `${q.num_computed_tokens} computed):`,
-      );
-      lines.push("  " + (q.block_table.map((p, i) => `${i}→${p}`).join("  ") || "(no blocks)"));
-      for (const p of q.block_table) {
-        const el = kv.cells[p - kv.start];
-        if (el) {
-          el.classList.add("hl");
-          kv.highlighted.push(el);
-        }
-      }
-    }
-    table.textContent = lines.join("\n");
-  }
-
-  function clearHighlight() {
-    for (const el of kv.highlighted) el.classList.remove("hl");
-    kv.highlighted = [];
-  }
-
-  function flash(blockIds, cls) {
-    for (const id of blockIds) {
-      const el = kv.cells[id - kv.start];
-      if (!el) continue;
-      el.classList.remove(cls);
-      void el.offsetWidth; // restart the animation
-      el.classList.add(cls);
-      setTimeout(() => el.classList.remove(cls), 900);
-    }
-  }
-
-  function addEvents(events, missed, live) {
-    const list = $("kv-events");
-    for (const e of events) {
-      const li = document.createElement("li");
-      li.className = e.type;
-      li.title = e.request_id;
-      // index: the sequence within its request (the choice for n > 1; a beam's own number)
-      const who = `${short(e.request_id)} #${e.index}`;
-      let text;
-      if (e.type === "copy") {
-        text = `copy-on-write: ${who} block ${e.src} → ${e.dst}`;
-        if (live) flash([e.src, e.dst], "flash-copy");
-      } else if (e.type === "preempt") {
-        text = `preempted: ${who}, ${plural(e.block_ids.length, "block")} freed (recomputed later)`;
-        if (live) flash(e.block_ids, "flash-preempt");
-      } else if (e.type === "fork") {
-        text = `fork: ${who} shares ${plural(e.num_blocks, "block")} of #${e.parent_index}`;
-      } else {
-        text = `${e.type}: ${who}`;
-      }
-      li.textContent = `${e.event_id}. ${text}`;
-      list.prepend(li);
-    }
-    if (missed) {
-      const li = document.createElement("li");
-      li.textContent = `(${missed} earlier events not shown)`;
-      list.prepend(li);
-    }
-    while (list.children.length > MAX_EVENTS_SHOWN) list.lastChild.remove();
-  }
+  kvView.onReplicaChange(subscribeKv);
 
   loadInfo();
   connect();

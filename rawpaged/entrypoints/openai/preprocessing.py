@@ -1,0 +1,101 @@
+"""Step 2 of a generation request: a checked request (``protocol``) becomes the engine's inputs. Each prompt
+is tokenized (chat: its messages rendered with the chat template first) in a worker thread, checked with
+the engine's own checks, and gets its ``max_tokens`` and ``SamplingParams`` (``sampling``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+
+from rawpaged.engine.engine_client import EngineClient
+from rawpaged.entrypoints.chat_utils import template_conversation
+from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.openai.sampling import to_sampling_params
+from rawpaged.entrypoints.server_config import Limits
+from rawpaged.errors import InvalidRequestError
+from rawpaged.sampling_params import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class PreparedPrompt:
+    """One prompt ready for the engine: its text (None when sent as token ids), token ids and parameters."""
+
+    text: str | None
+    ids: list
+    params: SamplingParams
+    tokenizer: object
+
+    @functools.cached_property
+    def echo_text(self) -> str:
+        return self.text if self.text is not None else self.tokenizer.decode(self.ids, skip_special_tokens=False)
+
+
+async def prepare_prompts(engine: EngineClient, req, limits: Limits) -> list:
+    """``req``'s prompts (a ``protocol.GenerationRequest``) as ``PreparedPrompt``s, in order.
+
+    Tokenizes in a worker thread (a long prompt or chat template must not stall the event loop), checks each
+    prompt with the engine's own checks, picks ``max_tokens`` (``pick_max_tokens``) and builds its
+    ``SamplingParams`` with the model's generation config as defaults. Raises ProtocolError naming the
+    field."""
+    tok = engine.tokenizer
+    max_len = engine.max_model_len
+    items = await asyncio.to_thread(_tokenize, tok, req, limits, max_len)
+    defaults = engine.default_sampling_params
+    out = []
+    for text, ids in items:
+        try:
+            engine.check_prompt(ids)
+        except InvalidRequestError as e:
+            raise ProtocolError(str(e), param=req.prompt_param) from None
+        max_tokens = pick_max_tokens(req, limits, len(ids), max_len)
+        out.append(PreparedPrompt(text, list(ids), to_sampling_params(req, max_tokens, defaults), tok))
+    return out
+
+
+def pick_max_tokens(req, limits: Limits, num_prompt_tokens: int, max_len: int) -> int:
+    """The client's ``max_tokens`` (a ProtocolError when the context cannot hold it); else, capped by the
+    room left in the context, 16 for completions and the server's limit for chat."""
+    room = max_len - num_prompt_tokens
+    requested = req.requested_max_tokens
+    if requested is None:
+        default = DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else limits.max_tokens
+        return min(default, room)
+    if requested > room:
+        raise ProtocolError(
+            f"this model's maximum context length is {max_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and {req.max_tokens_param} asks for {requested} more",
+            param=req.max_tokens_param,
+        )
+    return requested
+
+
+def _tokenize(tok, req, limits: Limits, max_len: int) -> list:
+    """``[(text or None, token ids)]``, one per prompt; chat: the one rendered conversation."""
+    if req.kind == "chat":
+        try:
+            messages, tools = template_conversation(req.template_messages(), req.template_tools(), tok.supports_tools)
+            text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+            _check_length(tok, text, req, max_len)
+            return [tok.encode_chat(messages, True, req.chat_template_kwargs, tools)]
+        except ValueError as e:
+            raise ProtocolError(str(e), param="messages") from None
+    prompts = req.prompts(limits)
+    for p in prompts:
+        if isinstance(p, str):
+            _check_length(tok, p, req, max_len)
+    return [(p, tok.encode(p)) if isinstance(p, str) else (None, p) for p in prompts]
+
+
+def _check_length(tok, text: str, req, max_len: int) -> None:
+    """A ProtocolError for a text that cannot fit the context, before the tokenizer's seconds on it."""
+    at_least = tok.min_num_tokens(text)
+    if at_least >= max_len:
+        raise ProtocolError(
+            f"this model's maximum context length (max_model_len) is {max_len} tokens; the prompt's "
+            f"{len(text)} characters are at least {at_least} tokens",
+            param=req.prompt_param,
+        )
