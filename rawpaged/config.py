@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rawpaged.dtypes import DTYPE_CHOICES
+from rawpaged.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPE_CHOICES
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal[DTYPE_CHOICES]
+KVCacheDType = Literal[KV_CACHE_DTYPE_CHOICES]
 Quantization = Literal["gguf", "q8_0"]
 
 
@@ -25,8 +26,9 @@ class EngineConfig:
     dtype: DType = "auto"
     """weights and activations: auto is float32 on the CPU (its only dtype); on CUDA the checkpoint's
     float16/bfloat16, else bfloat16"""
-    kv_cache_dtype: DType = "auto"
-    """KV-cache element type (auto: as dtype; the CPU also takes bfloat16)"""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV-cache element type (auto: as dtype; the CPU also takes bfloat16). int8 and fp8 (fp8_e4m3) store
+    each token's K and V per KV head as 8-bit values and one float32 scale: 0.27x float32's bytes"""
     block_size: int = 16
     """tokens per KV-cache block (a power of two <= 128)"""
     num_kv_blocks: int | None = None
@@ -77,8 +79,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in DTYPE_CHOICES:
-            raise ValueError(f"kv_cache_dtype must be one of {DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
@@ -100,9 +102,10 @@ class EngineConfig:
 def resolve_dtypes(dtype: str, kv_cache_dtype: str, backend, checkpoint_dtype: str | None) -> tuple:
     """The (activation, KV-cache) dtype names the engine runs with on ``backend``: "auto" is
     ``backend.auto_dtype(checkpoint_dtype)`` for ``dtype`` and ``dtype`` for ``kv_cache_dtype`` (float32
-    where the backend has no such pair). Raises ValueError naming ``dtype``/``kv_cache_dtype`` for a pair
-    not in ``backend.dtype_pairs``."""
+    where the backend has no such pair); "fp8" is "fp8_e4m3". Raises ValueError naming
+    ``dtype``/``kv_cache_dtype`` for a pair not in ``backend.dtype_pairs``."""
     pairs = backend.dtype_pairs
+    kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
     if dtype == "auto":
         dtype = backend.auto_dtype(checkpoint_dtype)
     if kv_cache_dtype == "auto":

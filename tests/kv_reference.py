@@ -138,3 +138,44 @@ def poison_before(key_cache, value_cache, block_tables, firsts):
         for p in range(int(first)):
             for cache in (key_cache, value_cache):
                 cache[block_tables[s, p // block_size], p % block_size] = np.nan
+
+
+def quantize_ref(x, kind):
+    """float64 reference of a quantized KV cache's rows (``rawpaged.dtypes.QuantizedKVType``): ``x [...,
+    head_dim]`` -> (values in ``kind.storage``, float32 scales ``[...]``). ``scale = max|x| / qmax`` in
+    float32 (1 for a zero row), values ``x / scale`` rounded to nearest even (int8: clipped to +-127; fp8:
+    E4M3 bits, clipped to +-448). A row holding NaN gets a NaN scale (so reading it shows)."""
+    x = np.asarray(x, np.float64)
+    amax = np.abs(x).max(-1)
+    scale = np.where(amax > 0, amax / kind.qmax, 1.0).astype(np.float32)
+    y = np.nan_to_num(x / scale.astype(np.float64)[..., None])
+    if kind.name == "int8":
+        q = np.clip(np.rint(y), -127, 127).astype(np.int8)
+    else:
+        q = np.clip(y, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return q, np.where(np.isnan(amax), np.float32(np.nan), scale)
+
+
+def dequantize_ref(q, scales, kind):
+    """float64 values of quantized rows: ``value(q) * scale``."""
+    values = q.astype(np.float64) if kind.name == "int8" else q.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return values * np.asarray(scales, np.float64)[..., None]
+
+
+def quantized_paged_kv(key_cache, value_cache, block_tables, context_lens, kind):
+    """``make_paged_kv``'s float32 caches quantized by ``quantize_ref`` (unused slots' scales NaN), and each
+    sequence's K and V as the quantized cache holds them (float64 ``[ctx, num_kv_heads, head_dim]``)."""
+    from rawpaged.kernels.kv_cache import QuantizedKVCache
+
+    caches = [QuantizedKVCache(*quantize_ref(c, kind), kind) for c in (key_cache, value_cache)]
+    block_size = key_cache.shape[1]
+    seqs = []
+    for cache in caches:
+        full = dequantize_ref(cache.data, cache.scales, kind)
+        seqs.append(
+            [
+                full[block_tables[s, np.arange(c) // block_size], np.arange(c) % block_size]
+                for s, c in enumerate(context_lens)
+            ]
+        )
+    return caches[0], caches[1], seqs[0], seqs[1]

@@ -20,7 +20,6 @@ from rawpaged.core import kv_cache_snapshot
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.scheduler import Scheduler, SchedulerStats
 from rawpaged.core.sequence import Sequence
-from rawpaged.dtypes import numpy_dtype
 from rawpaged.engine import beam_search
 from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.output_processor import OutputProcessor
@@ -66,9 +65,8 @@ class LLMEngine:
         self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
         del weights
         release_free_heap()
-        kv_dtype = numpy_dtype(self.kv_cache_dtype)
         self.kv_block_bytes = kv_block_bytes(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype
+            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype
         )
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
@@ -89,7 +87,7 @@ class LLMEngine:
             self.model,
             num_blocks,
             config.block_size,
-            kv_dtype,
+            self.kv_cache_dtype,
             enforce_eager=config.enforce_eager,
             fused_decode=config.fused_decode,
             max_num_seqs=config.max_num_seqs,

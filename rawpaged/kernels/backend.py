@@ -117,6 +117,10 @@ class Backend(Protocol):
         """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]`` (SwiGLU)."""
 
     # ---------------------------------------------------------------- paged KV cache
+    def allocate_kv_cache(self, shape, kv_cache_dtype: str):
+        """One layer's K (or V) cache ``[num_blocks, block_size, Hkv, D]`` of ``kv_cache_dtype``, zeroed: an
+        array, or for int8/fp8_e4m3 a ``kv_cache.QuantizedKVCache`` (values and per-row scales)."""
+
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         """Scatter ``key``/``value [T, Hkv, D]`` into their slots of the ``[num_blocks, block_size, Hkv,
         D]`` caches (``slot_mapping`` int64 ``[T]``)."""

@@ -44,7 +44,7 @@ class CPUFusedDecode:
     Args:
         model: a ``LlamaModel`` on the ``CPUBackend``.
         key_caches, value_caches: the runner's per-layer caches ``[num_blocks, block_size,
-            num_kv_heads, head_dim]`` (float32 or bfloat16), read and written in place.
+            num_kv_heads, head_dim]`` (float32, bfloat16 or ``QuantizedKVCache``), read and written in place.
         max_batch_size: decode steps with more rows run op by op (``gemm.SMALL_M``: above it the
             backend's products go to BLAS).
     Raises:
@@ -58,9 +58,15 @@ class CPUFusedDecode:
         self.max_batch_size = max_batch_size
         cfg = model.config
         layers = model.layers
+        keys = [fused_decode.cache_view(c) for c in key_caches]
+        values = [fused_decode.cache_view(c) for c in value_caches]
+        qmax = getattr(getattr(key_caches[0], "kind", None), "qmax", 0.0)
         self._caches = (
-            typed.List([fused_decode.cache_view(c) for c in key_caches]),
-            typed.List([fused_decode.cache_view(c) for c in value_caches]),
+            typed.List([k for k, _ in keys]),
+            typed.List([v for v, _ in values]),
+            typed.List([s for _, s in keys]),
+            typed.List([s for _, s in values]),
+            np.float32(qmax),
         )
 
         def weights(name):

@@ -9,6 +9,7 @@ import logging
 import numpy as np
 
 from rawpaged.core.scheduler import SchedulerOutput
+from rawpaged.dtypes import kv_row_bytes
 from rawpaged.kernels.backend import split_block_mapping
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
@@ -18,9 +19,9 @@ from rawpaged.model_executor.sampler import sampling_arrays
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes of one block across all layers, K and V."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * np.dtype(dtype).itemsize
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str) -> int:
+    """Bytes of one block across all layers, K and V (a quantized cache's scales included)."""
+    return 2 * num_layers * block_size * num_kv_heads * kv_row_bytes(kv_cache_dtype, head_dim)
 
 
 class ModelRunner:
@@ -58,8 +59,8 @@ class ModelRunner:
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         be = self.backend
-        self.key_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
-        self.value_caches = [be.zeros(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.key_caches = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        self.value_caches = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
         self.fused_decode = (
             CPUFusedDecode(model, self.key_caches, self.value_caches) if fused_decode and be.name == "cpu" else None
         )

@@ -30,20 +30,22 @@ from rawpaged.kernels.cpu.jit import JIT, jit_serial_and_parallel
 from rawpaged.kernels.cpu.prefill_tiled import TILED_PREFILL_MIN_TOKENS, blas_nt, prefill_tiled
 
 
-def _block_rows(cache, b, t0, n, kv0, nkv, buf):
+def _block_rows(cache, scales, b, t0, n, kv0, nkv, buf):
     """Rows ``t0 .. n-1`` of block ``b`` as float32 ``[n - t0, num_kv_heads, head_dim]``, KV heads
     ``kv0 .. kv0+nkv-1`` valid. bf16 bits are widened (exactly) into ``buf`` (uint32 ``[block_size,
-    num_kv_heads, head_dim]``) and a float32 view of it returned. A float32 block is copied into ``buf``
-    when all its heads are read (one linear read of the block, which the hardware prefetcher streams:
-    in the engine, where the blocks come from DRAM, 10% faster at 32 sequences than reading each
-    head's rows in place); with fewer heads, the rows are read in place (a view)."""
+    num_kv_heads, head_dim]``) and a float32 view of it returned; int8 values and fp8 E4M3 bits are
+    dequantized into it the same way, times their row's scale (``scales[b, t, h]``; unread for floats).
+    A float32 block is copied into ``buf`` when all its heads are read (one linear read of the block,
+    which the hardware prefetcher streams: in the engine, where the blocks come from DRAM, 10% faster at
+    32 sequences than reading each head's rows in place); with fewer heads, the rows are read in place
+    (a view)."""
 
 
 @overload(_block_rows, jit_options=JIT)
-def _block_rows_impl(cache, b, t0, n, kv0, nkv, buf):
+def _block_rows_impl(cache, scales, b, t0, n, kv0, nkv, buf):
     if cache.dtype == nb_types.float32:
 
-        def float32_rows(cache, b, t0, n, kv0, nkv, buf):
+        def float32_rows(cache, scales, b, t0, n, kv0, nkv, buf):
             src = cache[b, t0:n]
             if nkv < cache.shape[2]:
                 return src
@@ -58,7 +60,47 @@ def _block_rows_impl(cache, b, t0, n, kv0, nkv, buf):
 
         return float32_rows
 
-    def bf16_rows(cache, b, t0, n, kv0, nkv, buf):
+    if cache.dtype == nb_types.int8:
+
+        def int8_rows(cache, scales, b, t0, n, kv0, nkv, buf):
+            src = cache[b, t0:n]
+            dst = buf.view(np.float32)[: n - t0]
+            for t in range(n - t0):
+                for h in range(kv0, kv0 + nkv):
+                    srow = src[t, h]
+                    drow = dst[t, h]
+                    sc = scales[b, t0 + t, h]
+                    for d in range(srow.shape[0]):
+                        drow[d] = np.float32(srow[d]) * sc
+            return dst
+
+        return int8_rows
+
+    if cache.dtype == nb_types.uint8:
+
+        def fp8_rows(cache, scales, b, t0, n, kv0, nkv, buf):
+            # E4M3 bits (sign, 4 exponent bits biased by 7, 3 mantissa bits) placed in a float32's sign,
+            # exponent and top mantissa bits read as 2^-120 times the value, subnormals included (as
+            # float32 denormals); the scale times 2^120 puts it right
+            src = cache[b, t0:n]
+            dst = buf[: n - t0]
+            fdst = dst.view(np.float32)
+            for t in range(n - t0):
+                for h in range(kv0, kv0 + nkv):
+                    srow = src[t, h]
+                    drow = dst[t, h]
+                    fdrow = fdst[t, h]
+                    sc = scales[b, t0 + t, h] * np.float32(2.0**120)
+                    for d in range(srow.shape[0]):
+                        q = np.uint32(srow[d])
+                        drow[d] = ((q & np.uint32(0x80)) << np.uint32(24)) | ((q & np.uint32(0x7F)) << np.uint32(20))
+                    for d in range(srow.shape[0]):
+                        fdrow[d] *= sc
+            return fdst
+
+        return fp8_rows
+
+    def bf16_rows(cache, scales, b, t0, n, kv0, nkv, buf):
         src = cache[b, t0:n]
         dst = buf[: n - t0]
         for t in range(n - t0):
@@ -73,10 +115,11 @@ def _block_rows_impl(cache, b, t0, n, kv0, nkv, buf):
 
 
 @nb.njit(**JIT)
-def _attend(q, out, kc, vc, block_row, kv0, nkv, group, start, causal_limit, scale):
+def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_limit, scale):
     """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
     positions ``start .. causal_limit-1`` of one sequence (``start`` > 0: a sliding window; the blocks
-    before it are not read). q, out: ``[nkv * group, head_dim]``; kc, vc: float32 caches or bf16 bits.
+    before it are not read). q, out: ``[nkv * group, head_dim]``; kc, vc: float32 caches, bf16 bits, int8
+    values or fp8 bits, with their scales ks, vs (``cache.cache_view``).
 
     Block by block, per KV head: each K row is read once for the ``group`` query rows that share it,
     scores for the block, one rescale of the running (max, sum, acc) per block and row (online
@@ -104,8 +147,8 @@ def _attend(q, out, kc, vc, block_row, kv0, nkv, group, start, causal_limit, sca
         n = min(block_size, causal_limit - j * block_size)
         t0 = max(0, start - j * block_size)  # rows of the block before the window's first position
         nt = n - t0
-        kb = _block_rows(kc, b, t0, n, kv0, nkv, kbits)
-        vb = _block_rows(vc, b, t0, n, kv0, nkv, vbits)
+        kb = _block_rows(kc, ks, b, t0, n, kv0, nkv, kbits)
+        vb = _block_rows(vc, vs, b, t0, n, kv0, nkv, vbits)
         for hh in range(nkv):
             h = kv0 + hh
             r0 = hh * group
@@ -155,7 +198,7 @@ def kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
     return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
 
 
-def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scale, nkv, window):
+def _paged_attention_kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, scale, nkv, window):
     num_seqs = query.shape[0]
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
@@ -171,6 +214,8 @@ def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scal
             out[s, h0 : h0 + nkv * group],
             kc,
             vc,
+            ks,
+            vs,
             block_tables[s],
             kv0,
             nkv,
@@ -182,6 +227,7 @@ def _paged_attention_kernel(out, query, kc, vc, block_tables, context_lens, scal
 
 
 def _check_attention_args(out, query, key_cache, value_cache, block_tables):
+    """``key_cache``/``value_cache``: the values of ``cache.cache_view``."""
     if out.shape != query.shape or out.dtype != np.float32 or query.dtype != np.float32:
         raise ValueError(f"out {out.shape}/{out.dtype} must match query {query.shape}/{query.dtype}, float32")
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
@@ -202,7 +248,8 @@ def paged_attention(
     Args:
         out: float32 ``[num_seqs, num_heads, head_dim]``, written.
         query: float32 ``[num_seqs, num_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bf16.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bf16, or
+            ``QuantizedKVCache``s (dequantized as each block is read).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
         context_lens: int32 ``[num_seqs]``, tokens of K/V to attend (including the current one).
         scale: softmax scale, usually ``head_dim ** -0.5``.
@@ -213,10 +260,10 @@ def paged_attention(
     Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``
     (Vaswani et al. 2017, eq. 1), GQA: head h uses KV head ``h // (num_heads // num_kv_heads)``.
     """
-    _check_attention_args(out, query, key_cache, value_cache, block_tables)
-    kc, _ = cache_view(key_cache)
-    vc, _ = cache_view(value_cache)
-    nkv = kv_heads_per_task(query.shape[0], key_cache.shape[2])
+    kc, ks = cache_view(key_cache)
+    vc, vs = cache_view(value_cache)
+    _check_attention_args(out, query, kc, vc, block_tables)
+    nkv = kv_heads_per_task(query.shape[0], kc.shape[2])
     work = (
         query.shape[0]
         * query.shape[1]
@@ -224,11 +271,11 @@ def paged_attention(
     )
     kernel = paged_attention_parallel if work >= PARALLEL_MIN_WORK else paged_attention_serial
     window = sliding_window_arg(sliding_window)
-    kernel(out, query, kc, vc, block_tables, context_lens, np.float32(scale), nkv, window)
+    kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, np.float32(scale), nkv, window)
 
 
 def _prefill_attention_kernel(
-    out, query, kc, vc, block_tables, query_start_loc, seq_lens, scale, token_rows, token_seq, nkv, window
+    out, query, kc, vc, ks, vs, block_tables, query_start_loc, seq_lens, scale, token_rows, token_seq, nkv, window
 ):
     """Causal attention for the query rows ``token_rows`` (sequence ``token_seq`` of each)."""
     num_heads = query.shape[1]
@@ -249,6 +296,8 @@ def _prefill_attention_kernel(
             out[t, h0 : h0 + nkv * group],
             kc,
             vc,
+            ks,
+            vs,
             block_tables[s],
             kv0,
             nkv,
@@ -296,10 +345,10 @@ def prefill_attention(
     New token at absolute position p attends positions ``0 .. p`` (causal mask), or ``p - W + 1 .. p``
     with a window.
     """
-    _check_attention_args(out, query, key_cache, value_cache, block_tables)
+    kc, ks = cache_view(key_cache)
+    vc, vs = cache_view(value_cache)
+    _check_attention_args(out, query, kc, vc, block_tables)
     window = sliding_window_arg(sliding_window)
-    kc, _ = cache_view(key_cache)
-    vc, _ = cache_view(value_cache)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     counts = np.diff(qsl)
     if qsl[0] != 0 or qsl[-1] != query.shape[0] or (counts < 0).any():
@@ -332,7 +381,9 @@ def prefill_attention(
     keep = ~tiled[token_seq]
     token_rows = np.flatnonzero(keep).astype(np.int64)
     token_seq = token_seq[keep]
-    nkv = kv_heads_per_task(len(token_rows), key_cache.shape[2])
+    nkv = kv_heads_per_task(len(token_rows), kc.shape[2])
     work = len(token_rows) * query.shape[1] * int(np.max(seq_lens, initial=0))
     kernel = prefill_attention_parallel if work >= PARALLEL_MIN_WORK else prefill_attention_serial
-    kernel(out, query, kc, vc, block_tables, qsl, seq_lens, np.float32(scale), token_rows, token_seq, nkv, window)
+    kernel(
+        out, query, kc, vc, ks, vs, block_tables, qsl, seq_lens, np.float32(scale), token_rows, token_seq, nkv, window
+    )

@@ -17,6 +17,7 @@ from rawpaged.kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_an
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.quant import RepackedQuantized, quant_embedding, quant_linear, repack
 from rawpaged.kernels.cpu.sampling import apply_token_bitmask, sample
+from rawpaged.kernels.kv_cache import allocate_kv_cache
 from rawpaged.kernels.quantization import QuantizedTensor
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
@@ -37,7 +38,7 @@ class CPUBackend:
 
     name = "cpu"
     xp = np
-    dtype_pairs = (("float32", "float32"), ("float32", "bfloat16"))
+    dtype_pairs = (("float32", "float32"), ("float32", "bfloat16"), ("float32", "int8"), ("float32", "fp8_e4m3"))
     #: no graphs to capture: a decode step on static buffers runs kernel by kernel (``cuda_graph``)
     supports_cuda_graphs = False
 
@@ -70,6 +71,11 @@ class CPUBackend:
         a = np.empty(shape, dtype=dtype)
         a.fill(0)
         return a
+
+    @classmethod
+    def allocate_kv_cache(cls, shape, kv_cache_dtype: str):
+        """A zeroed cache of ``kv_cache_dtype`` (``kv_cache.allocate_kv_cache``), its pages committed (``zeros``)."""
+        return allocate_kv_cache(cls.zeros, shape, kv_cache_dtype)
 
     @staticmethod
     def asarray(x, dtype=None):

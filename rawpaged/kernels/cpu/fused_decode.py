@@ -45,22 +45,31 @@ def _linear_impl(x, w, out, max_chunks):
     return quantized
 
 
-def _write_kv(key, value, key_cache, value_cache, slot_mapping):
+def _write_kv(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, qmax):
     """Compiled code only: the overload below gives its body."""
 
 
 @overload(_write_kv, jit_options=_JIT)
-def _write_kv_impl(key, value, key_cache, value_cache, slot_mapping):
-    """``cache.reshape_and_cache`` for float32 caches or bf16 caches seen as their uint16 bits."""
+def _write_kv_impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, qmax):
+    """``cache.reshape_and_cache`` for float32 caches, bf16 caches seen as their uint16 bits, and int8 or
+    fp8 (uint8 bits) caches with their scales."""
     if key_cache.dtype == nb_types.uint16:
 
-        def bf16(key, value, key_cache, value_cache, slot_mapping):
+        def bf16(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, qmax):
             key_bits, value_bits = key.view(np.uint32), value.view(np.uint32)
             cache.reshape_and_cache_bf16(key_bits, value_bits, key_cache, value_cache, slot_mapping)
 
         return bf16
+    if key_cache.dtype in (nb_types.int8, nb_types.uint8):
 
-    def f32(key, value, key_cache, value_cache, slot_mapping):
+        def quantized(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, qmax):
+            cache.reshape_and_cache_quantized(
+                key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, qmax
+            )
+
+        return quantized
+
+    def f32(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping, qmax):
         cache.reshape_and_cache_f32(key, value, key_cache, value_cache, slot_mapping)
 
     return f32
@@ -75,6 +84,9 @@ def decode_layers(
     context_lens,
     key_caches,
     value_caches,
+    key_scales,
+    value_scales,
+    kv_qmax,
     input_norms,
     post_norms,
     qkv_proj,
@@ -102,7 +114,8 @@ def decode_layers(
         residual: float32 ``[M, hidden]``, the token embeddings; updated in place (the residual stream).
         positions: int64 ``[M]``; slot_mapping: int64 ``[M]``; block_tables: int32 ``[M, max_blocks]``;
             context_lens: int32 ``[M]`` (as ``attention.paged_attention`` takes them).
-        key_caches, value_caches: typed lists of each layer's cache (``cache_view``), written in place.
+        key_caches, value_caches, key_scales, value_scales: typed lists of each layer's cache values and
+            scales (``cache_view``), written in place; kv_qmax: float32, a quantized cache's ``qmax``.
         input_norms, post_norms: typed lists of float32 ``[hidden]``; final_norm: float32 ``[hidden]``.
         qkv_proj, o_proj, gate_up_proj, down_proj: typed lists of ``linear_weight`` entries.
         qkv_bias, q_norms, k_norms: typed lists, one per layer, or empty (no bias / no q-k norm).
@@ -155,14 +168,15 @@ def decode_layers(
             elementwise.rms_norm_rows(k_rows, k_norms[i], eps, k_rows)
         elementwise.rotate_half(positions, q, cos_sin_cache)
         elementwise.rotate_half(positions, k, cos_sin_cache)
-        _write_kv(k, v, key_caches[i], value_caches[i], slot_mapping)
+        kc, vc, ks, vs = key_caches[i], value_caches[i], key_scales[i], value_scales[i]
+        _write_kv(k, v, kc, vc, ks, vs, slot_mapping, kv_qmax)
         if parallel_attention:
             attention.paged_attention_parallel(
-                att, q, key_caches[i], value_caches[i], block_tables, context_lens, scale, attention_nkv, window
+                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window
             )
         else:
             attention.paged_attention_serial(
-                att, q, key_caches[i], value_caches[i], block_tables, context_lens, scale, attention_nkv, window
+                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window
             )
         for r in range(M):
             for c in range(q_dim):
@@ -184,9 +198,9 @@ def linear_weight(w):
     return w
 
 
-def cache_view(kv_cache):
-    """A KV cache as ``decode_layers`` takes it: float32 as it is, bfloat16 as its uint16 bits (a view)."""
-    return cache.cache_view(kv_cache)[0]
+def cache_view(kv_cache) -> tuple:
+    """A KV cache as ``decode_layers`` takes it: ``(values, scales)`` (``cache.cache_view``)."""
+    return cache.cache_view(kv_cache)
 
 
 def attention_tasks(num_seqs: int, num_kv_heads: int) -> int:

@@ -14,8 +14,10 @@ bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the lo
 - ``pow2_int(n)``: 2.0 ** n as float32 for an int32 n in [-126, 127], built from its exponent bits
   (``(n + 127) << 23``): the last step of a vectorizable ``exp`` (``exp_f32``), where a loop over
   ``math.exp`` stays scalar (Numba links no vector math library).
-- ``exp_f32(x)``: float32 ``exp`` that vectorizes (Cephes ``expf`` on ``pow2_int``), and
-  ``f32_to_bf16_bits(u)``: float32 bits rounded to nearest even as bfloat16 bits; plain Numba functions.
+- ``exp_f32(x)``: float32 ``exp`` that vectorizes (Cephes ``expf`` on ``pow2_int``),
+  ``f32_to_bf16_bits(u)``: float32 bits rounded to nearest even as bfloat16 bits, and
+  ``f32_to_fp8_e4m3_bits(x)``: a float32 rounded to nearest even as FP8 E4M3 bits, saturating at 448
+  (what ``ml_dtypes.float8_e4m3fn`` gives below 448); plain Numba functions.
 - ``prefetch(array, byte_offset)``: a read prefetch of the cache line at ``array``'s data + offset, into
   every cache level (``llvm.prefetch``; a no-op where the target has no prefetch instruction).
 - ``q4_block_rows`` / ``q8_block_rows(qs, byte_offset, dm, w, row0, col)``: one block of 16 interleaved
@@ -25,6 +27,8 @@ bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the lo
 """
 
 from __future__ import annotations
+
+import math
 
 import numba as nb
 import numpy as np
@@ -238,3 +242,24 @@ def f32_to_bf16_bits(u):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     rounding = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return np.uint16((u + rounding) >> np.uint32(16))
+
+
+@nb.njit(**JIT)
+def f32_to_fp8_e4m3_bits(x):
+    """FP8 E4M3 (OCP ``e4m3fn``: exponent bias 7, 3 mantissa bits, no infinities) bits of float32 ``x``,
+    rounded to nearest even; magnitudes from 448 up saturate to 448 (0x7E), as NVIDIA's
+    ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`` does."""
+    sign = np.uint8(0x80) if math.copysign(1.0, x) < 0 else np.uint8(0)
+    a = abs(x)
+    if not a < np.float32(448.0):
+        return sign | np.uint8(0x7E)
+    if a < np.float32(0.015625):  # below 2^-6: subnormals, in steps of 2^-9 (8 steps reach 2^-6 exactly)
+        return sign | np.uint8(np.rint(a * np.float32(512.0)))
+    m, e = math.frexp(a)  # a = m * 2^e, m in [0.5, 1)
+    mant = np.rint((np.float32(2.0) * m - np.float32(1.0)) * np.float32(8.0))
+    exp = e - 1
+    if mant == 8:
+        mant = 0
+        exp += 1
+    bits = ((exp + 7) << 3) | np.int64(mant)
+    return sign | np.uint8(min(bits, 0x7E))

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from rawpaged.dtypes import FP8_E4M3_VALUES
+from rawpaged.kernels.kv_cache import QuantizedKVCache
+
 # Sequences with at least this many new tokens use the BLAS-tiled path.
 TILED_PREFILL_MIN_TOKENS = 32
 PREFILL_KV_TILE = 256  # key positions per tile (a multiple of every supported block_size)
@@ -14,6 +17,16 @@ PREFILL_KV_TILE = 256  # key positions per tile (a multiple of every supported b
 
 def blas_nt(a, b):
     return a @ b.T
+
+
+def tile_rows(cache, blocks, kvh: int, n: int):
+    """KV head ``kvh``'s rows of ``blocks`` (in order), the first ``n`` of them, as float32 ``[n,
+    head_dim]``: a float cache's rows, or a ``QuantizedKVCache``'s dequantized with their scales."""
+    if not isinstance(cache, QuantizedKVCache):
+        return cache[blocks, :, kvh].reshape(-1, cache.shape[3])[:n].astype(np.float32, copy=False)
+    q = cache.data[blocks, :, kvh].reshape(-1, cache.shape[3])[:n]
+    values = q.astype(np.float32) if q.dtype == np.int8 else FP8_E4M3_VALUES[q]
+    return values * cache.scales[blocks, :, kvh].reshape(-1)[:n, None]
 
 
 def prefill_tiled(
@@ -57,8 +70,8 @@ def prefill_tiled(
         acc = np.zeros((n * group, head_dim), np.float32)
         for k0, k1, r0, r1, bias in tiles:
             blocks = block_row[k0 // block_size : -(-k1 // block_size)]
-            k = key_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
-            v = value_cache[blocks, :, kvh].reshape(-1, head_dim)[: k1 - k0].astype(np.float32, copy=False)
+            k = tile_rows(key_cache, blocks, kvh, k1 - k0)
+            v = tile_rows(value_cache, blocks, kvh, k1 - k0)
             rows = slice(r0, r1)
             scores = matmul_nt(q[rows], k)
             if bias is not None:

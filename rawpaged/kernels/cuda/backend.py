@@ -33,6 +33,7 @@ from rawpaged.kernels.cuda import attention, cache, elementwise, program, sampli
 from rawpaged.kernels.cuda import linear as products
 from rawpaged.kernels.cuda.graphs import GraphCapture
 from rawpaged.kernels.cuda.launch import DEFAULT_SMEM, CupyLauncher, KernelContext, host_byte_copy
+from rawpaged.kernels.kv_cache import allocate_kv_cache
 
 #: device memory kept out of the KV pool for what a step allocates beside it: activations (for the default
 #: model at 2048 batched tokens, tens of MB), sampled rows' float32 logits, cuBLAS's workspace
@@ -205,6 +206,10 @@ class CudaBackend:
         if np.dtype(dtype) == _BF16:
             dtype = np.uint16
         return self.xp.zeros(shape, dtype=dtype)
+
+    def allocate_kv_cache(self, shape, kv_cache_dtype: str):
+        """A zeroed device cache of ``kv_cache_dtype`` (``kv_cache.allocate_kv_cache``)."""
+        return allocate_kv_cache(self.zeros, shape, kv_cache_dtype)
 
     def asarray(self, x, dtype=None):
         """Host (or device) array -> device array. ``ml_dtypes.bfloat16`` input or ``dtype`` gives a
