@@ -13,22 +13,28 @@ from itertools import count
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
 from rawpaged.core.block_table import BlockTable
 from rawpaged.core.kv_events import COPY, FORK, KVCacheEventLog
-from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens
+from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens, root_hash
 
 
 class KVCacheManager:
     """Blocks of ``block_size`` tokens out of one ``BlockPool`` of ``num_blocks``.
 
+    ``cache_keys``: what else names the cache's contents, for the prefix-cache hashes' root (the engine
+    gives the KV-cache dtype: blocks of another dtype never match).
+
     Raises:
         ValueError: ``num_blocks < 1`` or ``block_size < 1``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False, cache_keys: tuple = ()
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash(block_size, *cache_keys)
         self.num_prefix_queries = 0  # blocks looked up in the prefix cache
         self.num_prefix_hits = 0  # blocks found
         self.events = KVCacheEventLog()  # copies and forks here, preemptions by the scheduler
@@ -57,7 +63,7 @@ class KVCacheManager:
             return []
         token_ids = seq.token_ids
         found, queries = find_longest_cache_hit(
-            self.block_pool, token_ids, self.block_size, (len(token_ids) - 1) // self.block_size
+            self.block_pool, token_ids, self.block_size, (len(token_ids) - 1) // self.block_size, self.root_hash
         )
         self.num_prefix_queries += queries
         self.num_prefix_hits += len(found)
@@ -75,7 +81,7 @@ class KVCacheManager:
         while len(hashes) < min(seq.num_computed_tokens, len(token_ids)) // bs:
             i = len(hashes)
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = hash_block_tokens(hashes[-1] if hashes else None, tokens)
+            h = hash_block_tokens(hashes[-1] if hashes else self.root_hash, tokens)
             hashes.append(h)
             self.block_pool.cache_block(table.block_ids[i], h, tokens)
 

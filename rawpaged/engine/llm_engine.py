@@ -76,7 +76,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            KVCacheManager(
+                num_blocks, config.block_size, config.enable_prefix_caching, cache_keys=(self.kv_cache_dtype,)
+            ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,

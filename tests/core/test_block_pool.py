@@ -4,7 +4,7 @@ counts and owners, copy-on-write records, misuse raises."""
 import pytest
 
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
-from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens
+from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens, root_hash
 
 
 def test_take_pops_least_recently_freed_and_release_appends():
@@ -155,3 +155,24 @@ def test_longest_cache_hit_with_a_partial_last_block():
         pool.cache_block(blk.block_id, parent, tuple(tokens[4 * i : 4 * i + 4]))
     assert find_longest_cache_hit(pool, tokens, 4, max_blocks=5) == ([0, 1], 2)
     assert find_longest_cache_hit(pool, tokens, 4, max_blocks=0) == ([], 0)
+
+
+def test_block_hashes_are_content_hashes_the_same_in_every_process():
+    """The chained hash is SHA-256 based, not Python's per-process ``hash``: another interpreter (another
+    hash seed) computes the same values; the root keys (KV-cache dtype, block size) change every hash."""
+    import subprocess
+    import sys
+
+    code = (
+        "from rawpaged.core.prefix_cache import hash_block_tokens as h, root_hash as r; "
+        "print(h(h(r('int8', 16), (1, 2)), (3,)))"
+    )
+    here = hash_block_tokens(hash_block_tokens(root_hash("int8", 16), (1, 2)), (3,))
+    for seed in ("1", "2"):
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": seed}
+        )
+        assert int(out.stdout) == here
+    assert len({root_hash("int8", 16), root_hash("float32", 16), root_hash("int8", 32), root_hash()}) == 4
+    assert hash_block_tokens(root_hash("int8", 16), (1, 2)) != hash_block_tokens(root_hash("float32", 16), (1, 2))
+    assert 0 <= here < 2**64

@@ -492,3 +492,17 @@ def test_peak_after_reset_is_the_current_use():
     kv.free(a)
     kv.reset_stats()
     assert kv.block_pool.peak_used_blocks == 2
+
+
+def test_a_kv_cache_of_another_dtype_never_hits():
+    """Blocks cached under one KV-cache dtype are not found under another (the manager's root keys)."""
+    a = KVCacheManager(8, 4, enable_prefix_caching=True, cache_keys=("int8",))
+    s = seq(range(12))
+    assert a.allocate_slots(s, 12)
+    s.num_computed_tokens = 12
+    a.cache_full_blocks(s)
+    again = seq([*range(12), 5], seq_id=1)
+    assert len(a.get_computed_blocks(again)) == 3
+    b = KVCacheManager(8, 4, enable_prefix_caching=True, cache_keys=("fp8_e4m3",))
+    b.block_pool = a.block_pool  # the same cached blocks, looked up with another dtype's hashes
+    assert b.get_computed_blocks(again) == []

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rawpaged import LLM, SamplingParams
+from rawpaged.kernels.kv_cache import QuantizedKVCache
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode, _typed_list
 from rawpaged.testing.random_model import write_random_model
 from tests.conftest import tiny_engine
@@ -52,6 +53,9 @@ def _workload(llm):
 def _assert_same_caches(a, b):
     ra, rb = a.engine.runner, b.engine.runner
     for x, y in zip(ra.key_caches + ra.value_caches, rb.key_caches + rb.value_caches):
+        if isinstance(x, QuantizedKVCache):
+            np.testing.assert_array_equal(x.data, y.data)
+            x, y = x.scales, y.scales
         np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
 
 
@@ -63,7 +67,7 @@ def variant_dirs(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fused_decode_equals_op_by_op(variant_dirs, variant, kv_cache_dtype):
     kw = dict(max_num_seqs=12, block_size=4, kv_cache_dtype=kv_cache_dtype)
