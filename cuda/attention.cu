@@ -13,7 +13,9 @@
 // Sliding window (Mistral; sliding_window > 0): the query at position p sees positions p - W + 1 .. p only,
 // and positions before the window are never read.
 //
-// Caches: [num_blocks, block_size, num_kv_heads, HEAD_DIM] in C (float, __half, __nv_bfloat16).
+// Caches: [num_blocks, block_size, num_kv_heads, HEAD_DIM] in C (float, __half, __nv_bfloat16), or a quantized
+// C (rp::KVQuant: signed char, fp8_e4m3) with float32 scales [num_blocks, block_size, num_kv_heads] beside
+// it: a row is dequantized as it is read (a key's dot products and a value row times the row's scale).
 // Queries/outputs: T (same set); token stride given in elements, heads and dims contiguous.
 // Accumulation in float32; every offset 64-bit.
 #include "common.cuh"
@@ -72,6 +74,7 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
     paged_attention_kernel(T* __restrict__ out, long long out_stride, float* __restrict__ part_out,
                            float* __restrict__ part_ml, const T* __restrict__ query, long long q_stride,
                            const C* __restrict__ key_cache, const C* __restrict__ value_cache,
+                           const float* __restrict__ key_scales, const float* __restrict__ value_scales,
                            const int* __restrict__ block_tables, int max_blocks_per_seq,
                            const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
                            int block_size, float scale, int split_len, int num_splits, int sliding_window) {
@@ -152,8 +155,8 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
 #pragma unroll
             for (int g = 0; g < GMAX; ++g) dot[g] = 0.f;
             if (i < clen) {
-                const C* __restrict__ krow =
-                    key_cache + kv_offset(bt_row, c0 + i, block_shift, num_kv_heads, kv_head, HEAD_DIM);
+                const i64 koff = kv_offset(bt_row, c0 + i, block_shift, num_kv_heads, kv_head, HEAD_DIM);
+                const C* __restrict__ krow = key_cache + koff;
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {
                     const int d0 = (c * DEC_TPK + klane) * VK;
@@ -167,6 +170,11 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
                             dot[g] += q.x * k[e] + q.y * k[e + 1] + q.z * k[e + 2] + q.w * k[e + 3];
                         }
                     }
+                }
+                if constexpr (KVQuant<C>::value) {
+                    const float ks = key_scales[koff / HEAD_DIM];
+#pragma unroll
+                    for (int g = 0; g < GMAX; ++g) dot[g] *= ks;
                 }
             }
 #pragma unroll
@@ -219,10 +227,13 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
             for (int r = 0; r < PV_ROWS; ++r) {
                 const int i = i0 + r * DEC_WARPS;
                 if (i < clen) {
-                    const C* __restrict__ vrow =
-                        value_cache + kv_offset(bt_row, c0 + i, block_shift, num_kv_heads, kv_head, HEAD_DIM) +
-                        lane * DPL;
-                    load_floats<C, DPL>(vrow, v[r]);
+                    const i64 voff = kv_offset(bt_row, c0 + i, block_shift, num_kv_heads, kv_head, HEAD_DIM);
+                    load_floats<C, DPL>(value_cache + voff + lane * DPL, v[r]);
+                    if constexpr (KVQuant<C>::value) {
+                        const float vs = value_scales[voff / HEAD_DIM];
+#pragma unroll
+                        for (int e = 0; e < DPL; ++e) v[r][e] *= vs;
+                    }
                 }
             }
 #pragma unroll
@@ -337,7 +348,8 @@ template <typename T, typename C, int HEAD_DIM>
 __global__ void __launch_bounds__(rp::PF_THREADS)
     prefill_attention_kernel(T* __restrict__ out, long long out_stride, const T* __restrict__ query,
                              long long q_stride, const C* __restrict__ key_cache,
-                             const C* __restrict__ value_cache, const int* __restrict__ block_tables,
+                             const C* __restrict__ value_cache, const float* __restrict__ key_scales,
+                             const float* __restrict__ value_scales, const int* __restrict__ block_tables,
                              int max_blocks_per_seq, const int* __restrict__ query_start_loc,
                              const int* __restrict__ seq_lens, int num_heads, int num_kv_heads,
                              int block_size, float scale, int heads_per_block, int sliding_window) {
@@ -413,9 +425,18 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
             const int c = i - j * CPR;
             float kf[VK], vf[VK];
             if (kt0 + j <= last_pos) {
-                const i64 off = kv_offset(bt_row, kt0 + j, block_shift, num_kv_heads, kv_head, HEAD_DIM) + c * VK;
-                load_floats<C, VK>(key_cache + off, kf);
-                load_floats<C, VK>(value_cache + off, vf);
+                const i64 row = kv_offset(bt_row, kt0 + j, block_shift, num_kv_heads, kv_head, HEAD_DIM);
+                load_floats<C, VK>(key_cache + row + c * VK, kf);
+                load_floats<C, VK>(value_cache + row + c * VK, vf);
+                if constexpr (KVQuant<C>::value) {
+                    const float ks = key_scales[row / HEAD_DIM];
+                    const float vs = value_scales[row / HEAD_DIM];
+#pragma unroll
+                    for (int e = 0; e < VK; ++e) {
+                        kf[e] *= ks;
+                        vf[e] *= vs;
+                    }
+                }
             } else {
 #pragma unroll
                 for (int e = 0; e < VK; ++e) kf[e] = vf[e] = 0.f;

@@ -2,10 +2,57 @@
 // (copy-on-write block copies for every layer in one launch). Semantics follow vLLM's
 // csrc/cache_kernels.cu and rawpaged/kernels/cpu/cache.py.
 //
-// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A quantized cache
+// (rp::KVQuant<C>: int8, fp8 E4M3) has beside it float32 scales [num_blocks, block_size, num_kv_heads]: each
+// row is quantized as it is written, one warp per row (scale = max|row| / QMAX); float caches pass null
+// scale pointers, never read.
 #include "common.cuh"
 
-// grid: (num_tokens), block: any multiple of 32 (the host uses min(1024, round_up(H * D, 32))).
+namespace rp {
+
+// Upper bound on values per lane of a quantized row (head_dim <= 32 * KV_ROW_LANES).
+constexpr int KV_ROW_LANES = 8;
+
+// The rows (head h of K or V) of token t written to slot `slot`, quantized: warp w of the block takes rows
+// w, w + num_warps, ... of the 2 * num_kv_heads (K rows first). krot: the key rotated by RoPE before it is
+// stored (cos_sin a row of cos_sin_cache), or null for the key as it is.
+template <typename T, typename C>
+__device__ __forceinline__ void write_quantized_rows(const T* __restrict__ ksrc, const T* __restrict__ vsrc,
+                                                     C* __restrict__ key_cache, C* __restrict__ value_cache,
+                                                     float* __restrict__ key_scales, float* __restrict__ value_scales,
+                                                     i64 slot, int num_kv_heads, int head_dim,
+                                                     const float* __restrict__ cos_sin) {
+    const int lane = threadIdx.x & 31;
+    const int per_lane = head_dim / 32;
+    const int half = head_dim / 2;
+    for (int r = threadIdx.x >> 5; r < 2 * num_kv_heads; r += blockDim.x >> 5) {
+        const bool is_key = r < num_kv_heads;
+        const int h = is_key ? r : r - num_kv_heads;
+        const T* src = (is_key ? ksrc : vsrc) + (i64)h * head_dim;
+        float x[KV_ROW_LANES];
+        for (int e = 0; e < per_lane; ++e) {
+            const int d = lane + 32 * e;
+            if (is_key && cos_sin != nullptr) {  // RoPE, rounded through T as the unfused kernels round it
+                const int j = d < half ? d : d - half;
+                const float x1 = to_float<T>(src[j]);
+                const float x2 = to_float<T>(src[j + half]);
+                const float c = cos_sin[j];
+                const float sn = cos_sin[j + half];
+                x[e] = to_float<T>(from_float<T>(d < half ? x1 * c - x2 * sn : x2 * c + x1 * sn));
+            } else {
+                x[e] = to_float<T>(src[d]);
+            }
+        }
+        const i64 row = slot * num_kv_heads + h;
+        const float scale = quantize_row_warp<C, KV_ROW_LANES>(x, per_lane, (is_key ? key_cache : value_cache) + row * head_dim, lane);
+        if (lane == 0) (is_key ? key_scales : value_scales)[row] = scale;
+    }
+}
+
+}  // namespace rp
+
+// grid: (num_tokens), block: any multiple of 32 (the host uses min(1024, round_up(H * D, 32)); for a
+// quantized C, 32 per row: min(512, 64 * H)).
 // key/value: [num_tokens, num_kv_heads, head_dim] with token stride key_stride/value_stride (elements; the
 // last two dims contiguous, so views into a fused QKV projection work). slot_mapping: int64 [num_tokens],
 // slot = block * block_size + offset; a negative slot skips the token (padding).
@@ -13,22 +60,26 @@
 template <typename T, typename C>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
                                          C* __restrict__ key_cache, C* __restrict__ value_cache,
+                                         float* __restrict__ key_scales, float* __restrict__ value_scales,
                                          const long long* __restrict__ slot_mapping, long long key_stride,
                                          long long value_stride, int num_kv_heads, int head_dim,
                                          int block_size) {
     const rp::i64 t = blockIdx.x;
     const rp::i64 slot = slot_mapping[t];
     if (slot < 0) return;
-    const rp::i64 row_elems = (rp::i64)num_kv_heads * head_dim;
-    const rp::i64 blk = slot / block_size;
-    const rp::i64 off = slot % block_size;
-    C* __restrict__ kdst = key_cache + (blk * block_size + off) * row_elems;
-    C* __restrict__ vdst = value_cache + (blk * block_size + off) * row_elems;
-    const T* __restrict__ ksrc = key + t * key_stride;
-    const T* __restrict__ vsrc = value + t * value_stride;
-    for (rp::i64 i = threadIdx.x; i < row_elems; i += blockDim.x) {
-        kdst[i] = rp::Convert<C, T>::apply(ksrc[i]);
-        vdst[i] = rp::Convert<C, T>::apply(vsrc[i]);
+    if constexpr (rp::KVQuant<C>::value) {
+        rp::write_quantized_rows<T, C>(key + t * key_stride, value + t * value_stride, key_cache, value_cache,
+                                       key_scales, value_scales, slot, num_kv_heads, head_dim, nullptr);
+    } else {
+        const rp::i64 row_elems = (rp::i64)num_kv_heads * head_dim;
+        C* __restrict__ kdst = key_cache + slot * row_elems;
+        C* __restrict__ vdst = value_cache + slot * row_elems;
+        const T* __restrict__ ksrc = key + t * key_stride;
+        const T* __restrict__ vsrc = value + t * value_stride;
+        for (rp::i64 i = threadIdx.x; i < row_elems; i += blockDim.x) {
+            kdst[i] = rp::Convert<C, T>::apply(ksrc[i]);
+            vdst[i] = rp::Convert<C, T>::apply(vsrc[i]);
+        }
     }
 }
 
@@ -70,6 +121,8 @@ __global__ void convert_kernel(D* __restrict__ out, const S* __restrict__ in, lo
 // A negative slot rotates the query only. Each key element is read once and written once, where the two
 // kernels read it, write it back rotated and read it again.
 // grid: (num_tokens), block: multiple of 32 (host: min(512, round_up(max((H + Hkv) * D/2, Hkv * D), 32))).
+// A quantized C: the key and value rows are quantized by warps (write_quantized_rows; scales as in
+// reshape_and_cache_kernel), after the query.
 // query: [num_tokens, num_heads, D] (token stride q_stride); key/value: [num_tokens, num_kv_heads, D]
 // (token strides k_stride/v_stride); positions: int64 [num_tokens]; cos_sin_cache: float32
 // [max_position, D]; caches [num_blocks, block_size, num_kv_heads, D] (slot = block * block_size + offset).
@@ -78,6 +131,7 @@ __global__ void rotary_embedding_and_cache_kernel(const long long* __restrict__ 
                                                   long long q_stride, const T* __restrict__ key, long long k_stride,
                                                   const T* __restrict__ value, long long v_stride,
                                                   C* __restrict__ key_cache, C* __restrict__ value_cache,
+                                                  float* __restrict__ key_scales, float* __restrict__ value_scales,
                                                   const long long* __restrict__ slot_mapping,
                                                   const float* __restrict__ cos_sin_cache, int num_heads,
                                                   int num_kv_heads, int head_dim) {
@@ -86,7 +140,8 @@ __global__ void rotary_embedding_and_cache_kernel(const long long* __restrict__ 
     const float* __restrict__ cs = cos_sin_cache + positions[t] * (rp::i64)head_dim;
     const rp::i64 slot = slot_mapping[t];
     const rp::i64 row_elems = (rp::i64)num_kv_heads * head_dim;
-    const int pairs = (num_heads + (slot >= 0 ? num_kv_heads : 0)) * half;
+    constexpr bool quantized = rp::KVQuant<C>::value;
+    const int pairs = (num_heads + (slot >= 0 && !quantized ? num_kv_heads : 0)) * half;
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
         const int h = i / half;
         const int j = i - h * half;
@@ -98,7 +153,7 @@ __global__ void rotary_embedding_and_cache_kernel(const long long* __restrict__ 
             const float x2 = rp::to_float<T>(row[j + half]);
             row[j] = rp::from_float<T>(x1 * c - x2 * s);
             row[j + half] = rp::from_float<T>(x2 * c + x1 * s);
-        } else {
+        } else if constexpr (!quantized) {
             const rp::i64 off = (rp::i64)(h - num_heads) * head_dim;
             const T* src = key + t * k_stride + off;
             C* dst = key_cache + slot * row_elems + off;
@@ -110,7 +165,12 @@ __global__ void rotary_embedding_and_cache_kernel(const long long* __restrict__ 
         }
     }
     if (slot < 0) return;
-    const T* __restrict__ vsrc = value + t * v_stride;
-    C* __restrict__ vdst = value_cache + slot * row_elems;
-    for (rp::i64 i = threadIdx.x; i < row_elems; i += blockDim.x) vdst[i] = rp::Convert<C, T>::apply(vsrc[i]);
+    if constexpr (quantized) {
+        rp::write_quantized_rows<T, C>(key + t * k_stride, value + t * v_stride, key_cache, value_cache, key_scales,
+                                       value_scales, slot, num_kv_heads, head_dim, cs);
+    } else {
+        const T* __restrict__ vsrc = value + t * v_stride;
+        C* __restrict__ vdst = value_cache + slot * row_elems;
+        for (rp::i64 i = threadIdx.x; i < row_elems; i += blockDim.x) vdst[i] = rp::Convert<C, T>::apply(vsrc[i]);
+    }
 }

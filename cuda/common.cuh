@@ -7,6 +7,8 @@
 //
 // Element types: float, __half, __nv_bfloat16. Arithmetic is always float32 (convert on load, round on
 // store with round-to-nearest-even). All offsets into activations and caches are 64-bit (long long).
+// Quantized KV caches (KVQuant below) hold signed char (int8) or fp8_e4m3 values, and beside them one float32
+// scale per (slot, KV head) row: x = to_float(q) * scale.
 #pragma once
 
 #ifndef RP_EMULATION
@@ -33,6 +35,65 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
+
+// FP8 E4M3 (OCP "e4m3fn": sign, 4 exponent bits biased by 7, 3 mantissa bits, no infinities; 448 the
+// largest), held as its bits.
+struct fp8_e4m3 {
+    unsigned char bits;
+};
+
+// Bits -> value, exactly: a normal's exponent and mantissa bits moved into a float32's (exponent rebased
+// from 7 to 127: + 120 << 23), a subnormal (exponent 0) is m * 2^-9 (never a float32 denormal, which -ftz
+// would flush).
+template <> __device__ __forceinline__ float to_float<signed char>(signed char x) { return (float)x; }
+template <> __device__ __forceinline__ float to_float<fp8_e4m3>(fp8_e4m3 x) {
+    const unsigned b = x.bits;
+    const float mag = (b & 0x78u) ? __uint_as_float(((b & 0x7Fu) + 960u) << 20) : (float)(b & 7u) * 0.001953125f;
+    return (b & 0x80u) ? -mag : mag;
+}
+
+// float -> E4M3 bits, rounded to nearest even, saturating at +-448 (as __nv_cvt_float_to_fp8 with
+// __NV_SATFINITE); the CPU's intrinsics.f32_to_fp8_e4m3_bits computes the same.
+__device__ __forceinline__ fp8_e4m3 float_to_fp8_e4m3(float x) {
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fabsf(x);
+    fp8_e4m3 r;
+    if (!(a < 448.f)) {
+        r.bits = (unsigned char)(sign | 0x7Eu);
+    } else if (a < 0.015625f) {  // below 2^-6: subnormals in steps of 2^-9
+        r.bits = (unsigned char)(sign | (unsigned)rintf(a * 512.f));
+    } else {
+        const unsigned u = __float_as_uint(a);
+        const int e = (int)(u >> 23) - 127;                  // a = 1.m * 2^e, e in [-6, 8]
+        const float m = __uint_as_float((u & 0x7FFFFFu) | 0x3F800000u);  // 1.m in [1, 2)
+        unsigned mant = (unsigned)rintf((m - 1.f) * 8.f);
+        unsigned ex = (unsigned)(e + 7);
+        if (mant == 8u) {
+            mant = 0u;
+            ++ex;
+        }
+        const unsigned bits = (ex << 3) | mant;
+        r.bits = (unsigned char)(sign | (bits > 0x7Eu ? 0x7Eu : bits));
+    }
+    return r;
+}
+
+// Quantized KV-cache element types: value = to_float(q) * scale, scale = max|row| / QMAX (1 for a zero row).
+template <typename C> struct KVQuant {
+    static constexpr bool value = false;
+};
+template <> struct KVQuant<signed char> {
+    static constexpr bool value = true;
+    static constexpr float QMAX = 127.f;
+    static __device__ __forceinline__ signed char quantize(float y) {
+        return (signed char)fmaxf(-127.f, fminf(127.f, rintf(y)));
+    }
+};
+template <> struct KVQuant<fp8_e4m3> {
+    static constexpr bool value = true;
+    static constexpr float QMAX = 448.f;
+    static __device__ __forceinline__ fp8_e4m3 quantize(float y) { return float_to_fp8_e4m3(y); }
+};
 
 // Dtype conversion for copies: identity when the types match (bit-exact), else through float32.
 template <typename D, typename S> struct Convert {
@@ -88,6 +149,20 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
     return v;
+}
+
+// One (slot, KV head) row quantized by one warp: lane l holds values l, l + 32, ... (per_lane of them; the
+// row is 32 * per_lane long) and writes their quantized values to dst; returns the row's scale. All 32
+// lanes call it.
+template <typename C, int MAXE>
+__device__ __forceinline__ float quantize_row_warp(const float (&x)[MAXE], int per_lane, C* __restrict__ dst,
+                                                   int lane) {
+    float amax = 0.f;
+    for (int e = 0; e < per_lane; ++e) amax = fmaxf(amax, fabsf(x[e]));
+    amax = warp_max(amax);
+    const float scale = amax > 0.f ? amax / KVQuant<C>::QMAX : 1.f;
+    for (int e = 0; e < per_lane; ++e) dst[lane + 32 * e] = KVQuant<C>::quantize(x[e] / scale);
+    return scale;
 }
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.

@@ -81,7 +81,7 @@ class QuantizedKVType:
 
 
 INT8 = QuantizedKVType("int8", np.dtype(np.int8), 127.0, "signed char")
-FP8_E4M3 = QuantizedKVType("fp8_e4m3", np.dtype(np.uint8), 448.0, "unsigned char")
+FP8_E4M3 = QuantizedKVType("fp8_e4m3", np.dtype(np.uint8), 448.0, "rp::fp8_e4m3")
 #: Engine name -> quantized KV-cache type.
 QUANTIZED_KV_TYPES = {t.name: t for t in (INT8, FP8_E4M3)}
 #: Other names ``--kv-cache-dtype`` takes for them (vLLM's ``fp8`` is E4M3).

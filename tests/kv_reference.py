@@ -179,3 +179,25 @@ def quantized_paged_kv(key_cache, value_cache, block_tables, context_lens, kind)
             ]
         )
     return caches[0], caches[1], seqs[0], seqs[1]
+
+
+def assert_rows_quantized(values, scales, x, kind):
+    """Rows ``x [..., head_dim]`` were quantized to ``values``/``scales``: each scale is ``max|x| / qmax``
+    (to float32 rounding) and each value a nearest representable one to ``x / scale`` (either side of a
+    tie, where float32 and float64 division may disagree)."""
+    x = np.asarray(x, np.float64)
+    _, want = quantize_ref(x, kind)
+    np.testing.assert_allclose(scales, want, rtol=1e-6)
+    y = x / np.asarray(scales, np.float64)[..., None]
+    got = dequantize_ref(values, np.ones(values.shape[:-1]), kind)
+    if kind.name == "int8":
+        lo, hi = np.floor(y), np.floor(y) + 1
+    else:
+        grid = np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+        grid = grid[np.isfinite(grid)]
+        idx = np.clip(np.searchsorted(grid, y, side="right"), 1, len(grid) - 1)
+        lo, hi = grid[idx - 1], grid[idx]
+    nearest = np.where(y - lo <= hi - y, lo, hi)
+    tie = np.isclose(y - lo, hi - y, rtol=1e-5, atol=0)
+    ok = (got == nearest) | (tie & ((got == lo) | (got == hi)))
+    assert ok.all(), f"{(~ok).sum()} of {ok.size} values not rounded to nearest, e.g. {y[~ok][:3]} -> {got[~ok][:3]}"

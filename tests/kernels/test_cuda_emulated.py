@@ -14,11 +14,14 @@ import subprocess
 import numpy as np
 import pytest
 
+from rawpaged.dtypes import FP8_E4M3, INT8
 from rawpaged.kernels.cpu import attention as cpu_attention
+from rawpaged.kernels.cpu import cache as cpu_cache
 from rawpaged.kernels.cpu import elementwise as cpu_elementwise
 from rawpaged.kernels.cpu import sampling as cpu_sampling
 from rawpaged.kernels.cuda import launch_config, program
 from rawpaged.kernels.cuda import linear as cuda_linear
+from rawpaged.kernels.kv_cache import QuantizedKVCache
 from rawpaged.testing import reference_sampler
 from tests.cuda_emu import (
     SELFTEST_NAMES,
@@ -33,10 +36,12 @@ from tests.kv_reference import (
     BF16,
     assert_cache_rows_written,
     assert_prefill_matches,
+    assert_rows_quantized,
     attention_ref,
     copy_blocks_expected,
     make_paged_kv,
     poison_before,
+    quantized_paged_kv,
     rms_norm_ref,
     rope_cache,
     rope_ref,
@@ -357,6 +362,148 @@ def test_copy_blocks_all_layers_one_launch(emu, dtype, shape):
     for layer in range(3):
         np.testing.assert_array_equal(kcs[layer].view(np.uint8), exp_k[layer].view(np.uint8))
         np.testing.assert_array_equal(vcs[layer].view(np.uint8), exp_v[layer].view(np.uint8))
+
+
+# ------------------------------------------------------------------------------------------ quantized caches
+QKINDS = [INT8, FP8_E4M3]
+QIDS = ["int8", "fp8"]
+
+
+def _qcache(shape, kind, poison=True):
+    """A QuantizedKVCache of host arrays; values 0x55 and NaN scales where nothing was written."""
+    fill = 0x55 if poison else 0
+    return QuantizedKVCache(
+        np.full(shape, fill, kind.storage), np.full(shape[:3], np.nan if poison else 0, np.float32), kind
+    )
+
+
+@pytest.mark.parametrize("kind", QKINDS, ids=QIDS)
+@pytest.mark.parametrize("act", [np.float32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_quantized_reshape_and_cache_equals_the_float64_quantizer(emu, act, kind):
+    """Each written row against the reference quantizer of the activation-dtype input (nearest values, either
+    side of a tie; scales to float32 rounding), other slots untouched; float32 inputs give the CPU kernel's
+    values (one code apart at most, at ties)."""
+    rng = np.random.default_rng(3)
+    num_blocks, block_size, H, D = 6, 16, 3, 64
+    slots = rng.permutation(num_blocks * block_size)[:30].astype(np.int64)
+    slots[[1, 9]] = -1
+    qkv = (rng.standard_normal((30, 8 * D)) * rng.uniform(0.01, 20, (30, 1))).astype(np.float32).astype(act)
+    key, value = qkv[:, 2 * D : 5 * D].reshape(30, H, D), qkv[:, 5 * D :].reshape(30, H, D)
+    kc, vc = _qcache((num_blocks, block_size, H, D), kind), _qcache((num_blocks, block_size, H, D), kind)
+    emu.launches.clear()
+    backend(emu).reshape_and_cache(dev(key), dev(value), kc, vc, slots)
+    assert [n.split("<")[0] for n, *_ in emu.launches] == ["reshape_and_cache_kernel"]
+    w = slots >= 0
+    b, o = slots[w] // block_size, slots[w] % block_size
+    for cache, rows in ((kc, key), (vc, value)):
+        assert_rows_quantized(cache.data[b, o], cache.scales[b, o], rows[w].astype(np.float32), kind)
+        hole = np.ones((num_blocks, block_size), bool)
+        hole[b, o] = False
+        assert (cache.data[hole] == 0x55).all() and np.isnan(cache.scales[hole]).all()
+    if act == np.float32:
+        kc2, vc2 = _qcache(kc.shape, kind), _qcache(kc.shape, kind)
+        cpu_cache.reshape_and_cache(np.ascontiguousarray(key), np.ascontiguousarray(value), kc2, vc2, slots)
+        for a, c in ((kc, kc2), (vc, vc2)):
+            step = np.abs(a.data[b, o].astype(int) - c.data[b, o].astype(int))
+            assert step.max() <= 1 and (step == 0).mean() > 0.999
+            np.testing.assert_allclose(a.scales[b, o], c.scales[b, o], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", QKINDS, ids=QIDS)
+@pytest.mark.parametrize("act", [np.float32, BF16], ids=["f32", "bf16"])
+def test_quantized_rotary_embedding_and_cache_equals_the_two_kernels(emu, act, kind):
+    """The fused RoPE + quantizing cache write against rotary_embedding then reshape_and_cache, bit for bit
+    (query, values and scales); the key and value inputs are left as they were."""
+    rng = np.random.default_rng(6)
+    num_blocks, block_size, Hq, H, D, T = 5, 16, 6, 2, 128, 18
+    cos_sin = rope_cache(D, 300, 10000.0)
+    pos = rng.integers(0, 300, T).astype(np.int64)
+    slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int64)
+    slots[[3]] = -1
+    qkv = rng.standard_normal((T, (Hq + 2 * H) * D)).astype(np.float32).astype(act)
+
+    def views(a):
+        return (
+            a[:, : Hq * D].reshape(T, Hq, D),
+            a[:, Hq * D : (Hq + H) * D].reshape(T, H, D),
+            a[:, (Hq + H) * D :].reshape(T, H, D),
+        )
+
+    be = backend(emu)
+    fused_qkv, two_qkv = qkv.copy(), qkv.copy()
+    shape = (num_blocks, block_size, H, D)
+    kc, vc, kc2, vc2 = (_qcache(shape, kind) for _ in range(4))
+    fq, fk, fv = views(fused_qkv)
+    be.rotary_embedding_and_cache(pos, dev(fq), dev(fk), dev(fv), kc, vc, slots, cos_sin)
+    q2, k2, v2 = views(two_qkv)
+    be.rotary_embedding(pos, dev(q2), dev(k2), cos_sin)
+    be.reshape_and_cache(dev(k2), dev(v2), kc2, vc2, slots)
+    np.testing.assert_array_equal(fused_qkv[:, : Hq * D].view(np.uint8), two_qkv[:, : Hq * D].view(np.uint8))
+    np.testing.assert_array_equal(fused_qkv[:, Hq * D :].view(np.uint8), qkv[:, Hq * D :].view(np.uint8))
+    for a, c in ((kc, kc2), (vc, vc2)):
+        np.testing.assert_array_equal(a.data, c.data)
+        np.testing.assert_array_equal(a.scales.view(np.uint32), c.scales.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", QKINDS, ids=QIDS)
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (128, 1), (64, 8)])
+def test_paged_attention_on_quantized_blocks_matches_cpu_and_float64(emu, kind, head_dim, group):
+    """Split-K decode over quantized caches (the reference quantizer's rows; NaN scales where unused) against
+    the CPU kernel and float64 attention over the values the cache holds."""
+    rng = np.random.default_rng(head_dim + group)
+    contexts = [1, 16, 17, 33, 700]
+    kf, vf, bt, _, _ = make_paged_kv(rng, contexts, 2, head_dim, 16, np.float32)
+    kc, vc, keys, values = quantized_paged_kv(kf, vf, bt, contexts, kind)
+    q = rng.standard_normal((len(contexts), 2 * group, head_dim)).astype(np.float32)
+    ctx = np.array(contexts, np.int32)
+    out, ref_cpu = np.full_like(q, np.nan), np.full_like(q, np.nan)
+    emu.launches.clear()
+    backend(emu).paged_attention(out, q, kc, vc, bt, ctx, head_dim**-0.5)
+    assert (
+        emu.launches[0][0]
+        == f"paged_attention_kernel<float, {kind.cxx}, {head_dim}, {1 if group == 1 else 4 if group == 3 else 8}>"
+    )
+    cpu_attention.paged_attention(ref_cpu, q, kc, vc, bt, ctx, head_dim**-0.5)
+    np.testing.assert_allclose(out, ref_cpu, rtol=2e-4, atol=2e-5)
+    for s in range(len(contexts)):
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], head_dim**-0.5)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", QKINDS, ids=QIDS)
+@pytest.mark.parametrize("act", [np.float32, BF16], ids=["f32", "bf16"])
+def test_prefill_attention_on_quantized_blocks(emu, kind, act):
+    rng = np.random.default_rng(9)
+    seq_lens = [17, 33, 70, 1]
+    new_tokens = [17, 1, 40, 1]
+    kf, vf, bt, _, _ = make_paged_kv(rng, seq_lens, 3, 64, 16, np.float32)
+    kc, vc, keys, values = quantized_paged_kv(kf, vf, bt, seq_lens, kind)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = rng.standard_normal((qsl[-1], 6, 64)).astype(np.float32).astype(act)
+    out = np.full(q.shape, np.nan, np.float32).astype(act)
+    lens = np.array(seq_lens, np.int32)
+    backend(emu).prefill_attention(dev(out), dev(q), kc, vc, bt, qsl, lens, 0.125, sliding_window=24)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125, window=24, **tol(act))
+
+
+@pytest.mark.parametrize("kind", QKINDS, ids=QIDS)
+def test_copy_blocks_moves_quantized_values_and_scales(emu, kind):
+    rng = np.random.default_rng(2)
+    layers = [
+        QuantizedKVCache(
+            rng.integers(0, 120, (10, 16, 2, 64)).astype(kind.storage), rng.random((10, 16, 2), np.float32), kind
+        )
+        for _ in range(4)
+    ]
+    mapping = np.array([[2, 7], [5, 1]], np.int64)
+    want_d = copy_blocks_expected([c.data for c in layers], mapping)
+    want_s = copy_blocks_expected([c.scales for c in layers], mapping)
+    emu.launches.clear()
+    backend(emu).copy_blocks(layers[:2], layers[2:], mapping)
+    assert len(emu.launches) == 2  # the values, then the scales
+    for c, d, sc in zip(layers, want_d, want_s):
+        np.testing.assert_array_equal(c.data, d)
+        np.testing.assert_array_equal(c.scales, sc)
 
 
 # ------------------------------------------------------------------------------------------ dense layers

@@ -5,8 +5,9 @@
 the pairs of ``program.DTYPE_PAIRS``; math in float32.
 
 Both kernels take the same leading operands (checked and packed once, by ``_operands``): out and its row
-stride, the query and its row stride, the two caches, the block tables and their width, then the head
-counts, the block size and the softmax scale.
+stride, the query and its row stride, the two caches and their scales (a ``QuantizedKVCache``'s; null for
+float caches), the block tables and their width, then the head counts, the block size and the softmax
+scale.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import numpy as np
 
 from rawpaged.kernels.backend import sliding_window_arg
 from rawpaged.kernels.cuda import launch_config, program
-from rawpaged.kernels.cuda.launch import ctype, i32, i64, row_stride
+from rawpaged.kernels.cuda.launch import ctype, i32, i64, kv_cache_operands, row_stride
 
 
 class _Operands(NamedTuple):
     act: str  # C++ type of query/out
     cache: str  # C++ type of the caches
     out: tuple  # (out, out row stride)
-    kv: tuple  # (query, query row stride, key_cache, value_cache, block_tables, block_tables width)
+    kv: tuple  # (query, its row stride, key and value caches, their scales or NULL, block_tables, its width)
     heads: tuple  # (num_heads, num_kv_heads, block_size, scale)
     window: np.int32  # sliding window, 0 for none
 
@@ -54,14 +55,16 @@ def _check(out, query, key_cache, value_cache, block_tables) -> None:
 
 def _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window) -> _Operands:
     """Check the arguments both kernels share (ValueError) and pack them in the kernels' order."""
-    _check(out, query, key_cache, value_cache, block_tables)
+    cache, kc, ks = kv_cache_operands(key_cache, "key_cache")
+    _, vc, vs = kv_cache_operands(value_cache, "value_cache")
+    _check(out, query, kc, vc, block_tables)
     bt = ctx.to_device(block_tables, np.int32)
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = kc.shape
     return _Operands(
         act=ctype(query, "query"),
-        cache=ctype(key_cache, "key_cache"),
+        cache=cache,
         out=(out, i64(row_stride(out, "out", 2))),
-        kv=(query, i64(row_stride(query, "query", 2)), key_cache, value_cache, bt, i32(bt.shape[1])),
+        kv=(query, i64(row_stride(query, "query", 2)), kc, vc, ks, vs, bt, i32(bt.shape[1])),
         heads=(i32(query.shape[1]), i32(num_kv_heads), i32(block_size), np.float32(scale)),
         window=i32(sliding_window_arg(sliding_window)),
     )

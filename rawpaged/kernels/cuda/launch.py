@@ -18,6 +18,7 @@ import numpy as np
 
 from rawpaged.dtypes import FLOAT_TYPES
 from rawpaged.kernels.cuda import launch_config, program
+from rawpaged.kernels.kv_cache import QuantizedKVCache
 
 #: Device storage dtype -> C++ element type.
 CTYPES = {t.device: t.cxx for t in FLOAT_TYPES.values()}
@@ -39,6 +40,19 @@ def ctype(a, what: str) -> str:
         return CTYPES[np.dtype(a.dtype)]
     except KeyError:
         raise ValueError(f"{what} dtype must be float32, float16 or bfloat16 (uint16 bits), got {a.dtype}") from None
+
+
+#: a null pointer argument (an operand a kernel does not read)
+NULL = np.uint64(0)
+
+
+def kv_cache_operands(cache, what: str) -> tuple:
+    """``(C++ element type, values, scales)`` of one layer's cache as the kernels take it: a float array
+    with ``NULL`` scales, or a ``QuantizedKVCache``'s values and scales. Raises ValueError naming ``what``
+    for any other dtype."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.kind.cxx, cache.data, cache.scales
+    return ctype(cache, what), cache, NULL
 
 
 def i32(v) -> np.int32:

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from rawpaged.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT_TYPES
+from rawpaged.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT_TYPES, kv_cache_type
 
 # --------------------------------------------------------------------------- sources
 HEADER = "common.cuh"
@@ -49,9 +49,10 @@ DTYPE_NAME_PAIRS = (
     ("float32", "float16"),
     ("float16", "float16"),
     ("bfloat16", "bfloat16"),
+    *((act, kv) for act in ("float32", "float16", "bfloat16") for kv in ("int8", "fp8_e4m3")),
 )
 #: ... and the same pairs as C++ element types.
-DTYPE_PAIRS = tuple((FLOAT_TYPES[a].cxx, FLOAT_TYPES[c].cxx) for a, c in DTYPE_NAME_PAIRS)
+DTYPE_PAIRS = tuple((FLOAT_TYPES[a].cxx, kv_cache_type(c).cxx) for a, c in DTYPE_NAME_PAIRS)
 HEAD_DIMS = (64, 128)
 #: Compile-time upper bounds on the query heads one decode block serves (a group is padded up to one).
 DECODE_GMAX = (1, 2, 4, 8, 16)

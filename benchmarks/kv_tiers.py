@@ -1,0 +1,212 @@
+"""KV memory beyond paging, measured side by side with float32 KV in one run (default model, CPU backend).
+
+Section ``quant`` (``--kv-cache-dtype int8`` / ``fp8_e4m3`` against float32):
+
+1. Bytes per token (all layers, K and V, scales included) and how many 2K-token sequences fit in 1 GiB.
+2. Teacher-forced accuracy: greedy continuations of ``--prompts`` prompts, ``--tokens`` tokens each, are
+   made once with float32 KV; then every position is scored with each KV dtype on the same tokens (a
+   one-token request on the prefix, prefix caching on, so the prefix's K/V are read back from the cache
+   as the dtype stores them). Reported: top-1 agreement with float32 KV, and the mean |delta logprob| of
+   float32's token (when a dtype's top 20 miss it, the 20th logprob stands in: a lower bound).
+3. Decode attention (the kernel alone) at ``--batch`` sequences x ``--context`` positions, the default
+   model's heads (9 query, 3 KV, head_dim 64), blocks scattered: median time per call.
+
+Usage: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/kv_tiers.py [--out DIR]``;
+``--quick`` runs a small version (2 prompts x 16 tokens, batch 4 x 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import best_time, conditions, print_table, write_json  # noqa: E402
+from rawpaged import LLM, SamplingParams  # noqa: E402
+from rawpaged.dtypes import kv_row_bytes  # noqa: E402
+from rawpaged.model_executor.model_runner import kv_block_bytes  # noqa: E402
+
+KV_DTYPES = ("float32", "int8", "fp8_e4m3")
+#: the default model's attention geometry
+NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
+PROMPTS = (
+    "The history of the printing press begins",
+    "Write a short poem about the sea at night.",
+    "def fibonacci(n):\n    ",
+    "Photosynthesis is the process by which",
+    "Explain to a child why the sky is blue.",
+    "The three most important inventions of the twentieth century are",
+    "Once upon a time, in a village at the edge of a forest,",
+    "A good recipe for bread needs",
+    "The capital of Australia is",
+    "In mathematics, a prime number is",
+)
+
+
+def memory_rows(pool_bytes: int, seq_len: int) -> list:
+    rows = []
+    for kv in KV_DTYPES:
+        per_token = kv_block_bytes(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv) / BLOCK_SIZE
+        blocks = pool_bytes // kv_block_bytes(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv)
+        rows.append(
+            dict(
+                kv_cache_dtype=kv,
+                bytes_per_token=int(per_token),
+                vs_float32=kv_row_bytes(kv, HEAD_DIM) / kv_row_bytes("float32", HEAD_DIM),
+                seqs_in_pool=int(blocks // math.ceil(seq_len / BLOCK_SIZE)),
+            )
+        )
+    base = rows[0]["seqs_in_pool"]
+    for r in rows:
+        r["seqs_vs_float32"] = r["seqs_in_pool"] / base
+    return rows
+
+
+def _engine(kv: str) -> LLM:
+    return LLM(device="cpu", kv_cache_dtype=kv, enable_prefix_caching=True, num_kv_blocks=4096, max_model_len=2048)
+
+
+def score_positions(llm: LLM, prompt_ids: list, continuation: list) -> list:
+    """Per position i: the top-20 logprobs after ``prompt_ids + continuation[:i]`` (one-token requests)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    out = []
+    for i in range(len(continuation)):
+        res = llm.generate([{"prompt_token_ids": prompt_ids + continuation[:i]}], params)[0]
+        out.append(res.outputs[0].logprobs[0])
+    return out
+
+
+def _logprob(entry) -> float:
+    return entry.logprob if hasattr(entry, "logprob") else float(entry)
+
+
+def accuracy_rows(num_prompts: int, num_tokens: int) -> tuple:
+    ref_llm = _engine("float32")
+    tok = ref_llm.engine.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS[:num_prompts]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    continuations = [
+        o.outputs[0].token_ids for o in ref_llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    ]
+    scored = {}
+    seconds = {}
+    for kv in KV_DTYPES:
+        llm = ref_llm if kv == "float32" else _engine(kv)
+        t0 = time.perf_counter()
+        scored[kv] = [score_positions(llm, p, c) for p, c in zip(prompts, continuations)]
+        seconds[kv] = time.perf_counter() - t0
+    rows = []
+    for kv in KV_DTYPES:
+        agree, deltas, missing = [], [], 0
+        for ref_seq, seq in zip(scored["float32"], scored[kv]):
+            for ref_pos, pos in zip(ref_seq, seq):
+                ref_lp = {t: _logprob(e) for t, e in ref_pos.items()}
+                lp = {t: _logprob(e) for t, e in pos.items()}
+                ref_top = max(ref_lp, key=ref_lp.get)
+                agree.append(max(lp, key=lp.get) == ref_top)
+                if ref_top not in lp:
+                    missing += 1
+                deltas.append(abs(lp.get(ref_top, min(lp.values())) - ref_lp[ref_top]))
+        rows.append(
+            dict(
+                kv_cache_dtype=kv,
+                positions=len(agree),
+                top1_agreement=float(np.mean(agree)),
+                mean_abs_dlogprob=float(np.mean(deltas)),
+                max_abs_dlogprob=float(np.max(deltas)),
+                ref_token_outside_top20=missing,
+                scoring_s=seconds[kv],
+            )
+        )
+    return rows, [tok.decode(c) for c in continuations]
+
+
+def attention_rows(batch: int, context: int) -> list:
+    from rawpaged.kernels.cpu import attention
+    from rawpaged.kernels.cpu.backend import CPUBackend
+
+    rng = np.random.default_rng(0)
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq + 8
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    block_tables = rng.permutation(num_blocks)[: batch * blocks_per_seq].reshape(batch, blocks_per_seq).astype(np.int32)
+    context_lens = np.full(batch, context, np.int32)
+    q = rng.standard_normal((batch, NUM_HEADS, HEAD_DIM)).astype(np.float32)
+    out = np.empty_like(q)
+    k = rng.standard_normal((num_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((num_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+    slots = np.arange(num_blocks * BLOCK_SIZE, dtype=np.int64)
+    rows = []
+    for kv in KV_DTYPES:
+        kc, vc = (CPUBackend.allocate_kv_cache(shape, kv) for _ in range(2))
+        CPUBackend.reshape_and_cache(k, v, kc, vc, slots)
+        nbytes = sum(c.nbytes for c in (kc, vc)) * (batch * blocks_per_seq) / num_blocks
+
+        def call(kc=kc, vc=vc):
+            attention.paged_attention(out, q, kc, vc, block_tables, context_lens, HEAD_DIM**-0.5, context)
+
+        t = best_time(call)
+        rows.append(dict(kv_cache_dtype=kv, ms=t * 1e3, kv_MB_read=nbytes / 1e6, GB_per_s=nbytes / t / 1e9))
+    base = rows[0]["ms"]
+    for r in rows:
+        r["speedup_vs_float32"] = base / r["ms"]
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--pool-gib", type=float, default=1.0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.tokens, args.batch, args.context = 2, 16, 4, 256
+    memory = memory_rows(int(args.pool_gib * 2**30), 2048)
+    print(f"\nKV bytes per token and 2K-token sequences in {args.pool_gib} GiB (default model)")
+    print_table(memory, ["kv_cache_dtype", "bytes_per_token", "vs_float32", "seqs_in_pool", "seqs_vs_float32"])
+    attn = attention_rows(args.batch, args.context)
+    print(f"\nDecode attention, {args.batch} sequences x {args.context} positions (kernel only)")
+    print_table(attn, ["kv_cache_dtype", "ms", "kv_MB_read", "GB_per_s", "speedup_vs_float32"])
+    accuracy, texts = accuracy_rows(args.prompts, args.tokens)
+    print(f"\nTeacher-forced against float32 KV, {args.prompts} prompts x {args.tokens} tokens")
+    print_table(
+        accuracy,
+        [
+            "kv_cache_dtype",
+            "positions",
+            "top1_agreement",
+            "mean_abs_dlogprob",
+            "max_abs_dlogprob",
+            "ref_token_outside_top20",
+        ],
+    )
+    write_json(
+        Path(args.out) / "kv_tiers.json",
+        dict(
+            conditions=conditions(
+                model="SmolLM2-135M-Instruct (float32 weights)",
+                prompts=args.prompts,
+                tokens=args.tokens,
+                batch=args.batch,
+                context=args.context,
+                pool_gib=args.pool_gib,
+            ),
+            memory=memory,
+            decode_attention=attn,
+            teacher_forced=accuracy,
+            continuations=texts,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()
