@@ -872,6 +872,52 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     assert all(len(c.token_ids) == 4 for o in out for c in o.outputs)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_engine_with_a_quantized_kv_cache_on_emulated_cuda_matches_the_cpu_engine(
+    emu, tmp_path, monkeypatch, kv_cache_dtype
+):
+    """The whole engine with ``--kv-cache-dtype int8`` / ``fp8`` on the emulated CUDA kernels (float32
+    activations, so only the kernels differ) against the CPU engine: the same greedy tokens, logprobs to
+    float32 rounding (the two quantize the same rows, at most one code apart at ties), copy-on-write (n = 2)
+    and a prefix-cache hit, every block back at the end."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.testing.random_model import write_random_model
+
+    model = write_random_model(
+        tmp_path / "m",
+        num_layers=2,
+        hidden_size=128,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        seed=5,
+    )
+    kw = dict(model=str(model), num_kv_blocks=64, block_size=16, max_model_len=256, kv_cache_dtype=kv_cache_dtype)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 16, 33)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    forks = SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(llm):
+        out = llm.generate(prompts, greedy) + llm.generate(prompts[2:], forks) + llm.generate(prompts[2:], greedy)
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        return [[c.token_ids for c in o.outputs] for o in out], [
+            [v for step in o.outputs[0].logprobs for v in step.values()] for o in out if o.outputs[0].logprobs
+        ]
+
+    want_ids, want_lp = run(LLM(device="cpu", **kw))
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    gpu = LLM(device="cuda", dtype="float32", **kw)
+    assert gpu.engine.kv_cache_dtype == ("int8" if kv_cache_dtype == "int8" else "fp8_e4m3")
+    got_ids, got_lp = run(gpu)
+    assert got_ids == want_ids
+    for a, b in zip(got_lp, want_lp):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+    assert gpu.stats()["prefix_cache_hits"] > 0
+
+
 @pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q8_0", "qwen2")])
 def test_gguf_engine_on_emulated_cuda_runs_on_blocks_and_matches_the_cpu_engine(
     emu, tmp_path, monkeypatch, qtype, arch
