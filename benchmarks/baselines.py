@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from rawpaged.core.block_table import NULL_BLOCK
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.sequence import Sequence
 
@@ -57,9 +58,9 @@ class CopyingForks(KVCacheManager):
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         src = parent.block_table
-        if src is None or len(src.block_ids) > self.block_pool.num_free_blocks:
+        if src is None or sum(b != NULL_BLOCK for b in src.block_ids) > self.block_pool.num_free_blocks:
             super().fork(parent, child)
             return
         table = child.block_table = self._new_table([], src.num_tokens, [])
-        for bid in src.block_ids:
-            table.block_ids.append(self.block_pool.copy(bid, table.table_id))
+        for bid in src.block_ids:  # blocks a sliding window released stay released
+            table.block_ids.append(bid if bid == NULL_BLOCK else self.block_pool.copy(bid, table.table_id))

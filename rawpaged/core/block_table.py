@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: the entry of a logical block whose physical block was given back (a sliding window passed it); no kernel
+#: reads it
+NULL_BLOCK = -1
+
 
 @dataclass(slots=True, eq=False)
 class BlockTable:
     """Attributes:
     table_id: unique per pool; the owner id recorded on each block it holds.
     block_size: tokens per block.
-    block_ids: physical block of each logical block.
+    block_ids: physical block of each logical block (``NULL_BLOCK`` once released behind a sliding window).
     num_tokens: KV slots reserved, positions ``0 .. num_tokens-1``; always
         ``len(block_ids) == ceil(num_tokens / block_size)``.
     block_hashes: prefix-cache hashes of the leading full blocks hashed so far (chained).

@@ -4,6 +4,11 @@ Each ``Sequence`` holds its ``BlockTable`` in ``seq.block_table`` (None while it
 this class changes it. Running out of blocks is not an error: ``allocate_slots`` returns False and
 changes nothing, so the scheduler can preempt or wait. API after vLLM v1's ``KVCacheManager``, with
 vLLM v0's ``fork`` for copy-on-write sharing (parallel sampling, beam search).
+
+With a sliding window W (every layer's, as Mistral's), the blocks a sequence's future tokens can no longer
+read are given back as it goes (vLLM v1's ``SlidingWindowManager``): the token at position p reads p - W +
+1 .. p, so once ``num_computed_tokens`` is n, a block wholly before n - W + 1 is released and its entry in
+the table becomes ``NULL_BLOCK``; a sequence holds at most ``ceil(W / block_size) + 1`` blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from itertools import count
 
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
-from rawpaged.core.block_table import BlockTable
+from rawpaged.core.block_table import NULL_BLOCK, BlockTable
 from rawpaged.core.kv_events import COPY, FORK, KVCacheEventLog
 from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens, root_hash
 
@@ -20,17 +25,27 @@ class KVCacheManager:
     """Blocks of ``block_size`` tokens out of one ``BlockPool`` of ``num_blocks``.
 
     ``cache_keys``: what else names the cache's contents, for the prefix-cache hashes' root (the engine
-    gives the KV-cache dtype: blocks of another dtype never match).
+    gives the KV-cache dtype: blocks of another dtype never match). ``sliding_window``: W when every layer
+    attends to its last W positions only (blocks before the window are given back), else None.
 
     Raises:
-        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
+        ValueError: ``num_blocks < 1``, ``block_size < 1`` or ``sliding_window < 1``.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False, cache_keys: tuple = ()
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = False,
+        cache_keys: tuple = (),
+        sliding_window: int | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.num_window_frees = 0  # blocks given back because the window passed them
         self.block_pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -83,7 +98,8 @@ class KVCacheManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block_tokens(hashes[-1] if hashes else self.root_hash, tokens)
             hashes.append(h)
-            self.block_pool.cache_block(table.block_ids[i], h, tokens)
+            if table.block_ids[i] != NULL_BLOCK:
+                self.block_pool.cache_block(table.block_ids[i], h, tokens)
 
     # ------------------------------------------------------------------ allocation
     def num_blocks_to_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> int:
@@ -94,9 +110,8 @@ class KVCacheManager:
         if table is None:
             num_tokens = len(computed_blocks) * bs + num_new_tokens
             pool = self.block_pool.blocks
-            return (
-                -(-num_tokens // bs) - len(computed_blocks) + sum(1 for b in computed_blocks if pool[b].ref_count == 0)
-            )
+            kept = computed_blocks[self._num_skipped_blocks(len(computed_blocks) * bs) :]
+            return -(-num_tokens // bs) - len(computed_blocks) + sum(1 for b in kept if pool[b].ref_count == 0)
         need = -(-(table.num_tokens + num_new_tokens) // bs) - len(table.block_ids)
         if num_new_tokens > 0 and table.num_tokens % bs and self.block_pool.blocks[table.block_ids[-1]].ref_count > 1:
             need += 1
@@ -106,9 +121,11 @@ class KVCacheManager:
         """Reserve KV slots for ``num_new_tokens`` more tokens of ``seq``.
 
         A sequence without blocks first gets a new table starting with ``computed_blocks`` (from
-        ``get_computed_blocks``; ``ref_count`` + 1 each). New blocks are taken as the table crosses block
+        ``get_computed_blocks``; ``ref_count`` + 1 each, but with a sliding window those wholly before the
+        first new token's window are not taken: ``NULL_BLOCK`` entries). New blocks are taken as the table crosses block
         boundaries; a shared, partly filled last block is copied first (copy-on-write, see
-        ``take_block_copies``). Returns False, changing nothing, when the pool has too few free blocks.
+        ``take_block_copies``). Returns False, changing nothing, when the pool has too few free blocks
+        (blocks a sliding window has passed are given back first, in any case: ``remove_skipped_blocks``).
 
         Raises:
             ValueError: ``num_new_tokens < 0``, or ``computed_blocks`` for a sequence that has blocks.
@@ -120,16 +137,21 @@ class KVCacheManager:
             if computed_blocks:
                 raise ValueError("computed_blocks apply only to a sequence without blocks")
             _check_live(seq.block_table)
+            self.remove_skipped_blocks(seq)
         if self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks) > self.block_pool.num_free_blocks:
             return False
         pool, bs = self.block_pool, self.block_size
         table = seq.block_table
         if table is None:
             table = seq.block_table = self._new_table([], len(computed_blocks) * bs, [])
-            for bid in computed_blocks:
+            skip = self._num_skipped_blocks(len(computed_blocks) * bs)  # hits before the window: not taken
+            for i, bid in enumerate(computed_blocks):
+                table.block_hashes.append(pool.blocks[bid].block_hash)
+                if i < skip:
+                    table.block_ids.append(NULL_BLOCK)
+                    continue
                 pool.share(bid, table.table_id)
                 table.block_ids.append(bid)
-                table.block_hashes.append(pool.blocks[bid].block_hash)
         if num_new_tokens == 0:
             return True
         if table.num_tokens % bs and pool.blocks[table.block_ids[-1]].ref_count > 1:
@@ -141,6 +163,30 @@ class KVCacheManager:
             table.block_ids.append(pool.take(table.table_id).block_id)
         return True
 
+    def remove_skipped_blocks(self, seq) -> int:
+        """With a sliding window W: release the blocks of ``seq`` wholly before position
+        ``seq.num_computed_tokens - W + 1`` (no future token of the sequence reads them); their table
+        entries become ``NULL_BLOCK``. A block still cached stays findable by a prefix lookup until the pool
+        reuses it, as any freed block. Returns the number of blocks released (0 without a window)."""
+        table = seq.block_table
+        if self.sliding_window is None or table is None:
+            return 0
+        released = 0
+        for i in range(min(self._num_skipped_blocks(seq.num_computed_tokens), len(table.block_ids))):
+            bid = table.block_ids[i]
+            if bid != NULL_BLOCK:
+                self.block_pool.release(bid, table.table_id)
+                table.block_ids[i] = NULL_BLOCK
+                released += 1
+        self.num_window_frees += released
+        return released
+
+    def _num_skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no token from position ``num_computed_tokens`` on reads (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
     def fork(self, parent, child) -> None:
         """``child`` gets a table with the same contents as ``parent``'s, sharing every block
         (``ref_count`` + 1, no copy; the first write into a shared partly filled block copies it)."""
@@ -149,9 +195,10 @@ class KVCacheManager:
             raise BlockPoolError(f"sequence {parent.seq_id} holds no blocks to fork")
         _check_live(src)
         table = child.block_table = self._new_table(list(src.block_ids), src.num_tokens, list(src.block_hashes))
-        for bid in table.block_ids:
+        held = [bid for bid in table.block_ids if bid != NULL_BLOCK]
+        for bid in held:
             self.block_pool.share(bid, table.table_id)
-        self.events.record(FORK, child, parent_index=parent.index, num_blocks=len(table.block_ids))
+        self.events.record(FORK, child, parent_index=parent.index, num_blocks=len(held))
 
     def free(self, seq) -> None:
         """Return ``seq``'s blocks (each ``ref_count`` - 1; blocks at 0 become free, tail blocks first so
@@ -165,10 +212,11 @@ class KVCacheManager:
         if table is None:
             return
         _check_live(table)
-        for bid in table.block_ids:
+        held = [bid for bid in table.block_ids if bid != NULL_BLOCK]
+        for bid in held:
             if table.table_id not in self.block_pool.blocks[bid].owners:
                 raise BlockPoolError(f"table {table.table_id} does not own block {bid}")
-        for bid in reversed(table.block_ids):
+        for bid in reversed(held):
             self.block_pool.release(bid, table.table_id)
         table.block_ids = []
         table.block_hashes = []
@@ -186,8 +234,9 @@ class KVCacheManager:
     # ------------------------------------------------------------------ checks
     def check_invariants(self, seqs=()) -> None:
         """The pool's invariants; with ``seqs`` (every sequence holding blocks) also that each table
-        holds ``ceil(num_tokens / block_size)`` distinct blocks and each block's ``ref_count`` equals the
-        number of tables holding it."""
+        has ``ceil(num_tokens / block_size)`` entries, distinct blocks apart from leading ``NULL_BLOCK``s
+        (those a sliding window released, never more than it allows), and each block's ``ref_count``
+        equals the number of tables holding it."""
         pool = self.block_pool
         pool.check_invariants()
         tables = [s.block_table for s in seqs if s.block_table is not None]
@@ -197,8 +246,14 @@ class KVCacheManager:
         for t in tables:
             assert not t.freed, f"table {t.table_id} was freed"
             assert len(t.block_ids) == -(-t.num_tokens // self.block_size), "table length"
-            assert len(set(t.block_ids)) == len(t.block_ids), "a table holds a block twice"
-            for bid in t.block_ids:
+            held = [bid for bid in t.block_ids if bid != NULL_BLOCK]
+            assert t.block_ids[: len(t.block_ids) - len(held)] == [NULL_BLOCK] * (len(t.block_ids) - len(held)), (
+                "a released block after a held one"
+            )
+            if held != t.block_ids:
+                assert self.sliding_window is not None, "NULL_BLOCK entries without a sliding window"
+            assert len(set(held)) == len(held), "a table holds a block twice"
+            for bid in held:
                 assert t.table_id in pool.blocks[bid].owners, f"table {t.table_id} does not own block {bid}"
                 counts[bid] = counts.get(bid, 0) + 1
         for b in pool.blocks:

@@ -258,7 +258,8 @@ class Scheduler:
         if self.admission_policy is not None:
             self.admission_policy.released(seq)
         if seq.block_table is not None:
-            self.kv_cache_manager.events.record(PREEMPT, seq, block_ids=list(seq.block_table.block_ids))
+            held = [b for b in seq.block_table.block_ids if b >= 0]
+            self.kv_cache_manager.events.record(PREEMPT, seq, block_ids=held)
         self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -16,14 +16,27 @@ class InputProcessor:
     vocab_size: token ids must lie in ``[0, vocab_size)``.
     max_model_len: prompt + generated tokens per sequence.
     block_size, num_blocks: the KV pool, which must hold a request's whole footprint when empty.
+    sliding_window, max_num_batched_tokens: with a window W (every layer's), a sequence holds at most the
+        blocks of W - 1 positions plus one step's tokens (at most ``max_num_batched_tokens``), plus one.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        sliding_window: int | None = None,
+        max_num_batched_tokens: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     def tokenize(self, prompt) -> tuple:
         """``prompt`` (a string, ``{"prompt_token_ids": [...]}`` optionally with its ``"prompt"`` text, or
@@ -61,11 +74,15 @@ class InputProcessor:
     def process(self, prompt, params: SamplingParams) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
         footprint (prompt + ``max_tokens``, capped by ``max_model_len``; times ``beam_width`` for beam
-        search) must fit the empty pool (InvalidRequestError, param "max_tokens")."""
+        search; with a sliding window, only what the window and one step hold) must fit the empty pool
+        (InvalidRequestError, param "max_tokens")."""
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         need = -(-total // self.block_size)
+        if self.sliding_window is not None:
+            step = min(total, self.max_num_batched_tokens or total)
+            need = min(need, -(-(step + self.sliding_window - 1) // self.block_size) + 1)
         if params.use_beam_search:  # beams run together; each may end up holding its own blocks
             need *= params.beam_width
         if need > self.num_blocks:

@@ -77,7 +77,11 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
             KVCacheManager(
-                num_blocks, config.block_size, config.enable_prefix_caching, cache_keys=(self.kv_cache_dtype,)
+                num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                cache_keys=(self.kv_cache_dtype,),
+                sliding_window=mc.sliding_window,
             ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -96,7 +100,13 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks
+            self.tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            config.block_size,
+            num_blocks,
+            sliding_window=mc.sliding_window,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.token_selector = TokenSelector(

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from benchmarks.baselines import CopyingForks
 from rawpaged.core.block_pool import BlockPoolError
+from rawpaged.core.block_table import NULL_BLOCK
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.sequence import Sequence
 from rawpaged.sampling_params import SamplingParams
@@ -278,6 +279,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         parent, values = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
         child = self._new_seq()
         KVCacheManager.fork(self.kv, parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
         self.seqs[child.seq_id] = (child, list(values))
 
     @precondition(lambda self: self.seqs)
@@ -287,15 +289,18 @@ class PagedKVMachine(RuleBasedStateMachine):
         free_before = self.kv.block_pool.num_free_blocks
         child = self._new_seq()
         self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
         self._run_copies()
-        shared = set(child.block_table.block_ids) & set(parent.block_table.block_ids)
-        assert not shared or len(parent.block_table.block_ids) > free_before
+        held = [b for b in parent.block_table.block_ids if b != NULL_BLOCK]
+        shared = set(child.block_table.block_ids) & set(held)
+        assert not shared or len(held) > free_before
         self.seqs[child.seq_id] = (child, list(values))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), n=st.integers(1, 20))
     def append(self, data, n):
         s, values = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        self.kv.remove_skipped_blocks(s)  # a window's blocks go back even when the allocation fails
         free_before, blocks_before = self.kv.block_pool.num_free_blocks, list(s.block_table.block_ids)
         if not self._write(s, values, n):
             assert self.kv.block_pool.num_free_blocks == free_before and s.block_table.block_ids == blocks_before
@@ -321,6 +326,77 @@ class PagedKVMachine(RuleBasedStateMachine):
 
 TestPagedKVMachine = PagedKVMachine.TestCase
 TestPagedKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedKVMachine(PagedKVMachine):
+    """The same sequences under a sliding window W: blocks wholly before a sequence's window are given back
+    as it grows, forks keep the released entries released, and every position the next token can read
+    still reads back what was written there."""
+
+    @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]), window=st.integers(1, 40))
+    def setup(self, num_blocks, block_size, window):
+        super().setup(num_blocks, block_size)
+        self.kv = CopyingForks(num_blocks, block_size, sliding_window=window)
+
+    def _write(self, s, values, n):
+        if not super()._write(s, values, n):
+            return False
+        s.num_computed_tokens = s.block_table.num_tokens  # what the engine's step records
+        return True
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def decode(self, data):
+        """One token, as a decode step writes it: the sequence then holds at most ceil(W / bs) + 1 blocks."""
+        s, values = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        if self._write(s, values, 1):
+            held = [b for b in s.block_table.block_ids if b != NULL_BLOCK]
+            assert len(held) <= -(-self.kv.sliding_window // self.kv.block_size) + 1
+
+    @invariant()
+    def pool_invariants(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_invariants([s for s, _ in self.seqs.values()])
+        for s, values in self.seqs.values():
+            t = s.block_table
+            first = max(0, t.num_tokens - self.kv.sliding_window + 1)  # where the next token's window starts
+            assert list(self.store[t.slots(first, t.num_tokens)]) == values[first:]
+        if not self.seqs:
+            assert self.kv.block_pool.num_free_blocks == self.kv.num_blocks
+
+
+TestWindowedKVMachine = WindowedKVMachine.TestCase
+TestWindowedKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_windowed_sequence_gives_its_blocks_back_and_prefix_hits_stay_correct():
+    """Decoding 8 W tokens holds at most ceil(W / bs) + 1 blocks; released blocks are free (the cached ones
+    still findable until reused); a later prefix lookup maps only blocks whose content is intact."""
+    bs, W = 4, 10
+    kv = KVCacheManager(num_blocks=40, block_size=bs, enable_prefix_caching=True, sliding_window=W)
+    s = seq(range(12))
+    assert kv.allocate_slots(s, 12)
+    s.num_computed_tokens = 12
+    kv.cache_full_blocks(s)
+    most = 0
+    for t in range(8 * W):
+        s.output_token_ids.append(100 + t)
+        assert kv.allocate_slots(s, 1)
+        s.num_computed_tokens += 1
+        kv.cache_full_blocks(s)
+        held = [b for b in s.block_table.block_ids if b != NULL_BLOCK]
+        most = max(most, len(held))
+        kv.check_invariants([s])
+    assert most <= -(-W // bs) + 1 and kv.num_window_frees > 0
+    assert s.block_table.block_ids[0] == NULL_BLOCK
+    assert kv.block_pool.num_free_blocks == kv.num_blocks - len(held)
+    again = seq([*range(12), 7], seq_id=1)
+    hits = kv.get_computed_blocks(again)  # the prompt's blocks were released but are still cached
+    assert len(hits) == 3 and all(kv.block_pool.blocks[b].block_hash is not None for b in hits)
+    kv.free(s)
+    kv.check_invariants([])
+    assert kv.block_pool.num_free_blocks == kv.num_blocks
 
 
 def test_defaults_and_zero_token_allocation():

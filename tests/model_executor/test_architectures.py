@@ -91,11 +91,16 @@ def _run_and_compare(llm, recorded_case, label, alone=ALL):
     return stats
 
 
-def _engine(path, **kw):
+def _num_kv_blocks(arch: str) -> int:
+    """A pool the batched prompts overflow (preemption): a windowed model gives blocks back as it goes."""
+    return 12 if arch == "mistral" else 48
+
+
+def _engine(path, num_kv_blocks=48, **kw):
     return LLM(
         model=str(path),
         device="cpu",
-        num_kv_blocks=48,
+        num_kv_blocks=num_kv_blocks,
         block_size=4,
         max_num_batched_tokens=32,
         enable_prefix_caching=True,
@@ -118,7 +123,7 @@ def test_recorded_reference_is_the_float64_forward(checkpoints, recorded, arch, 
 @pytest.mark.parametrize("arch,rope", CASES, ids=[f"{a}-{r}" for a, r in CASES])
 def test_cpu_engine_matches_reference(checkpoints, recorded, arch, rope):
     path, cfg, _ = checkpoints(arch, rope)
-    llm = _engine(path)
+    llm = _engine(path, _num_kv_blocks(arch))
     assert llm.engine.max_model_len == MAX_MODEL_LEN
     stats = _run_and_compare(llm, recorded[f"{arch}/{rope}"], f"cpu {arch}/{rope}")
     assert stats["num_preemptions"] > 0, "the batched run should preempt"
@@ -147,10 +152,44 @@ def test_emulated_cuda_engine_matches_reference(checkpoints, recorded, emu, monk
         model=str(path),
         device="cuda",
         dtype="float32",
-        num_kv_blocks=48,
+        num_kv_blocks=_num_kv_blocks(arch),
         block_size=4,
         max_num_batched_tokens=32,
     )
     assert llm.engine.backend.name == "cuda"
     stats = _run_and_compare(llm, recorded[f"{arch}/{rope}"], f"cuda-emulated {arch}/{rope}", alone=[3])
     assert stats["num_preemptions"] > 0
+
+
+def test_a_windowed_model_gives_blocks_back_and_matches_the_reference(checkpoints):
+    """Mistral's window W = 12, blocks of 4: decoding 8 W tokens, a sequence never holds more than
+    ceil(W / 4) + 1 blocks (those wholly before its window go back to the pool as it goes), and the greedy
+    ids equal the float64 reference's over its decisive steps."""
+    from rawpaged.core.block_table import NULL_BLOCK
+    from tests.model_reference import greedy_reference
+
+    path, cfg, w = checkpoints("mistral", "default")
+    window = cfg["sliding_window"]
+    llm = _engine(path)
+    kv = llm.engine.kv_cache_manager
+    assert kv.sliding_window == window
+    held = []
+    allocate = kv.allocate_slots
+
+    def recording(seq, n, computed_blocks=()):
+        ok = allocate(seq, n, computed_blocks)
+        held.append(sum(b != NULL_BLOCK for b in seq.block_table.block_ids))
+        return ok
+
+    kv.allocate_slots = recording
+    prompt = PROMPTS[0][:8]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8 * window, ignore_eos=True)
+    )
+    ids = list(out[0].outputs[0].token_ids)
+    assert len(ids) == 8 * window and max(held[1:]) <= -(-window // 4) + 1 and kv.num_window_frees > 0
+    want, margins = greedy_reference(cfg, w, prompt, 8 * window, MAX_MODEL_LEN)
+    k = decisive_prefix(want, margins, MIN_MARGIN)
+    assert k > 4 * window and ids[:k] == want[:k]
+    kv.check_invariants()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
