@@ -12,6 +12,7 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal[DTYPE_CHOICES]
 KVCacheDType = Literal[KV_CACHE_DTYPE_CHOICES]
 Quantization = Literal["gguf", "q8_0"]
+PreemptionMode = Literal["swap", "recompute"]
 
 
 @dataclass
@@ -67,6 +68,16 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     """seconds a structured-output request waits for its grammar to compile (several compile at once);
     past it the request is refused with a 400 and the compile's result is kept for the next one"""
+    kv_offloading_size: float | None = None
+    """GiB for a second KV tier (also --swap-space, vLLM's older name): page-locked host memory on CUDA, a
+    memory-mapped file on the CPU. Blocks evicted from the pool and preempted requests' blocks go there
+    instead of being dropped; a prefix that comes back is loaded instead of recomputed (docs/kv_memory.md)"""
+    kv_offload_dir: str | None = None
+    """CPU: the directory of the tier's file, kept across restarts (a new engine with the same model finds
+    the cached prefixes); default: a temporary file, removed on close"""
+    preemption_mode: PreemptionMode | None = None
+    """swap: a preempted request's blocks go to the second tier (when it has room; else recompute);
+    recompute: they are dropped and recomputed; default: swap with a tier, else recompute"""
 
     def __post_init__(self):
         if self.device not in Device.__args__:
@@ -89,6 +100,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization not in (None, *Quantization.__args__):
             raise ValueError(f"quantization must be one of {Quantization.__args__} or None, got {self.quantization!r}")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        if self.preemption_mode not in (None, *PreemptionMode.__args__):
+            raise ValueError(f"preemption_mode must be one of {PreemptionMode.__args__} or None")
+        if self.preemption_mode == "swap" and self.kv_offloading_size is None:
+            raise ValueError("preemption_mode 'swap' needs a second KV tier: set kv_offloading_size")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_num_batched_tokens < 1:

@@ -58,6 +58,9 @@ class BlockPool:
         self._copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
         self.peak_used_blocks = 0
+        #: called as ``on_evict(block_id, block_hash, token_ids)`` when ``take`` evicts a cached block, before
+        #: it is handed out (the second KV tier keeps the block's contents)
+        self.on_evict = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -90,6 +93,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == bid:
                 del self._cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(bid, block.block_hash, block.token_ids)
             block.block_hash = None
             block.token_ids = None
         block.ref_count = 1

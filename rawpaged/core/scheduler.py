@@ -9,8 +9,12 @@ budget, ``max_num_seqs`` and the block pool allow. In a step that carries decode
 prompt arriving while others decode is chunked instead of stalling them for its whole prefill
 (Sarathi-Serve's stall-free batching, Agrawal et al., OSDI 2024); a step without decodes takes the
 whole budget, so a burst of arrivals is prefilled at once. When the pool runs dry, the newest running
-sequence is preempted by recompute (vLLM paper §4.5): its blocks are freed and it re-enters the head
-of the waiting queue with ``num_computed_tokens = 0``.
+sequence is preempted (vLLM paper §4.5) and re-enters the head of the waiting queue. By recompute: its
+blocks are freed and it starts again from ``num_computed_tokens = 0``. By swapping (``preemption_mode``
+"swap", with a second KV tier): the running sequences of its request are swapped out together, their blocks
+copied to the tier once each, and swapped back in together before any other admission, as they were. The
+rule: swap when the tier has room for the request's blocks, else recompute (a recompute needs no room
+anywhere); both are counted.
 
 After the model ran, ``update_from_output`` advances ``num_computed_tokens``, caches newly full blocks,
 appends the sampled tokens and applies the token-level stop checks; finished sequences return their
@@ -25,6 +29,7 @@ from typing import Protocol
 
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.kv_events import PREEMPT
+from rawpaged.core.kv_offload import KVTransfers
 from rawpaged.core.sequence import Sequence, SequenceStatus
 
 
@@ -34,13 +39,16 @@ class SchedulerOutput:
 
     Attributes:
         scheduled: ``(sequence, number of new tokens to compute)`` in running order.
-        preempted: sequences preempted (by recompute) to make room this step.
+        preempted: sequences preempted (by recompute or swapping) to make room this step.
         blocks_to_copy: copy-on-write ``(src, dst)`` block copies to run before the step's kernels.
+        kv_transfers: copies between the pool and the second KV tier, run before those
+            (``kv_cache_manager.KVTransfers``).
     """
 
     scheduled: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
     blocks_to_copy: list = field(default_factory=list)
+    kv_transfers: KVTransfers = field(default_factory=lambda: KVTransfers([], []))
 
     @property
     def num_batched_tokens(self) -> int:
@@ -58,6 +66,8 @@ class SchedulerStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_swapped_out: int = 0  # sequences preempted by swapping (the rest of num_preemptions: recompute)
+    num_swapped_in: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
 
@@ -84,8 +94,10 @@ class Scheduler:
         admission_policy: optional ``AdmissionPolicy``.
         max_prefill_tokens_while_decoding: prefill tokens per step at most while any running sequence
             decodes (None: only ``max_num_batched_tokens`` limits them).
+        preemption_mode: "recompute", or "swap" (with a tier in ``kv_cache_manager``; recompute where the
+            tier has no room).
     Raises:
-        ValueError: a limit below 1.
+        ValueError: a limit below 1, or an unknown ``preemption_mode``.
     """
 
     def __init__(
@@ -97,6 +109,7 @@ class Scheduler:
         eos_token_ids=(),
         admission_policy: AdmissionPolicy | None = None,
         max_prefill_tokens_while_decoding: int | None = None,
+        preemption_mode: str = "recompute",
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -107,6 +120,9 @@ class Scheduler:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {max_prefill_tokens_while_decoding}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        self.preemption_mode = preemption_mode
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -185,6 +201,7 @@ class Scheduler:
         if out.scheduled:
             self.stats.num_steps += 1
         out.blocks_to_copy = kv.take_block_copies()
+        out.kv_transfers = kv.take_transfers()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -192,6 +209,12 @@ class Scheduler:
         slots = sum(map(_seq_slots, self.running))  # batch slots taken, counting forks still to come
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.swapped_table is not None:
+                if not self._swap_in_group(seq, out):
+                    return
+                budget = min(budget, self.max_num_batched_tokens - out.num_batched_tokens)
+                slots = sum(map(_seq_slots, self.running))
+                continue
             if seq.output_token_ids and seq.sampling_params.use_beam_search:
                 if not self._admit_beam_group(seq, out):
                     return
@@ -203,9 +226,10 @@ class Scheduler:
             if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
                 return
             computed = kv.get_computed_blocks(seq)
-            num_cached = len(computed) * kv.block_size
+            offloaded = kv.get_offloaded_blocks(seq, len(computed))
+            num_cached = (len(computed) + len(offloaded)) * kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
-            if not kv.allocate_slots(seq, n, computed):
+            if not kv.allocate_slots(seq, n, computed, offloaded):
                 return
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -221,15 +245,20 @@ class Scheduler:
 
     def _preempt_newest(self, out: SchedulerOutput) -> list:
         """Preempt the newest running sequence; a beam takes its running siblings with it, since beams
-        advance together and a lone beam would hold blocks while waiting for the others."""
+        advance together and a lone beam would hold blocks while waiting for the others. Swapping takes
+        the request's running sequences together (their shared blocks are copied once)."""
         victim = self.running[-1]
-        if victim.sampling_params.use_beam_search:
-            victims = [s for s in self.running if s.request_id == victim.request_id]
+        group = [s for s in self.running if s.request_id == victim.request_id]
+        swapped = self.preemption_mode == "swap" and self.kv_cache_manager.swap_out(group)
+        if swapped:
+            victims = group
+        elif victim.sampling_params.use_beam_search:
+            victims = group
         else:
             victims = [victim]
         for v in reversed(victims):  # appendleft in reverse keeps the group's order at the queue head
             self.running.remove(v)
-            self._preempt(v)
+            self._preempt(v, swapped)
         out.scheduled[:] = [(s, n) for s, n in out.scheduled if s not in victims]
         out.preempted.extend(victims)
         return victims
@@ -254,17 +283,42 @@ class Scheduler:
                 budget -= n
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, swapped: bool = False) -> None:
+        """Back to the head of the waiting queue: swapped out (its blocks already in the tier), or for
+        recompute (its blocks freed, ``num_computed_tokens`` 0)."""
         if self.admission_policy is not None:
             self.admission_policy.released(seq)
         if seq.block_table is not None:
             held = [b for b in seq.block_table.block_ids if b >= 0]
             self.kv_cache_manager.events.record(PREEMPT, seq, block_ids=held)
-        self.kv_cache_manager.free(seq)
-        seq.num_computed_tokens = 0
+        if swapped:
+            self.stats.num_swapped_out += 1
+        else:
+            self.kv_cache_manager.free(seq)
+            seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
+
+    def _swap_in_group(self, head: Sequence, out: SchedulerOutput) -> bool:
+        """Swap ``head``'s request back in: all its swapped-out sequences together (they share blocks), when
+        the pool holds their blocks plus one more block each, so their next tokens fit. Their remaining
+        tokens run from the next step (as running sequences)."""
+        group = [s for s in self.waiting if s.request_id == head.request_id and s.swapped_table is not None]
+        kv = self.kv_cache_manager
+        if kv.num_blocks_to_swap_in(group) + len(group) > kv.block_pool.num_free_blocks:
+            return False
+        if len(self.running) + len(group) > self.max_num_seqs and self.running:
+            return False
+        kv.swap_in(group)
+        for s in group:
+            self.waiting.remove(s)
+            s.status = SequenceStatus.RUNNING
+            self.running.append(s)
+            if self.admission_policy is not None:
+                self.admission_policy.admitted(s)
+        self.stats.num_swapped_in += len(group)
+        return True
 
     # ------------------------------------------------------------------ after the step
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: list) -> list:
@@ -280,6 +334,7 @@ class Scheduler:
         """
         stats = self.stats
         kv = self.kv_cache_manager
+        kv.end_transfers()  # the runner has copied this step's transfers
         for seq, n in scheduler_output.scheduled:
             stats.num_prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_tokens += n

@@ -49,6 +49,7 @@ class Sequence:
     pending_logprobs: object = None  # beam search: this step's log_softmax row, until all beams have one
     first_token_time: float | None = None
     grammar: object = None  # structured outputs: the matcher of this sequence's tokens, else None
+    swapped_table: object = None  # preempted by swapping: its blocks' swap slots (``KVCacheManager.swap_out``)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -197,7 +197,9 @@ class AsyncEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._fail_all(EngineDeadError("the server is shutting down"))
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # the engine thread finishes its step before the tier's file is flushed and closed
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        self.engine.close()
 
     # ------------------------------------------------------------------ engine thread
     def _add(self, prompt, params, request_id, grammar) -> int:

@@ -22,6 +22,7 @@ from rawpaged.core.scheduler import Scheduler, SchedulerStats
 from rawpaged.core.sequence import Sequence
 from rawpaged.engine import beam_search
 from rawpaged.engine.input_processor import InputProcessor
+from rawpaged.engine.kv_offload import KVOffload
 from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
@@ -75,19 +76,32 @@ class LLMEngine:
         self.eos_token_ids = set(mc.eos_token_ids) | set(gen.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        geometry = dict(
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_size=config.block_size,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+        )
+        self.kv_offload = KVOffload.from_config(config, self.backend, self.model_dir, self.kv_block_bytes, geometry)
+        tier = self.kv_offload
         self.scheduler = Scheduler(
             KVCacheManager(
                 num_blocks,
                 config.block_size,
                 config.enable_prefix_caching,
-                cache_keys=(self.kv_cache_dtype,),
+                cache_keys=(self.kv_cache_dtype, *(tier.cache_keys if tier else ())),
                 sliding_window=mc.sliding_window,
+                offload=tier.manager if tier else None,
+                write_through=bool(tier and tier.persistent),
             ),
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+            preemption_mode=config.preemption_mode or ("swap" if tier else "recompute"),
         )
         self.runner = ModelRunner(
             self.model,
@@ -99,6 +113,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        if tier is not None and not tier.attach(self.runner, self.kv_cache_manager, config.block_size):
+            self.kv_offload = None
         self.input_processor = InputProcessor(
             self.tokenizer,
             mc.vocab_size,
@@ -231,7 +247,9 @@ class LLMEngine:
         propagates.
         """
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
+        if sched_out.is_empty:  # a swap-in runs no tokens until the next step; its copies run now
+            self.runner.run_kv_transfers(sched_out.kv_transfers)
+            self.kv_cache_manager.end_transfers()
             return []
         logits, sampling = self.runner.execute_model(sched_out)
         now = time.monotonic()
@@ -329,4 +347,13 @@ class LLMEngine:
             "prompt_tokens_total": sched.stats.num_prompt_tokens,
             "generation_tokens_total": sched.stats.num_generation_tokens,
             "num_steps": sched.stats.num_steps,
+            "num_swapped_out": sched.stats.num_swapped_out,
+            "num_swapped_in": sched.stats.num_swapped_in,
+            "kv_offload": self.kv_offload.stats() if self.kv_offload is not None else None,
         }
+
+    def close(self) -> None:
+        """Flush and release what outlives a step: the second KV tier's file. Idempotent."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+            self.kv_offload = None

@@ -92,3 +92,8 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Flush what outlives the engine (a persistent second KV tier's file); the engine stays usable
+        without its tier. Idempotent."""
+        self.engine.close()

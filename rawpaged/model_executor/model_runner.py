@@ -53,6 +53,9 @@ class ModelRunner:
         max_model_len: int | None = None,
         fused_decode: bool = True,
     ):
+        #: the second KV tier's bytes (``kv_offload_store``), set by the engine; ``slot_info`` names its slots
+        self.kv_store = None
+        self.slot_info = None
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
@@ -84,6 +87,15 @@ class ModelRunner:
                     be.name,
                 )
 
+    def run_kv_transfers(self, transfers) -> None:
+        """A step's copies between the pool and the second KV tier (``KVTransfers``): stores, then loads.
+        Called first by ``execute_model``; the engine calls it alone for a step that runs no model."""
+        if self.kv_store is None or not transfers:
+            return
+        self.kv_store.store(transfers.stores)
+        self.kv_store.load(transfers.loads)
+        self.kv_store.after_transfers(self.slot_info)
+
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
 
@@ -93,6 +105,7 @@ class ModelRunner:
         """
         be = self.backend
         scheduled = scheduler_output.scheduled
+        self.run_kv_transfers(scheduler_output.kv_transfers)
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
             be.copy_blocks(self.key_caches, self.value_caches, group)
         decodes, prefills = [], []
