@@ -39,6 +39,7 @@ class AppState:
     gate: object = None  # the ConnectionGate counting connections
     draining: bool = False  # shutting down: new requests get 503
     allowed_host_names: frozenset | None = None  # Host names accepted (None: any; ``hosts``)
+    websockets: set = field(default_factory=set)  # open ``WebSocketSession``s (closed by the drain)
 
 
 STATE = web.AppKey("rawpaged_state", AppState)

@@ -57,10 +57,13 @@ def _positive_int(text: str) -> int:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None (those options describe their default in words)."""
+    """Shows defaults, except None or empty (those options describe their default in words) and where the
+    help already gives one."""
 
     def _get_help_string(self, action):
-        return action.help if action.default in (None, argparse.SUPPRESS) else super()._get_help_string(action)
+        if action.default in (None, argparse.SUPPRESS, ()) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 # ------------------------------------------------------------------------------------------ engine options
@@ -85,9 +88,12 @@ def field_docs(cls) -> dict:
     return docs
 
 
+#: Other spellings of a field's option (vLLM's older names).
+_ALIASES = {"kv_offloading_size": ("--swap-space",)}
 #: Command-line parsing that differs from the field's type: (type, metavar).
 _ARG_TYPES = {
     "kv_cache_memory": (parse_size, "SIZE"),
+    "kv_offloading_size": (float, "GIB"),
     "num_kv_blocks": (_positive_int, None),
     "max_prefill_tokens_while_decoding": (_positive_int, None),
 }
@@ -131,7 +137,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls, title: str, exclude=()
             kw["type"], metavar = arg_types.get(f.name, (base[0], None))
             if metavar:
                 kw["metavar"] = metavar
-        target.add_argument(flag, **kw)
+        target.add_argument(flag, *_ALIASES.get(f.name, ()), **kw)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude=()) -> None:

@@ -107,6 +107,8 @@ async def drain(state: AppState) -> None:
         n = engine.end_requests(ServerShuttingDownError(f"the server shut down (--shutdown-timeout {timeout:g}s)"))
         logger.info("ended %d requests still running after %gs", n, timeout)
         await asyncio.sleep(0.1)  # their handlers write the errors before the connections close
+    if state.websockets:  # open sockets (idle, or their last messages sent) would hold up the exit
+        await asyncio.gather(*(s.close_going_away() for s in list(state.websockets)), return_exceptions=True)
     if engine is not None:
         try:  # replicas that died may not answer: the drain's report must not hold up the exit
             stats = await asyncio.wait_for(engine.stats(), 5.0)

@@ -131,11 +131,15 @@ def _http_error(state: AppState, e: web.HTTPException) -> web.Response:
 
 
 def _log_refusal(request: web.Request, response: web.StreamResponse) -> None:
-    """One line per refused request (the request log has lines only for requests that ran)."""
+    """One line per refused request (the request log has lines only for requests that ran); none for
+    ``/health``, whose 503 while loading or draining is its answer, polled."""
+    if request.rel_url.path == "/health":
+        return
     message = ""
     if isinstance(response, web.Response) and response.content_type == "application/json" and response.text:
         try:
             message = json.loads(response.text).get("error", {}).get("message", "")
         except (ValueError, AttributeError):
             pass
-    logger.info("%s %s -> %d %s", request.method, request.rel_url.path, response.status, message[:300])
+    detail = f" {message[:300]}" if message else ""
+    logger.info("%s %s -> %d%s", request.method, request.rel_url.path, response.status, detail)

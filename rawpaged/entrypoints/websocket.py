@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 
-from aiohttp import web
+from aiohttp import WSCloseCode, web
 
 from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
 from rawpaged.entrypoints.admission import admit, check_capacity, require_engine
@@ -85,15 +85,22 @@ class WebSocketSession:
 
     async def serve(self) -> None:
         """Read and act on messages until the socket closes (or is closed here); then cancel its jobs."""
+        self.state.websockets.add(self)
         try:
             while await self._receive():
                 pass
         finally:
+            self.state.websockets.discard(self)
             tasks = [j.task for j in list(self.jobs.values()) if j.task is not None]
             for t in tasks:
                 t.cancel()
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close_going_away(self) -> None:
+        """The server is shutting down (its requests have ended): close with 1001 "going away"."""
+        if not self.ws.closed:
+            await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
 
     async def send(self, obj: dict) -> None:
         """``obj`` as a JSON text message; nothing once the socket is closed."""

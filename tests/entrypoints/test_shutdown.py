@@ -130,3 +130,40 @@ def test_sigterm_with_nothing_in_flight_exits_at_once(tiny_dir):
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(20) == 0
     assert time.monotonic() - start < 10
+
+
+def test_sigterm_closes_open_websockets_going_away(tiny_dir):
+    """An idle websocket, and one whose request finished after the SIGTERM, get a close frame with 1001
+    ("going away") once the requests are done, and the process exits soon after, not after the handlers'
+    shutdown timeout."""
+    proc, url, log = start_server(tiny_dir, "--shutdown-timeout", "30")
+    try:
+
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.ws_connect(url + "/v1/ws") as idle, s.ws_connect(url + "/v1/ws") as busy:
+                    await busy.send_str(json.dumps({"type": "generate", "id": 1, "prompt": "hey", "max_tokens": 40}))
+                    first = json.loads((await busy.receive(timeout=30)).data)
+                    start = time.monotonic()
+                    os.kill(proc.pid, signal.SIGTERM)
+                    replies = []
+                    while True:
+                        msg = await busy.receive(timeout=30)
+                        if msg.type != aiohttp.WSMsgType.TEXT:
+                            break
+                        replies.append(json.loads(msg.data)["type"])
+                    idle_msg = await idle.receive(timeout=30)
+                    return first["type"], replies, busy.close_code, idle_msg.type, idle.close_code, start
+
+        first, replies, busy_code, idle_type, idle_code, start = asyncio.run(main())
+        code = proc.wait(30)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log += proc.stderr.readlines()
+    assert code == 0, "".join(log)
+    assert first == "delta" and replies[-1] == "done", replies  # the request ran to its end
+    assert busy_code == 1001 and idle_code == 1001, (busy_code, idle_code)
+    assert idle_type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+    assert elapsed < 8, f"{elapsed:.1f} s from SIGTERM to exit"

@@ -207,6 +207,17 @@ class CudaBackend:
             dtype = np.uint16
         return self.xp.zeros(shape, dtype=dtype)
 
+    def host_empty(self, shape, dtype):
+        """A NumPy array in page-locked host memory (the driver copies it to and from the device
+        asynchronously): the second KV tier's slots. Pageable memory in the CPU emulation."""
+        dtype = np.dtype(dtype)
+        if self.device is None:
+            return np.empty(shape, dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        return np.frombuffer(
+            self.xp.cuda.alloc_pinned_memory(max(n, 1)), dtype=dtype, count=n // dtype.itemsize
+        ).reshape(shape)
+
     def allocate_kv_cache(self, shape, kv_cache_dtype: str):
         """A zeroed device cache of ``kv_cache_dtype`` (``kv_cache.allocate_kv_cache``)."""
         return allocate_kv_cache(self.zeros, shape, kv_cache_dtype)
