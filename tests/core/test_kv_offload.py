@@ -1,0 +1,226 @@
+"""The second KV tier's bookkeeping: the ``OffloadingManager`` alone, and a hypothesis state machine over a
+``KVCacheManager`` with a tier (and sometimes a sliding window) whose every step runs its transfers on
+simulated device and host slot stores. Each position's "KV" is a function of the tokens up to it, so any
+block served from anywhere (the pool, a prefix hit, the tier, a swap-in) can be checked."""
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from rawpaged.core.block_table import NULL_BLOCK
+from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.kv_offload import OffloadingManager
+from rawpaged.core.sequence import Sequence
+from rawpaged.sampling_params import SamplingParams
+
+_PARAMS = SamplingParams()
+
+
+def seq(tokens, seq_id) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), _PARAMS, None, 0.0)
+
+
+# ------------------------------------------------------------------------------------------ the manager
+def test_prefix_entries_are_lru_and_a_pinned_slot_is_never_evicted_in_its_step():
+    m = OffloadingManager(2)
+    a = m.store_prefix(1, (1,))
+    b = m.store_prefix(2, (2,))
+    assert {a, b} == {0, 1} and m.store_prefix(3, (3,)) is None  # both pinned this step: refused
+    assert m.stats.refused_stores == 1
+    m.end_step()
+    assert m.lookup(1, (1,)) == a  # touched: 2 is now the least recently used
+    m.end_step()
+    c = m.store_prefix(3, (3,))
+    assert c == b and not m.contains(2) and m.contains(1) and m.stats.prefix_evictions == 1
+    assert m.lookup(1, (9,)) is None  # the token ids are compared, as in the pool
+    assert m.store_prefix(1, (1,)) is None  # already there: touched, not stored again
+    m.end_step()
+    m.check_invariants()
+
+
+def test_swap_slots_are_all_or_nothing_pinned_and_free_only_after_the_step():
+    m = OffloadingManager(3)
+    m.store_prefix(7, (7,))
+    m.end_step()
+    assert m.allocate_swap(4) is None and m.num_prefix_blocks == 1  # nothing taken
+    slots = m.allocate_swap(3)  # evicts the prefix entry
+    assert sorted(slots) == [0, 1, 2] and m.num_prefix_blocks == 0 and m.num_swap_blocks == 3
+    m.share_swap(slots[0])
+    m.end_step()
+    m.load_swap(slots[0])
+    m.release_swap(slots[0])
+    m.release_swap(slots[0])  # both holders: free, but not before the step's load ran
+    assert m.num_free_slots == 0 and not m.can_allocate(1)
+    m.end_step()
+    assert m.num_free_slots == 1 and m.num_swap_blocks == 2
+    m.check_invariants()
+
+
+def test_restored_entries_keep_their_lru_order():
+    m = OffloadingManager(3)
+    m.restore_prefix(2, 20, (2,))
+    m.restore_prefix(0, 10, (1,))
+    with pytest.raises(ValueError):
+        m.restore_prefix(0, 30, (3,))
+    assert m.lookup(20, (2,)) == 2 and m.stats.restored == 2
+    m.end_step()
+    m.store_prefix(40, (4,))  # the free slot
+    m.end_step()
+    m.store_prefix(50, (5,))  # evicts 10, the least recently used
+    assert not m.contains(10) and m.contains(20)
+
+
+# ------------------------------------------------------------------------------------------ the machine
+def _value(tokens, p) -> int:
+    """The "KV" of position ``p``: a function of the tokens up to and including it."""
+    return hash(tuple(tokens[: p + 1])) % (1 << 62)
+
+
+class TieredKVMachine(RuleBasedStateMachine):
+    """Sequences over a small pool with prefix caching and a tier; each rule is one engine step: the
+    manager's decisions, its transfers copied (stores, then loads), the new positions written, the
+    transfers ended and full blocks cached."""
+
+    @initialize(
+        num_blocks=st.integers(2, 16),
+        num_slots=st.integers(1, 12),
+        block_size=st.sampled_from([1, 2, 4]),
+        window=st.sampled_from([None, None, 3, 9]),
+    )
+    def setup(self, num_blocks, num_slots, block_size, window):
+        self.tier = OffloadingManager(num_slots)
+        self.kv = KVCacheManager(num_blocks, block_size, True, offload=self.tier, sliding_window=window)
+        self.bs = block_size
+        self.device = np.full(num_blocks * block_size, -1, np.int64)
+        self.host = np.full(num_slots * block_size, -1, np.int64)
+        self.live, self.swapped = {}, {}
+        self.names = 0
+        self.prefixes = {}  # block hash -> the token ids of its whole prefix (what its values follow from)
+
+    def _step(self, seqs_written):
+        """Run the transfers and copies, write each ``(seq, first new position)``, end the transfers, cache."""
+        t = self.kv.take_transfers()
+        bs = self.bs
+        for block, slot in t.stores:
+            self.host[slot * bs : (slot + 1) * bs] = self.device[block * bs : (block + 1) * bs]
+        for slot, block in t.loads:
+            self.device[block * bs : (block + 1) * bs] = self.host[slot * bs : (slot + 1) * bs]
+        for src, dst in self.kv.take_block_copies():  # copy-on-write, after the transfers (as the runner)
+            self.device[dst * bs : (dst + 1) * bs] = self.device[src * bs : (src + 1) * bs]
+        for s, first in seqs_written:
+            table = s.block_table
+            for p in range(first, table.num_tokens):
+                self.device[table.slots(p, p + 1)[0]] = _value(s.token_ids, p)
+        self.kv.end_transfers()
+        for s, _ in seqs_written:
+            s.num_computed_tokens = s.block_table.num_tokens
+            self.kv.cache_full_blocks(s)
+            for i, h in enumerate(s.block_table.block_hashes):
+                self.prefixes[h] = tuple(s.token_ids[: (i + 1) * bs])
+
+    def _readable_from(self, s) -> int:
+        w = self.kv.sliding_window
+        return 0 if w is None else max(0, s.num_computed_tokens - w + 1)
+
+    @rule(data=st.data(), n=st.integers(1, 12))
+    def new_sequence(self, data, n):
+        """A prompt: sometimes one that shares a prefix with an earlier sequence's tokens (pool or tier
+        hits), then new tokens."""
+        self.names += 1
+        base = []
+        if self.live and data.draw(st.booleans()):
+            other = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+            base = other.token_ids[: data.draw(st.integers(0, other.num_tokens))]
+        s = seq(base + [data.draw(st.integers(0, 3)) for _ in range(n)], self.names)
+        computed = self.kv.get_computed_blocks(s)
+        offloaded = self.kv.get_offloaded_blocks(s, len(computed))
+        cached = (len(computed) + len(offloaded)) * self.bs
+        if self.kv.allocate_slots(s, s.num_tokens - cached, computed, offloaded):
+            s.num_computed_tokens = cached
+            self._step([(s, cached)])
+            self.live[s.seq_id] = s
+        else:
+            assert s.block_table is None
+            self._step([])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def append(self, data, n):
+        s = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        first = s.num_tokens
+        s.output_token_ids.extend(data.draw(st.integers(0, 3)) for _ in range(n))
+        if self.kv.allocate_slots(s, n):
+            self._step([(s, first)])
+        else:
+            del s.output_token_ids[first - s.num_prompt_tokens :]
+            self._step([])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        self.names += 1
+        child = seq(parent.prompt_token_ids, self.names)
+        child.output_token_ids = list(parent.output_token_ids)
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.live[child.seq_id] = child
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        s = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.kv.free(s)
+        self._step([])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        """One sequence, or a parent with every live sequence sharing one of its blocks (copied once)."""
+        s = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        held = {b for b in s.block_table.block_ids if b != NULL_BLOCK}
+        group = [s] + [o for o in self.live.values() if o is not s and held & set(o.block_table.block_ids)]
+        group = group if data.draw(st.booleans()) else [s]
+        distinct = {b for o in group for b in o.block_table.block_ids if b != NULL_BLOCK}
+        before = self.tier.stats.swap_out_blocks
+        if self.kv.swap_out(group):
+            assert self.tier.stats.swap_out_blocks - before == len(distinct)  # shared blocks once
+            for o in group:
+                self.swapped[o.seq_id] = self.live.pop(o.seq_id)
+                assert o.block_table is None and o.swapped_table is not None
+        self._step([])
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        s = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
+        if self.kv.swap_in([s]):
+            self.live[s.seq_id] = self.swapped.pop(s.seq_id)
+        self._step([])
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_invariants(list(self.live.values()))
+        self.tier.check_invariants()
+        for s in self.live.values():  # every position the next token reads holds its value
+            t = s.block_table
+            first = self._readable_from(s)
+            got = self.device[t.slots(first, t.num_tokens)]
+            assert list(got) == [_value(s.token_ids, p) for p in range(first, t.num_tokens)]
+        bs = self.bs
+        for h, slot in self.tier._prefix.items():  # every tier block holds its prefix's values
+            tokens = self.prefixes[h]
+            got = self.host[slot * bs : (slot + 1) * bs]
+            assert list(got) == [_value(tokens, p) for p in range(len(tokens) - bs, len(tokens))]
+        held_slots = sum(1 for s in self.swapped.values() for x in s.swapped_table.slots if x != NULL_BLOCK)
+        assert (held_slots == 0) == (self.tier.num_swap_blocks == 0)
+        if not self.live and not self.swapped:
+            assert self.kv.block_pool.num_free_blocks == self.kv.num_blocks
+
+
+TestTieredKVMachine = TieredKVMachine.TestCase
+TestTieredKVMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
