@@ -34,6 +34,7 @@ class KVCacheState:
             num_tokens, num_computed_tokens, block_ids)``.
         step: the scheduler's step counter.
         events, events_missed, next_event_id: ``KVCacheEventLog.since`` and the next id to ask for.
+        offload: the second KV tier's blocks and counters (``offload_summary``), or None without one.
     """
 
     block_size: int
@@ -47,6 +48,24 @@ class KVCacheState:
     events: list
     events_missed: int
     next_event_id: int
+    offload: dict | None = None
+
+
+def offload_summary(tier) -> dict | None:
+    """What the KV view shows of a second tier (``kv_offload.OffloadingManager``): slots, blocks held by
+    kind, prefix hits and stores, blocks swapped out and in."""
+    if tier is None:
+        return None
+    s = tier.stats
+    return {
+        "num_slots": tier.num_slots,
+        "num_prefix_blocks": tier.num_prefix_blocks,
+        "num_swap_blocks": tier.num_swap_blocks,
+        "prefix_hits": s.prefix_hits,
+        "prefix_stores": s.prefix_stores,
+        "swap_out_blocks": s.swap_out_blocks,
+        "swap_in_blocks": s.swap_in_blocks,
+    }
 
 
 def check_range(num_blocks: int, start: int = 0, count: int | None = None, since_event: int | None = None) -> tuple:
@@ -107,6 +126,7 @@ def capture(scheduler, start: int = 0, count: int | None = None, since_event: in
         events=events,
         events_missed=missed,
         next_event_id=log.next_event_id,
+        offload=offload_summary(kv.offload),
     )
 
 
@@ -154,6 +174,7 @@ def to_json(state: KVCacheState) -> dict:
         "events": state.events,
         "events_missed": state.events_missed,
         "next_event_id": state.next_event_id,
+        "offload": state.offload,
     }
 
 

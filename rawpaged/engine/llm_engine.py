@@ -349,7 +349,22 @@ class LLMEngine:
             "num_steps": sched.stats.num_steps,
             "num_swapped_out": sched.stats.num_swapped_out,
             "num_swapped_in": sched.stats.num_swapped_in,
-            "kv_offload": self.kv_offload.stats() if self.kv_offload is not None else None,
+            "num_window_frees": kv.num_window_frees,
+            **self._offload_stats(),
+        }
+
+    def _offload_stats(self) -> dict:
+        """The second KV tier's counters, flat (``/metrics``) and whole (``kv_offload``; None without one)."""
+        tier = self.kv_offload.stats() if self.kv_offload is not None else None
+        if tier is None:
+            return {"kv_offload": None}
+        return {
+            "kv_offload": tier,
+            "num_offload_slots": tier["num_slots"],
+            "num_offloaded_blocks": tier["num_prefix_blocks"],
+            "num_swapped_blocks": tier["num_swap_blocks"],
+            "offload_prefix_hits": tier["prefix_hits"],
+            "offload_prefix_stores": tier["prefix_stores"],
         }
 
     def close(self) -> None:

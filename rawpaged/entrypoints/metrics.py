@@ -94,9 +94,21 @@ _GAUGES = (
     ("rawpaged:num_cached_blocks", "Free blocks still holding a reusable prefix.", "num_cached_blocks"),
     ("rawpaged:num_used_blocks", "KV-cache blocks referenced by some sequence.", "num_used_blocks"),
     ("rawpaged:num_shared_blocks", "KV-cache blocks referenced by more than one sequence.", "num_shared_blocks"),
+    ("rawpaged:num_offload_slots", "Blocks the second KV tier can hold (0 without one).", "num_offload_slots"),
+    ("rawpaged:num_offloaded_blocks", "Prefix blocks held in the second KV tier.", "num_offloaded_blocks"),
+    ("rawpaged:num_swapped_blocks", "Blocks of swapped-out requests held in the second KV tier.", "num_swapped_blocks"),
 )
 _COUNTERS = (
-    ("rawpaged:num_preemptions", "Sequences preempted (recomputed later) so far.", "num_preemptions"),
+    ("rawpaged:num_preemptions", "Sequences preempted (swapped out, or recomputed later) so far.", "num_preemptions"),
+    ("rawpaged:num_swapped_out", "Sequences preempted by swapping their blocks to the second tier.", "num_swapped_out"),
+    ("rawpaged:num_swapped_in", "Sequences swapped back in from the second tier.", "num_swapped_in"),
+    ("rawpaged:offload_prefix_hits", "Prefix blocks loaded from the second KV tier.", "offload_prefix_hits"),
+    (
+        "rawpaged:offload_prefix_stores",
+        "Blocks stored in the second KV tier (evicted or written through).",
+        "offload_prefix_stores",
+    ),
+    ("rawpaged:window_frees", "Blocks given back because a sliding window had passed them.", "num_window_frees"),
     ("rawpaged:prompt_tokens", "Prompt tokens computed (prefill) so far.", "prompt_tokens_total"),
     ("rawpaged:generation_tokens", "Tokens generated so far.", "generation_tokens_total"),
     ("rawpaged:prefix_cache_queries", "Prefix-cache lookups (blocks).", "prefix_cache_queries"),

@@ -124,9 +124,15 @@ window.rawpagedKvView = (() => {
       if (b.ref_count === 0 && b.cached) cached++;
     }
     const replica = s.replica !== undefined ? `replica ${s.replica} · ` : "";
+    const o = s.offload;
+    const tier = o
+      ? ` · second tier ${o.num_prefix_blocks + o.num_swap_blocks}/${o.num_slots} ` +
+        `(prefix ${o.num_prefix_blocks}, swapped ${o.num_swap_blocks}), hits ${o.prefix_hits}, ` +
+        `swaps out/in ${o.swap_out_blocks}/${o.swap_in_blocks}`
+      : "";
     $("kv-counts").textContent =
       `${replica}${s.num_blocks} blocks of ${s.block_size} tokens · used ${used} (shared ${shared}) · ` +
-      `free ${s.num_free_blocks} (prefix cached ${cached}) · step ${s.step}`;
+      `free ${s.num_free_blocks} (prefix cached ${cached}) · step ${s.step}${tier}`;
   }
 
   function setRequests(requests) {
