@@ -11,8 +11,19 @@ Section ``quant`` (``--kv-cache-dtype int8`` / ``fp8_e4m3`` against float32):
 3. Decode attention (the kernel alone) at ``--batch`` sequences x ``--context`` positions, the default
    model's heads (9 query, 3 KV, head_dim 64), blocks scattered: median time per call.
 
-Usage: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/kv_tiers.py [--out DIR]``;
-``--quick`` runs a small version (2 prompts x 16 tokens, batch 4 x 256).
+Section ``tier`` (``--kv-offloading-size``, the second KV tier), against the same engine without it:
+
+4. An evicted conversation: a ``--conversation``-token prompt, then other prompts that reuse every pool
+   block, then the prompt again: its time to first token (a one-token request) from the tier against a
+   cold prefill, and whether the greedy continuations match.
+5. A restart: a ``--restart-prefix``-token prompt served by an engine with ``--kv-offload-dir``, the
+   engine closed, a new one on the same directory: time to first token against a cold prefill.
+
+Section ``swap``: ``--swap-requests`` requests whose blocks need 4x the pool, run with preemption by
+swapping and by recompute: every request completes with the greedy tokens of a run with room; total time.
+
+Usage: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/kv_tiers.py [--out DIR]
+[--sections quant tier swap]``; ``--quick`` runs a small version of each.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,6 +170,111 @@ def attention_rows(batch: int, context: int) -> list:
     return rows
 
 
+def _warm(llm: LLM) -> LLM:
+    """One tiny request first (compiles, first-call costs), no full block cached."""
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+    return llm
+
+
+def _ttft(llm: LLM, prompt_ids: list) -> float:
+    """Seconds of a one-token greedy request on ``prompt_ids`` (its prefill, or its loads and last block)."""
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0.0, max_tokens=1))
+    return time.perf_counter() - t0
+
+
+def _continuation(llm: LLM, prompt_ids: list, n: int = 16) -> list:
+    out = llm.generate(
+        [{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    )
+    return list(out[0].outputs[0].token_ids)
+
+
+def _random_ids(n: int, seed: int) -> list:
+    return [int(t) for t in np.random.default_rng(seed).integers(100, 49000, n)]
+
+
+def tier_rows(conversation: int, restart_prefix: int) -> list:
+    """The evicted conversation and the restart (module docstring, 4 and 5)."""
+    rows = []
+    pool = -(-conversation // BLOCK_SIZE) + 8
+    kw = dict(device="cpu", enable_prefix_caching=True, num_kv_blocks=pool, max_model_len=8192)
+    conv = _random_ids(conversation, 1)
+    cold_s = _ttft(_warm(LLM(**kw)), conv)
+    cold_ids = _continuation(LLM(**kw), conv)
+    llm = _warm(LLM(kv_offloading_size=2.0, **kw))
+    first = _continuation(llm, conv)
+    for i in range(3):  # other prompts take every pool block: the conversation's are evicted (to the tier)
+        llm.generate([{"prompt_token_ids": _random_ids(conversation // 2, 10 + i)}], SamplingParams(max_tokens=1))
+    hits = llm.stats()["kv_offload"]["prefix_hits"]
+    back_s = _ttft(llm, conv)
+    loaded = llm.stats()["kv_offload"]["prefix_hits"] - hits
+    again = _continuation(llm, conv)
+    rows.append(
+        dict(
+            case=f"evicted {conversation}-token conversation",
+            cold_ttft_s=cold_s,
+            tier_ttft_s=back_s,
+            speedup=cold_s / back_s,
+            blocks_loaded=loaded,
+            same_greedy=first == again == cold_ids,
+        )
+    )
+    llm.close()
+    with tempfile.TemporaryDirectory() as tier_dir:
+        prefix = _random_ids(restart_prefix, 2)
+        kw = dict(device="cpu", enable_prefix_caching=True, num_kv_blocks=-(-restart_prefix // BLOCK_SIZE) + 8)
+        cold_s = _ttft(_warm(LLM(**kw)), prefix)
+        first = LLM(kv_offloading_size=1.0, kv_offload_dir=tier_dir, **kw)
+        before = _continuation(first, prefix)
+        first.close()
+        restarted = _warm(LLM(kv_offloading_size=1.0, kv_offload_dir=tier_dir, **kw))
+        restored = restarted.stats()["kv_offload"]["restored"]
+        back_s = _ttft(restarted, prefix)
+        rows.append(
+            dict(
+                case=f"{restart_prefix}-token prefix after a restart",
+                cold_ttft_s=cold_s,
+                tier_ttft_s=back_s,
+                speedup=cold_s / back_s,
+                blocks_loaded=restored,
+                same_greedy=_continuation(restarted, prefix) == before,
+            )
+        )
+        restarted.close()
+    return rows
+
+
+def swap_rows(num_requests: int, prompt_len: int, output_len: int) -> list:
+    """Swap against recompute under a load that needs 4x the pool (module docstring)."""
+    need = num_requests * -(-(prompt_len + output_len) // BLOCK_SIZE)
+    prompts = [{"prompt_token_ids": _random_ids(prompt_len, 100 + i)} for i in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    kw = dict(device="cpu", enable_prefix_caching=False, max_num_seqs=num_requests)
+    want = [list(o.outputs[0].token_ids) for o in LLM(num_kv_blocks=need + 8, **kw).generate(prompts, params)]
+    rows = []
+    for mode in ("recompute", "swap"):
+        llm = _warm(LLM(num_kv_blocks=need // 4, kv_offloading_size=4.0, preemption_mode=mode, **kw))
+        t0 = time.perf_counter()
+        out = llm.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        st = llm.stats()
+        rows.append(
+            dict(
+                preemption=mode,
+                pool_blocks=need // 4,
+                blocks_needed=need,
+                seconds=seconds,
+                preemptions=st["num_preemptions"],
+                swapped_out=st["num_swapped_out"],
+                all_complete=len(out) == num_requests and all(len(o.outputs[0].token_ids) == output_len for o in out),
+                same_greedy=[list(o.outputs[0].token_ids) for o in out] == want,
+            )
+        )
+        llm.close()
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -165,11 +282,65 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--pool-gib", type=float, default=1.0)
+    ap.add_argument("--conversation", type=int, default=4096)
+    ap.add_argument("--restart-prefix", type=int, default=2048)
+    ap.add_argument("--swap-requests", type=int, default=8)
+    ap.add_argument("--swap-prompt", type=int, default=128)
+    ap.add_argument("--swap-output", type=int, default=128)
+    ap.add_argument("--sections", nargs="+", default=["quant", "tier", "swap"], choices=["quant", "tier", "swap"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.tokens, args.batch, args.context = 2, 16, 4, 256
+        args.conversation, args.restart_prefix, args.swap_requests, args.swap_prompt, args.swap_output = (
+            256,
+            128,
+            4,
+            32,
+            32,
+        )
+    result = {}
+    if "quant" in args.sections:
+        result.update(quant_section(args))
+    if "tier" in args.sections:
+        tier = tier_rows(args.conversation, args.restart_prefix)
+        print("\nSecond KV tier: time to first token from the tier against a cold prefill")
+        print_table(tier, ["case", "cold_ttft_s", "tier_ttft_s", "speedup", "blocks_loaded", "same_greedy"])
+        result["tier"] = tier
+    if "swap" in args.sections:
+        swap = swap_rows(args.swap_requests, args.swap_prompt, args.swap_output)
+        print(f"\nPreemption under a load of 4x the pool ({args.swap_requests} requests)")
+        print_table(
+            swap,
+            [
+                "preemption",
+                "pool_blocks",
+                "blocks_needed",
+                "seconds",
+                "preemptions",
+                "swapped_out",
+                "all_complete",
+                "same_greedy",
+            ],
+        )
+        result["swap"] = swap
+    conds = conditions(
+        model="SmolLM2-135M-Instruct (float32 weights)",
+        sections=args.sections,
+        prompts=args.prompts,
+        tokens=args.tokens,
+        batch=args.batch,
+        context=args.context,
+        pool_gib=args.pool_gib,
+        conversation=args.conversation,
+        restart_prefix=args.restart_prefix,
+        swap=[args.swap_requests, args.swap_prompt, args.swap_output],
+    )
+    write_json(Path(args.out) / "kv_tiers.json", dict(conditions=conds, **result))
+
+
+def quant_section(args) -> dict:
     memory = memory_rows(int(args.pool_gib * 2**30), 2048)
     print(f"\nKV bytes per token and 2K-token sequences in {args.pool_gib} GiB (default model)")
     print_table(memory, ["kv_cache_dtype", "bytes_per_token", "vs_float32", "seqs_in_pool", "seqs_vs_float32"])
@@ -189,23 +360,7 @@ def main(argv=None):
             "ref_token_outside_top20",
         ],
     )
-    write_json(
-        Path(args.out) / "kv_tiers.json",
-        dict(
-            conditions=conditions(
-                model="SmolLM2-135M-Instruct (float32 weights)",
-                prompts=args.prompts,
-                tokens=args.tokens,
-                batch=args.batch,
-                context=args.context,
-                pool_gib=args.pool_gib,
-            ),
-            memory=memory,
-            decode_attention=attn,
-            teacher_forced=accuracy,
-            continuations=texts,
-        ),
-    )
+    return dict(memory=memory, decode_attention=attn, teacher_forced=accuracy, continuations=texts)
 
 
 if __name__ == "__main__":
