@@ -918,6 +918,42 @@ def test_engine_with_a_quantized_kv_cache_on_emulated_cuda_matches_the_cpu_engin
     assert gpu.stats()["prefix_cache_hits"] > 0
 
 
+def test_engine_with_a_second_kv_tier_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypatch):
+    """The second tier on CUDA (host slots; page-locked on a device): a pool too small for the batch swaps
+    requests out and back in, and a prompt whose blocks were evicted comes back from the tier; the tokens
+    are the CPU engine's with room, every block back."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.testing.random_model import write_random_model
+
+    model = write_random_model(
+        tmp_path / "m",
+        num_layers=2,
+        hidden_size=128,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        seed=8,
+    )
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 200, 20 + 15 * i)]} for i in range(5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids for o in LLM(model=str(model), device="cpu", num_kv_blocks=64).generate(prompts, greedy)
+    ]
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    gpu = LLM(model=str(model), device="cuda", dtype="float32", num_kv_blocks=8, block_size=16, kv_offloading_size=0.01)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, greedy)] == want
+    filler = SamplingParams(max_tokens=1)
+    gpu.generate([{"prompt_token_ids": [int(t) for t in rng.integers(3, 200, 120)]}], filler)  # evicts the rest
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts[-1:], greedy)] == want[-1:]
+    stats = gpu.stats()
+    assert stats["num_swapped_out"] > 0 and stats["kv_offload"]["prefix_hits"] > 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    gpu.close()
+
+
 @pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q8_0", "qwen2")])
 def test_gguf_engine_on_emulated_cuda_runs_on_blocks_and_matches_the_cpu_engine(
     emu, tmp_path, monkeypatch, qtype, arch
