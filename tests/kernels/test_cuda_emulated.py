@@ -1078,6 +1078,8 @@ def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
         np.int64(4 * 64),
         kc,
         vc,
+        np.uint64(0),  # no scales: a float cache
+        np.uint64(0),
         bt,
         np.int32(bt.shape[1]),
         np.array([40], np.int32),

@@ -190,8 +190,11 @@ def test_dtype_auto_resolution_and_unsupported_pairs():
     with pytest.raises(ValueError, match="kv_cache_dtype 'float32' with dtype 'bfloat16'"):
         resolve_dtypes("bfloat16", "float32", cuda, None)
     names = {"float32": program.F32, "float16": program.F16, "bfloat16": program.BF16}
-    assert {(names[a], names[c]) for a, c in CudaBackend.dtype_pairs} == set(program.DTYPE_PAIRS)
     assert names == {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+    names |= {"int8": "signed char", "fp8_e4m3": "rp::fp8_e4m3"}  # quantized caches: their storage types
+    assert {(names[a], names[c]) for a, c in CudaBackend.dtype_pairs} == set(program.DTYPE_PAIRS)
+    assert resolve_dtypes("bfloat16", "fp8", cuda, None) == ("bfloat16", "fp8_e4m3")
+    assert resolve_dtypes("auto", "int8", cpu, None) == ("float32", "int8")
 
 
 def test_attention_refuses_a_block_size_that_is_not_a_power_of_two():
