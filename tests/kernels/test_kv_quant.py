@@ -11,7 +11,7 @@ from rawpaged.dtypes import FP8_E4M3, INT8, QUANTIZED_KV_TYPES, kv_row_bytes
 from rawpaged.kernels.cpu import attention as cpu_attention
 from rawpaged.kernels.cpu import cache as cpu_cache
 from rawpaged.kernels.cpu.backend import CPUBackend
-from rawpaged.kernels.cpu.intrinsics import f32_to_fp8_e4m3_bits
+from rawpaged.kernels.cpu.intrinsics import f32_to_fp8_e4m3_bits, fp8_e4m3_to_float
 from rawpaged.kernels.kv_cache import QuantizedKVCache
 from tests.kv_reference import (
     assert_prefill_matches,
@@ -61,6 +61,21 @@ def test_fp8_conversion_equals_ml_dtypes_at_every_value_and_midpoint():
     big = np.float32([448.0, 449.0, 1e6, -500.0])
     _to_fp8(big, got[:4])
     np.testing.assert_array_equal(got[:4], [0x7E, 0x7E, 0x7E, 0xFE])  # saturates at +-448
+
+
+@nb.njit
+def _from_fp8(q, out):
+    for i in range(q.shape[0]):
+        out[i] = fp8_e4m3_to_float(q[i])
+
+
+def test_fp8_values_equal_ml_dtypes_for_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.empty(256, np.float32)
+    _from_fp8(codes, got)
+    finite = np.isfinite(want)  # 0x7F and 0xFF are NaN: never written
+    np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))  # -0.0 too
 
 
 def test_a_quantized_row_takes_about_a_quarter_of_a_float32_row():

@@ -25,7 +25,7 @@ from numba.extending import overload
 from rawpaged.kernels.backend import sliding_window_arg
 from rawpaged.kernels.cpu.cache import cache_view
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
-from rawpaged.kernels.cpu.intrinsics import exp_f32
+from rawpaged.kernels.cpu.intrinsics import exp_f32, fp8_e4m3_to_float
 from rawpaged.kernels.cpu.jit import JIT, jit_serial_and_parallel
 from rawpaged.kernels.cpu.prefill_tiled import TILED_PREFILL_MIN_TOKENS, blas_nt, prefill_tiled
 
@@ -79,24 +79,16 @@ def _block_rows_impl(cache, scales, b, t0, n, kv0, nkv, buf):
     if cache.dtype == nb_types.uint8:
 
         def fp8_rows(cache, scales, b, t0, n, kv0, nkv, buf):
-            # E4M3 bits (sign, 4 exponent bits biased by 7, 3 mantissa bits) placed in a float32's sign,
-            # exponent and top mantissa bits read as 2^-120 times the value, subnormals included (as
-            # float32 denormals); the scale times 2^120 puts it right
             src = cache[b, t0:n]
-            dst = buf[: n - t0]
-            fdst = dst.view(np.float32)
+            dst = buf.view(np.float32)[: n - t0]
             for t in range(n - t0):
                 for h in range(kv0, kv0 + nkv):
                     srow = src[t, h]
                     drow = dst[t, h]
-                    fdrow = fdst[t, h]
-                    sc = scales[b, t0 + t, h] * np.float32(2.0**120)
+                    sc = scales[b, t0 + t, h]
                     for d in range(srow.shape[0]):
-                        q = np.uint32(srow[d])
-                        drow[d] = ((q & np.uint32(0x80)) << np.uint32(24)) | ((q & np.uint32(0x7F)) << np.uint32(20))
-                    for d in range(srow.shape[0]):
-                        fdrow[d] *= sc
-            return fdst
+                        drow[d] = fp8_e4m3_to_float(srow[d]) * sc
+            return dst
 
         return fp8_rows
 

@@ -9,6 +9,8 @@ bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the lo
   fp16 (normals and subnormals; ggml stores its block scales as fp16). Integer ops and one multiply,
   portable to every LLVM target (the ``fpext half`` instruction needs F16C on x86 or a runtime library
   call, which Numba's JIT does not link).
+- ``fp8_e4m3_to_float(bits)``: the float32 value of an FP8 E4M3 bit pattern (uint8), exact for every finite one,
+  subnormals included (the KV cache's fp8 values), as ``half_to_float`` does for fp16.
 - ``low_nibble(q)`` / ``high_nibble(q)``: ``q & 15`` and ``q >> 4`` of a uint8, as float32.
 - ``signed_byte(q)``: a uint8 read as int8 (two's complement), as float32 (``Q8_0``'s quants).
 - ``pow2_int(n)``: 2.0 ** n as float32 for an int32 n in [-126, 127], built from its exponent bits
@@ -59,6 +61,23 @@ def half_to_float(typingctx, bits):
         return builder.bitcast(builder.or_(builder.bitcast(scaled, _I32), sign), _F32)
 
     return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def fp8_e4m3_to_float(typingctx, bits):
+    if bits != types.uint8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = builder.zext(args[0], _I32)
+        sign = builder.shl(builder.and_(h, ir.Constant(_I32, 0x80)), ir.Constant(_I32, 24))
+        # exponent and mantissa moved to float32's fields: the value times 2^-120 (a subnormal E4M3 becomes a
+        # float32 subnormal); the multiply restores the scale exactly.
+        magnitude = builder.shl(builder.and_(h, ir.Constant(_I32, 0x7F)), ir.Constant(_I32, 20))
+        scaled = builder.fmul(builder.bitcast(magnitude, _F32), ir.Constant(_F32, 2.0**120))
+        return builder.bitcast(builder.or_(builder.bitcast(scaled, _I32), sign), _F32)
+
+    return types.float32(types.uint8), codegen
 
 
 @intrinsic
