@@ -73,6 +73,9 @@ class FakeEngine:
     def stats(self):
         return {"num_requests": len(self.requests)}
 
+    def close(self):
+        self.log.append(("close",))
+
 
 def test_async_engine_slow_consumer_never_blocks_others():
     async def main():
