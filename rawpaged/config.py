@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from rawpaged.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPE_CHOICES
@@ -13,6 +14,60 @@ DType = Literal[DTYPE_CHOICES]
 KVCacheDType = Literal[KV_CACHE_DTYPE_CHOICES]
 Quantization = Literal["gguf", "q8_0"]
 PreemptionMode = Literal["swap", "recompute"]
+SpeculativeMethod = Literal["ngram"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``): each decoding sequence gets up to
+    ``num_speculative_tokens`` draft tokens per step from a proposer, and the target model checks them
+    all in one step (``rawpaged.spec_decode``).
+
+    Raises ValueError naming the field for an unknown method or key, or a bad value."""
+
+    method: SpeculativeMethod = "ngram"
+    """ngram: prompt lookup, the tokens that followed the longest earlier match of the sequence's last
+    ``prompt_lookup_min..prompt_lookup_max`` tokens (in the prompt or the output so far)"""
+    num_speculative_tokens: int = 4
+    """draft tokens per sequence per step at most (k); a step verifies k + 1 positions"""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix matched"""
+    prompt_lookup_max: int = 5
+    """ngram: the longest suffix matched (longer matches are tried first)"""
+
+    def __post_init__(self):
+        if self.method not in SpeculativeMethod.__args__:
+            raise ValueError(
+                f"speculative_config.method must be one of {SpeculativeMethod.__args__}, got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """From a ``SpeculativeConfig``, a dict, a JSON object string (the command line's form) or None.
+        Raises ValueError naming the key for invalid JSON, an unknown key or a bad value."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown} (known: {sorted(known)})")
+        return cls(**value)
 
 
 @dataclass
@@ -78,8 +133,12 @@ class EngineConfig:
     preemption_mode: PreemptionMode | None = None
     """swap: a preempted request's blocks go to the second tier (when it has room; else recompute);
     recompute: they are dropped and recomputed; default: swap with a tier, else recompute"""
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    """speculative decoding, a JSON object as vLLM's, e.g. '{"method": "ngram", "num_speculative_tokens":
+    4, "prompt_lookup_max": 5}' (docs/speculative_decoding.md); default: off"""
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.device not in Device.__args__:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -111,9 +111,10 @@ class BlockPool:
         block.ref_count += 1
         block.owners.add(owner)
 
-    def release(self, block_id: int, owner: int) -> None:
+    def release(self, block_id: int, owner: int, reuse_first: bool = False) -> None:
         """``owner`` lets go of ``block_id``; at ``ref_count`` 0 it joins the tail of the free queue with
-        its cached prefix kept. Raises BlockPoolError if ``owner`` does not hold it."""
+        its cached prefix kept, or its head with ``reuse_first`` (a block whose contents nobody will
+        look up: taken before any cached one). Raises BlockPoolError if ``owner`` does not hold it."""
         block = self.blocks[block_id]
         if owner not in block.owners:
             raise BlockPoolError(f"table {owner} does not own block {block_id}")
@@ -121,6 +122,8 @@ class BlockPool:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block_id] = None
+            if reuse_first:
+                self._free.move_to_end(block_id, last=False)
 
     def copy(self, block_id: int, owner: int) -> int:
         """A fresh block for ``owner`` that will hold a copy of ``block_id``: records

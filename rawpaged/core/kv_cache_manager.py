@@ -24,7 +24,7 @@ from itertools import count
 
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
 from rawpaged.core.block_table import NULL_BLOCK, BlockTable
-from rawpaged.core.kv_events import COPY, FORK, KVCacheEventLog
+from rawpaged.core.kv_events import COPY, FORK, ROLLBACK, KVCacheEventLog
 from rawpaged.core.kv_offload import KVTransfers, SwappedTable
 from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens, root_hash
 
@@ -326,6 +326,31 @@ class KVCacheManager:
         if self.sliding_window is None:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def free_rejected_slots(self, seq) -> int:
+        """Speculative decoding: shrink ``seq``'s slots to its ``num_computed_tokens`` (the KV of its
+        verified tokens) after a step that also wrote slots for drafts the target rejected. Blocks that
+        held only rejected drafts are released at once, to the head of the free queue (they hold nothing
+        worth caching); the rejected slots of a kept block are overwritten by the next tokens. Nothing of
+        a rejected draft is hashed: ``cache_full_blocks`` reads only computed tokens. Returns the number
+        of blocks released.
+
+        Raises:
+            BlockPoolError: the table was freed.
+        """
+        table = seq.block_table
+        if table is None or table.num_tokens <= seq.num_computed_tokens:
+            return 0
+        _check_live(table)
+        table.num_tokens = seq.num_computed_tokens
+        keep = -(-table.num_tokens // self.block_size)
+        released = table.block_ids[keep:]
+        del table.block_ids[keep:]
+        for bid in reversed(released):
+            self.block_pool.release(bid, table.table_id, reuse_first=True)
+        if released:
+            self.events.record(ROLLBACK, seq, block_ids=released)
+        return len(released)
 
     def fork(self, parent, child) -> None:
         """``child`` gets a table with the same contents as ``parent``'s, sharing every block

@@ -1,5 +1,6 @@
 """What happened to KV blocks between two looks at the pool: copy-on-write copies, forks that share a
-table's blocks, and preemptions that free them. The KV cache view (``kv_cache_snapshot``) shows them;
+table's blocks, preemptions that free them, and blocks given back when speculative drafts are rejected.
+The KV cache view (``kv_cache_snapshot``) shows them;
 vLLM publishes similar events (``vllm.distributed.kv_events``) for external KV-aware routers.
 
 The log is a bounded ring: recording costs one ``deque.append`` per event (events are rare next to
@@ -13,7 +14,7 @@ from collections import deque
 from itertools import islice
 
 #: event types, in the ``type`` field of each event
-COPY, FORK, PREEMPT = "copy", "fork", "preempt"
+COPY, FORK, PREEMPT, ROLLBACK = "copy", "fork", "preempt", "rollback"
 
 
 class KVCacheEventLog:
@@ -21,7 +22,9 @@ class KVCacheEventLog:
 
     * ``copy``: ``request_id``, ``index`` (choice), ``src``, ``dst`` (the block copied, its copy);
     * ``fork``: ``request_id``, ``index`` (the new choice), ``parent_index``, ``num_blocks`` shared;
-    * ``preempt``: ``request_id``, ``index``, ``block_ids`` (released; the sequence recomputes later).
+    * ``preempt``: ``request_id``, ``index``, ``block_ids`` (released; the sequence recomputes later);
+    * ``rollback``: ``request_id``, ``index``, ``block_ids`` (taken for draft tokens the target rejected,
+      released in the same step).
 
     Raises:
         ValueError: ``capacity < 1``.

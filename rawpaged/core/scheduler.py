@@ -43,12 +43,15 @@ class SchedulerOutput:
         blocks_to_copy: copy-on-write ``(src, dst)`` block copies to run before the step's kernels.
         kv_transfers: copies between the pool and the second KV tier, run before those
             (``kv_cache_manager.KVTransfers``).
+        spec_token_ids: ``seq_id -> drafts`` of the decoding sequences that verify drafts this step; such
+            a sequence is scheduled for ``1 + len(drafts)`` tokens: its last token, then the drafts.
     """
 
     scheduled: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
     blocks_to_copy: list = field(default_factory=list)
     kv_transfers: KVTransfers = field(default_factory=lambda: KVTransfers([], []))
+    spec_token_ids: dict = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -185,6 +188,10 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings' logits, or a prefill chunk past the cap
                 i += 1
                 continue
+            if remaining == 1 and self._schedule_drafts(seq, budget, out):
+                budget = self.max_num_batched_tokens - out.num_batched_tokens
+                i += 1
+                continue
             while not kv.allocate_slots(seq, n):
                 victims = self._preempt_newest(out)
                 if seq in victims:
@@ -203,6 +210,18 @@ class Scheduler:
         out.blocks_to_copy = kv.take_block_copies()
         out.kv_transfers = kv.take_transfers()
         return out
+
+    def _schedule_drafts(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Schedule decoding ``seq`` with its drafts (``spec_token_ids``, as many as the budget allows) when
+        the pool has their slots; False (nothing changed) when it has no drafts, no budget for one, or no
+        free blocks for them: it then decodes alone, and the drafts never preempt anyone."""
+        drafts = seq.spec_token_ids
+        n = min(1 + len(drafts), budget)
+        if n < 2 or not self.kv_cache_manager.allocate_slots(seq, n):
+            return False
+        out.scheduled.append((seq, n))
+        out.spec_token_ids[seq.seq_id] = drafts[: n - 1]
+        return True
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
@@ -326,7 +345,8 @@ class Scheduler:
 
         Advances ``num_computed_tokens`` of every scheduled sequence and caches its newly full blocks;
         appends each ``(sequence, token_id)`` of ``sampled_token_ids`` (scheduled sequences that reached
-        their last token, and forks made this step); finishes a sequence whose token is EOS (unless
+        their last token, and forks made this step; a sequence that verified drafts has its accepted
+        tokens in order, and its rejected drafts' slots are freed); finishes a sequence whose token is EOS (unless
         ``ignore_eos``) or one of its ``stop_token_ids`` ("stop"), or that reached ``max_tokens`` or
         ``max_model_len`` tokens ("length"), and frees its blocks.
 
@@ -335,18 +355,30 @@ class Scheduler:
         stats = self.stats
         kv = self.kv_cache_manager
         kv.end_transfers()  # the runner has copied this step's transfers
+        spec = scheduler_output.spec_token_ids
         for seq, n in scheduler_output.scheduled:
+            if seq.seq_id in spec:  # advanced below, by its accepted tokens
+                continue
             stats.num_prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_tokens += n
             kv.cache_full_blocks(seq)
         finished = []
         for seq, token in sampled_token_ids:
+            if seq.is_finished:  # a token after this step's stop (speculative steps emit several)
+                continue
             seq.output_token_ids.append(token)
             stats.num_generation_tokens += 1
             reason = self._check_stop(seq, token)
             if reason is not None:
                 self.finish_seqs((seq,), reason)
                 finished.append(seq)
+        for seq, _ in scheduler_output.scheduled:
+            if seq.seq_id in spec and not seq.is_finished:
+                # KV is valid for the last token and the accepted drafts: all appended tokens but the
+                # newest, which the next step computes. Slots written for rejected drafts go back.
+                seq.num_computed_tokens = seq.num_tokens - 1
+                kv.free_rejected_slots(seq)
+                kv.cache_full_blocks(seq)
         return finished
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:

@@ -50,6 +50,11 @@ class Sequence:
     first_token_time: float | None = None
     grammar: object = None  # structured outputs: the matcher of this sequence's tokens, else None
     swapped_table: object = None  # preempted by swapping: its blocks' swap slots (``KVCacheManager.swap_out``)
+    # Speculative decoding: the drafts to verify in the next step (never part of ``token_ids``), and the
+    # proposer's back-off after rejected drafts (``rawpaged.spec_decode.speculator``).
+    spec_token_ids: list = field(default_factory=list)
+    spec_misses: int = 0
+    spec_backoff: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

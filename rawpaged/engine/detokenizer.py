@@ -16,9 +16,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
-    def step(self, seq) -> str:
-        """Append the text of ``seq.output_token_ids`` that became final; return the new piece."""
-        ids = seq.output_token_ids
+    def step(self, seq, end: int | None = None) -> str:
+        """Append the text of ``seq.output_token_ids[:end]`` (all of them by default) that became final;
+        return the new piece."""
+        ids = seq.output_token_ids if end is None else seq.output_token_ids[:end]
         prefix_text = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset])
         full_text = self.tokenizer.decode(ids[seq.prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):

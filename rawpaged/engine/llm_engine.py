@@ -33,6 +33,7 @@ from rawpaged.model_executor.model_loader import load_model, release_free_heap
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.sampling_params import SamplingParams
+from rawpaged.spec_decode.speculator import Speculator
 from rawpaged.structured_output.manager import StructuredOutputManager
 from rawpaged.weights.resolve import resolve_model_dir
 
@@ -133,6 +134,8 @@ class LLMEngine:
             self.max_model_len,
             self.tokenizer,
         )
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.requests: dict[str, Request] = {}
         self._structured_output_manager = None
         self._rng = np.random.default_rng(config.seed)
@@ -235,6 +238,8 @@ class LLMEngine:
             self.step()
         self.kv_cache_manager.reset_stats()
         self.scheduler.stats = SchedulerStats()
+        if self.speculator is not None:
+            self.speculator.reset_stats()
         return time.monotonic() - t0
 
     # ---------------------------------------------------------------------- step
@@ -253,8 +258,12 @@ class LLMEngine:
             return []
         logits, sampling = self.runner.execute_model(sched_out)
         now = time.monotonic()
-        selected = self.token_selector.select(logits, sampling, self.requests, now)
+        selected = self.token_selector.select(logits, sampling, self.requests, now, sched_out.spec_token_ids)
         self._update_sequences(sched_out, selected, now)
+        if self.speculator is not None:
+            for seq, num_drafts, num_accepted in selected.verified:
+                self.speculator.observe(seq, num_drafts, num_accepted)
+            self.speculator.propose(self.scheduler.running)
         return self._make_outputs(selected)
 
     def _update_sequences(self, sched_out, selected: SelectedTokens, now: float) -> None:
@@ -272,11 +281,14 @@ class LLMEngine:
         for sample in selected.samples:
             by_request.setdefault(sample[0].request_id, []).append(sample)
         stopped = []
+        processor = self.output_processor
+        dropped = processor.num_dropped_tokens
         for rid, group in by_request.items():
             try:
-                stopped += self.output_processor.process_tokens(group, now)
+                stopped += processor.process_tokens(group, now)
             except Exception as e:  # noqa: BLE001
                 failed[rid] = e
+        self.scheduler.stats.num_generation_tokens -= processor.num_dropped_tokens - dropped
         if stopped:
             self.scheduler.finish_seqs([s for s in stopped if s.request_id not in failed], "stop")
 
@@ -350,6 +362,7 @@ class LLMEngine:
             "num_swapped_out": sched.stats.num_swapped_out,
             "num_swapped_in": sched.stats.num_swapped_in,
             "num_window_frees": kv.num_window_frees,
+            "spec_decode": self.speculator.stats.as_dict() if self.speculator is not None else None,
             **self._offload_stats(),
         }
 

@@ -23,6 +23,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer)
+        #: tokens a stop string cut from speculative steps' outputs (the scheduler had counted them)
+        self.num_dropped_tokens = 0
 
     def process_tokens(self, sampled: list, now: float) -> list:
         """For each ``(sequence, token_id, logprobs_row)`` appended this step (``logprobs_row`` the
@@ -30,11 +32,25 @@ class OutputProcessor:
         text, stop strings. A sequence stopped by a token id shows none of that token's text; one whose
         text is final at its length limit gets its held-back characters.
 
+        A sequence that verified drafts has several entries, in order; they are processed one token at a
+        time, as if each had come in a step of its own. A stop string found at one of them ends the
+        sequence there: the tokens after it are removed from ``output_token_ids`` (they are not the
+        request's), and ``self.num_dropped_tokens`` counts them.
+
         Returns the running sequences a stop string ended (the caller finishes them, reason "stop"); one
         the length limit ended with the same token takes reason "stop" here (as vLLM: the stop string wins).
         """
         stopped = []
+        left = {}  # tokens of each sequence still to process in this call
+        for seq, _, _ in sampled:
+            left[seq] = left.get(seq, 0) + 1
+        done = set()  # sequences a stop string ended in this call
         for seq, token, lp_row in sampled:
+            left[seq] -= 1
+            if seq in done:
+                continue
+            end = len(seq.output_token_ids) - left[seq]  # this token is output_token_ids[end - 1]
+            last = left[seq] == 0
             params = seq.sampling_params
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -42,18 +58,23 @@ class OutputProcessor:
                 seq.cumulative_logprob += float(lp_row[token])
                 if params.logprobs is not None:
                     seq.logprobs.append(top_logprobs(lp_row, token, params.logprobs))
-            if seq.finish_reason == "stop":  # EOS or a stop token id, found by the scheduler
+            if last and seq.finish_reason == "stop":  # EOS or a stop token id, found by the scheduler
                 if params.include_stop_str_in_output:  # its text is shown
                     self.detokenizer.step(seq)
                     self.detokenizer.flush(seq)
                 continue
-            new_text = self.detokenizer.step(seq)
+            new_text = self.detokenizer.step(seq, end)
             if params.stop_strings and new_text and truncate_at_stop_string(seq, len(new_text)):
+                done.add(seq)
+                if not last:
+                    self.num_dropped_tokens += left[seq]
+                    del seq.output_token_ids[end:]
+                    seq.finish_reason = None
                 if seq.is_finished:
                     seq.finish_reason = "stop"
                 else:
                     stopped.append(seq)
-            elif seq.finish_reason == "length":
+            elif last and seq.finish_reason == "length":
                 self.detokenizer.flush(seq)
         return stopped
 

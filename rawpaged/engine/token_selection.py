@@ -18,6 +18,7 @@ from rawpaged.engine import beam_search, parallel_sampling
 from rawpaged.errors import EngineError
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
+from rawpaged.spec_decode.rejection_sampler import accepted_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ class SelectedTokens:
     """What a step selected. ``samples``: (sequence, token id, float64 logprob row or None) of requests
     that did not fail; ``beam_sampled``: (beam, token id); ``pruned``: beams dropped; ``beams_done``:
     requests whose beam search ended; ``touched``: request id -> request with new tokens or finished;
-    ``failed``: request id -> the exception that ended it."""
+    ``failed``: request id -> the exception that ended it; ``verified``: (sequence, draft tokens,
+    accepted drafts) of each sequence that verified drafts. A sequence with drafts has several samples,
+    in order."""
 
     samples: list = field(default_factory=list)
     beam_sampled: list = field(default_factory=list)
@@ -35,6 +38,7 @@ class SelectedTokens:
     beams_done: list = field(default_factory=list)
     touched: dict = field(default_factory=dict)
     failed: dict = field(default_factory=dict)
+    verified: list = field(default_factory=list)
 
 
 def needs_distribution(params: SamplingParams) -> bool:
@@ -62,26 +66,50 @@ class TokenSelector:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
 
-    def select(self, logits, sampling: list, requests: dict, now: float) -> SelectedTokens:
-        """The tokens of ``sampling`` (one sequence per logits row) for ``requests`` (id -> ``Request``)."""
+    def select(self, logits, sampling: list, requests: dict, now: float, spec_token_ids=None) -> SelectedTokens:
+        """The tokens of ``sampling`` for ``requests`` (id -> ``Request``): one logits row per sequence,
+        except a sequence with drafts in ``spec_token_ids`` (``seq_id -> drafts``), which has one row per
+        draft plus one and keeps the tokens ``rejection_sampler.accepted_tokens`` accepts."""
         out = SelectedTokens()
+        spec = spec_token_ids or {}
+        first_rows, row = [], 0
+        for seq in sampling:
+            first_rows.append(row)
+            row += 1 + len(spec.get(seq.seq_id, ()))
         rows = self.runner.fetch_rows(
-            logits, [row for row, seq in enumerate(sampling) if needs_distribution(seq.sampling_params)]
+            logits,
+            [
+                r
+                for first, seq in zip(first_rows, sampling)
+                if needs_distribution(seq.sampling_params)
+                for r in range(first, first + 1 + len(spec.get(seq.seq_id, ())))
+            ],
         )
-        self._apply_grammars(logits, sampling)
-        draws, samples = [], []  # per sample: its draw, (sequence, logprob row)
-        for row, seq in enumerate(sampling):
+        self._apply_grammars(logits, sampling, first_rows)
+        draws, samples = [], []  # per draw: its (row, params, uniform); per sample: (sequence, logprob row)
+        drafted = []  # (sequence, index of its first draw, drafts, its generator's state before them)
+        for first, seq in zip(first_rows, sampling):
             req = requests[seq.request_id]
             if req.request_id in out.failed:
                 continue
             try:
                 if req.beam is not None:
-                    self._advance_beams(req, seq, rows[row], now, out)
+                    self._advance_beams(req, seq, rows[first], now, out)
                     continue
                 params = req.params
-                lp_row = log_softmax(rows[row]) if parallel_sampling.needs_logprobs(params) else None
+                needs_lp = parallel_sampling.needs_logprobs(params)
+                drafts = spec.get(seq.seq_id)
+                if drafts:
+                    state = seq.rng.bit_generator.state if not params.greedy else None
+                    drafted.append((seq, len(draws), drafts, state))
+                    for r in range(first, first + len(drafts) + 1):
+                        draws.append((r, params, draw_uniform(params, seq.rng)))
+                        samples.append((seq, log_softmax(rows[r]) if needs_lp else None))
+                    out.touched[req.request_id] = req
+                    continue
+                lp_row = log_softmax(rows[first]) if needs_lp else None
                 targets = [seq] if req.forked else [seq, *parallel_sampling.fork_samples(req, seq, self.fork)]
-                req_draws = [(row, params, draw_uniform(params, t.rng)) for t in targets]
+                req_draws = [(first, params, draw_uniform(params, t.rng)) for t in targets]
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 out.failed[req.request_id] = e
                 continue
@@ -89,9 +117,33 @@ class TokenSelector:
             samples += [(t, lp_row) for t in targets]
             out.touched[req.request_id] = req
         tokens = self._sample(logits, draws, samples, out.failed)
+        keep = self._verify_drafts(drafted, tokens, out)
         self._advance_grammars(samples, tokens, out.failed)
-        out.samples = [(s, tok, lp) for (s, lp), tok in zip(samples, tokens) if s.request_id not in out.failed]
+        out.samples = [
+            (s, tok, lp)
+            for i, ((s, lp), tok) in enumerate(zip(samples, tokens))
+            if s.request_id not in out.failed and keep[i]
+        ]
         return out
+
+    @staticmethod
+    def _verify_drafts(drafted: list, tokens: list, out: SelectedTokens) -> list:
+        """Which samples are kept: for each sequence with drafts, the prefix ``accepted_tokens`` keeps; its
+        generator then stands as if it had drawn one uniform per kept token (so a seed gives the tokens a
+        step without speculation would). Records ``(sequence, drafted, accepted)`` in ``out.verified``."""
+        keep = [True] * len(tokens)
+        for seq, start, drafts, state in drafted:
+            if seq.request_id in out.failed:
+                continue
+            sampled = tokens[start : start + len(drafts) + 1]
+            kept = len(accepted_tokens(drafts, sampled))
+            for i in range(start + kept, start + len(drafts) + 1):
+                keep[i] = False
+            if state is not None:
+                seq.rng.bit_generator.state = state
+                seq.rng.random(kept)
+            out.verified.append((seq, len(drafts), kept - 1))
+        return keep
 
     def _advance_beams(self, req, seq, row, now: float, out: SelectedTokens) -> None:
         """Keep a beam's logprobs; once every beam of ``req`` has them, step the beam search."""
@@ -107,13 +159,13 @@ class TokenSelector:
             out.beams_done.append(req)
             out.touched[req.request_id] = req
 
-    def _apply_grammars(self, logits, sampling: list) -> None:
+    def _apply_grammars(self, logits, sampling: list, first_rows: list) -> None:
         """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar
         does not allow next (the rows' masks computed in parallel). Rows without a grammar are left as
         they are, and a step without one costs nothing. A grammar that has ended (its EOS accepted,
         generation going on under ``ignore_eos``) constrains nothing more, as in vLLM."""
         rows, grammars = [], []
-        for row, seq in enumerate(sampling):
+        for row, seq in zip(first_rows, sampling):  # a constrained sequence has no drafts: one row
             if seq.grammar is not None and not seq.grammar.is_terminated():
                 rows.append(row)
                 grammars.append(seq.grammar)

@@ -20,7 +20,7 @@ import textwrap
 import typing
 from pathlib import Path
 
-from rawpaged.config import EngineConfig
+from rawpaged.config import EngineConfig, SpeculativeConfig
 from rawpaged.engine.data_parallel import init_ray, shutdown_ray
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import DeltaTracker
@@ -54,6 +54,14 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def _speculative_config(text: str):
+    """``--speculative-config``'s JSON object, checked as ``SpeculativeConfig`` (an error names the key)."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -95,6 +103,7 @@ _ARG_TYPES = {
     "kv_cache_memory": (parse_size, "SIZE"),
     "kv_offloading_size": (float, "GIB"),
     "num_kv_blocks": (_positive_int, None),
+    "speculative_config": (_speculative_config, "JSON"),
     "max_prefill_tokens_while_decoding": (_positive_int, None),
 }
 

@@ -100,11 +100,14 @@ class ModelRunner:
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
 
         Copies the copy-on-write blocks (``blocks_to_copy``) first. Returns ``(logits, sampling_seqs)``:
-        logits ``[len(sampling_seqs), vocab]`` on the backend (see ``sample``, ``fetch_rows``) for the
-        sequences whose last scheduled token is their last token (they sample next), in ``scheduled`` order.
+        logits on the backend (see ``sample``, ``fetch_rows``) for the sequences whose scheduled tokens
+        reach their last token (they sample next), in ``scheduled`` order: one row each, except that a
+        sequence verifying drafts (``spec_token_ids``: it computes its last token and its k drafts, as a
+        prefill over its cached context) has k + 1 consecutive rows, one per position.
         """
         be = self.backend
         scheduled = scheduler_output.scheduled
+        spec = scheduler_output.spec_token_ids
         self.run_kv_transfers(scheduler_output.kv_transfers)
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
             be.copy_blocks(self.key_caches, self.value_caches, group)
@@ -120,7 +123,9 @@ class ModelRunner:
         for seq, n in ordered:
             start = seq.num_computed_tokens
             positions.extend(range(start, start + n))
-            ids.extend(seq.token_at(p) for p in range(start, start + n))
+            drafts = spec.get(seq.seq_id, ())
+            ids.extend(seq.token_at(p) for p in range(start, start + n - len(drafts)))
+            ids.extend(drafts)
             slots.extend(seq.block_table.slots(start, start + n))
 
         def tables(group):
@@ -150,16 +155,20 @@ class ModelRunner:
             hidden = fused.forward(input_ids, input_positions, attn)
         else:
             hidden = self.model.forward(input_ids, input_positions, attn, self.key_caches, self.value_caches)
-        # Row of each sequence's last new token; only sequences that reach their end sample.
+        # Row of each sequence's last new token; only sequences that reach their end sample (with drafts:
+        # their last k + 1 rows).
         last_row, row = {}, 0
         for seq, n in ordered:
             row += n
             last_row[id(seq)] = row - 1
-        sampling = [s for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens]
+        sampling = [s for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens + len(spec.get(s.seq_id, ()))]
         if not sampling:
             return np.zeros((0, self.model.config.vocab_size), np.float32), []
-        rows = be.asarray(np.array([last_row[id(s)] for s in sampling], dtype=np.int64))
-        return self.model.compute_logits(hidden[rows]), sampling
+        rows = []
+        for s in sampling:
+            last = last_row[id(s)]
+            rows.extend(range(last - len(spec.get(s.seq_id, ())), last + 1))
+        return self.model.compute_logits(hidden[be.asarray(np.array(rows, dtype=np.int64))]), sampling
 
     def sample(self, logits, draws: list):
         """Token ids for ``draws`` = [(logits row, SamplingParams, uniform)], drawn on the backend (only

@@ -231,6 +231,9 @@ window.rawpagedKvView = (() => {
       } else if (e.type === "preempt") {
         text = `preempted: ${who}, ${plural(e.block_ids.length, "block")} freed (recomputed later)`;
         if (live) flash(e.block_ids, "flash-preempt");
+      } else if (e.type === "rollback") {
+        text = `draft rejected: ${who} gives back ${plural(e.block_ids.length, "block")}`;
+        if (live) flash(e.block_ids, "flash-rollback");
       } else if (e.type === "fork") {
         text = `fork: ${who} shares ${plural(e.num_blocks, "block")} of #${e.parent_index}`;
       } else {
