@@ -22,7 +22,8 @@ LAYERS = {
     "core": {"base", "face"},
     "model_executor": {"base", "face", "kernels", "core"},
     "weights": {"base", "face", "kernels", "model_executor"},  # the default model, above the loader
-    "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights"},
+    "spec_decode": {"base", "face", "kernels", "core", "model_executor"},  # proposers, acceptance rule
+    "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights", "spec_decode"},
     "testing": {"base", "face"},
     "entrypoints": {
         "base",
@@ -32,6 +33,7 @@ LAYERS = {
         "core",
         "model_executor",
         "weights",
+        "spec_decode",
         "engine",
     },
     "package": {"base", "face", "kernels", "engine", "entrypoints"},  # rawpaged/__init__.py, __main__.py

@@ -362,9 +362,15 @@ class LLMEngine:
             "num_swapped_out": sched.stats.num_swapped_out,
             "num_swapped_in": sched.stats.num_swapped_in,
             "num_window_frees": kv.num_window_frees,
-            "spec_decode": self.speculator.stats.as_dict() if self.speculator is not None else None,
+            **self._spec_decode_stats(),
             **self._offload_stats(),
         }
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters, whole (``spec_decode``; None when off) and flat (``/metrics``)."""
+        spec = self.speculator.stats.as_dict() if self.speculator is not None else None
+        flat = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        return {"spec_decode": spec, **{f"spec_decode_{k}": spec[k] if spec else 0 for k in flat}}
 
     def _offload_stats(self) -> dict:
         """The second KV tier's counters, flat (``/metrics``) and whole (``kv_offload``; None without one)."""

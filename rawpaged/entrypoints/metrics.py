@@ -114,6 +114,13 @@ _COUNTERS = (
     ("rawpaged:prefix_cache_queries", "Prefix-cache lookups (blocks).", "prefix_cache_queries"),
     ("rawpaged:prefix_cache_hits", "Prefix-cache hits (blocks).", "prefix_cache_hits"),
     ("rawpaged:cow_copies", "Copy-on-write block copies.", "num_cow_copies"),
+    ("rawpaged:spec_decode_num_drafts", "Speculative drafts verified.", "spec_decode_num_drafts"),
+    ("rawpaged:spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "spec_decode_num_draft_tokens"),
+    (
+        "rawpaged:spec_decode_num_accepted_tokens",
+        "Speculative draft tokens accepted.",
+        "spec_decode_num_accepted_tokens",
+    ),
 )
 
 
@@ -140,6 +147,15 @@ class _EngineStatsCollector:
                 for label_values, source in sources:
                     metric.add_metric(label_values, float(source.get(key, 0)))
                 yield metric
+        per_pos = CounterMetricFamily(
+            "rawpaged:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted at each draft position (0: the first draft token).",
+            labels=[*labels, "position"],
+        )
+        for label_values, source in sources:
+            for pos, count in enumerate((source.get("spec_decode") or {}).get("num_accepted_tokens_per_pos", ())):
+                per_pos.add_metric([*label_values, str(pos)], float(count))
+        yield per_pos
         if replicas is not None:
             yield from _router_metrics(replicas, s.get("router", {}))
 
