@@ -81,7 +81,8 @@ def _value(tokens, p) -> int:
 class TieredKVMachine(RuleBasedStateMachine):
     """Sequences over a small pool with prefix caching and a tier; each rule is one engine step: the
     manager's decisions, its transfers copied (stores, then loads), the new positions written, the
-    transfers ended and full blocks cached."""
+    transfers ended and full blocks cached. Speculative steps take draft slots and give back the
+    rejected ones."""
 
     @initialize(
         num_blocks=st.integers(2, 16),
@@ -99,8 +100,9 @@ class TieredKVMachine(RuleBasedStateMachine):
         self.names = 0
         self.prefixes = {}  # block hash -> the token ids of its whole prefix (what its values follow from)
 
-    def _step(self, seqs_written):
-        """Run the transfers and copies, write each ``(seq, first new position)``, end the transfers, cache."""
+    def _step(self, seqs_written, cache=True):
+        """Run the transfers and copies, write each ``(seq, first new position)``, end the transfers, cache
+        (unless not ``cache``: the caller settles what was computed)."""
         t = self.kv.take_transfers()
         bs = self.bs
         for block, slot in t.stores:
@@ -114,7 +116,7 @@ class TieredKVMachine(RuleBasedStateMachine):
             for p in range(first, table.num_tokens):
                 self.device[table.slots(p, p + 1)[0]] = _value(s.token_ids, p)
         self.kv.end_transfers()
-        for s, _ in seqs_written:
+        for s, _ in seqs_written if cache else ():
             s.num_computed_tokens = s.block_table.num_tokens
             self.kv.cache_full_blocks(s)
             for i, h in enumerate(s.block_table.block_hashes):
@@ -156,6 +158,32 @@ class TieredKVMachine(RuleBasedStateMachine):
         else:
             del s.output_token_ids[first - s.num_prompt_tokens :]
             self._step([])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def speculate(self, data, k):
+        """A speculative step: slots for k drafts taken and written, a prefix of them accepted, the rest's
+        slots given back (blocks holding only rejected drafts released); nothing rejected is cached."""
+        s = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        first = s.num_tokens
+        s.output_token_ids.extend(data.draw(st.integers(0, 3)) for _ in range(k))
+        if not self.kv.allocate_slots(s, k):
+            del s.output_token_ids[first - s.num_prompt_tokens :]
+            self._step([])
+            return
+        self._step([(s, first)], cache=False)
+        accepted = data.draw(st.integers(0, k))
+        del s.output_token_ids[first + accepted - s.num_prompt_tokens :]
+        s.num_computed_tokens = first + accepted
+        free_before = self.kv.block_pool.num_free_blocks
+        released = self.kv.free_rejected_slots(s)
+        table = s.block_table
+        assert table.num_tokens == first + accepted
+        assert len(table.block_ids) == -(-table.num_tokens // self.bs)
+        assert self.kv.block_pool.num_free_blocks == free_before + released
+        self.kv.cache_full_blocks(s)
+        for i, h in enumerate(table.block_hashes):
+            self.prefixes[h] = tuple(s.token_ids[: (i + 1) * self.bs])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

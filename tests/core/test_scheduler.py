@@ -528,3 +528,46 @@ def test_prefill_tokens_are_capped_only_in_steps_that_carry_decodes():
 def test_prefill_cap_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         make(max_prefill_tokens_while_decoding=0)
+
+
+def test_drafts_are_budgeted_and_rolled_back_to_the_accepted_tokens():
+    sched = make(num_blocks=16, block_size=2, max_num_batched_tokens=6, max_model_len=64)
+    a, b = seq(0, 3, SamplingParams(max_tokens=20)), seq(1, 3, SamplingParams(max_tokens=20))
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefilled; one token each: 4 tokens, 3 computed
+    a.spec_token_ids, b.spec_token_ids = [11, 12, 13, 14], [21, 22, 23]
+    out = sched.schedule()
+    # a takes its last token and 4 drafts (5 of the budget 6); b gets 1: it decodes without drafts.
+    assert [(s.seq_id, n) for s, n in out.scheduled] == [(0, 5), (1, 1)]
+    assert out.spec_token_ids == {0: [11, 12, 13, 14]}
+    assert len(a.block_table.block_ids) == 4 and a.block_table.num_tokens == 8  # 3 + 5 slots
+    # a's target agreed with 11 and 12, then sampled 99: three tokens; b sampled one.
+    finished = sched.update_from_output(out, [(a, 11), (a, 12), (a, 99), (b, 5)])
+    assert finished == [] and a.output_token_ids == [7, 11, 12, 99]
+    assert a.num_computed_tokens == 6 == a.block_table.num_tokens  # last token + 2 accepted
+    assert len(a.block_table.block_ids) == 3  # the block of rejected drafts only went back
+    assert sched.stats.num_generation_tokens == 2 + 4
+    sched.kv_cache_manager.check_invariants([a, b])
+
+
+def test_drafts_never_preempt_and_tokens_after_a_stop_are_dropped():
+    sched = make(num_blocks=4, block_size=4, max_model_len=64)
+    a = seq(0, 3, SamplingParams(max_tokens=20, stop_token_ids=[42]))
+    sched.add(a)
+    run_step(sched)
+    b = seq(1, 3, SamplingParams(max_tokens=20))
+    sched.add(b)
+    run_step(sched)
+    # a: 5 tokens, b: 4, one block each and 2 free; a's 8 drafts would need 3 more: a decodes alone.
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    out = sched.schedule()
+    assert (a, 1) in out.scheduled and out.spec_token_ids == {} and not out.preempted
+    sched.update_from_output(out, [(s, 9) for s, _ in out.scheduled])
+    a.spec_token_ids = [1]
+    out = sched.schedule()
+    assert out.spec_token_ids == {0: [1]}
+    finished = sched.update_from_output(out, [(a, 42), (a, 8), (b, 9)])  # a stops at its first token
+    assert finished == [a] and a.output_token_ids[-1] == 42 and a.finish_reason == "stop"
+    assert sched.stats.num_generation_tokens == 1 + 2 + 2 + 2  # a's 8 after its stop is not counted
+    sched.kv_cache_manager.check_invariants([b])
