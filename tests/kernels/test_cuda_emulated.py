@@ -954,6 +954,45 @@ def test_engine_with_a_second_kv_tier_on_emulated_cuda_matches_the_cpu_engine(em
     gpu.close()
 
 
+def test_speculative_decoding_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypatch):
+    """The verifier on CUDA: k + 1 positions through the paged prefill kernels after a cached context, the
+    k + 1 logits rows sampled on the device (greedy and seeded), drafts from an oracle that corrupts some;
+    the tokens are the CPU engine's without speculation, every block back."""
+    from rawpaged import LLM, SamplingParams
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.testing.random_model import write_random_model
+    from tests.engine.test_spec_decode import OracleProposer
+
+    model = write_random_model(
+        tmp_path / "m",
+        num_layers=2,
+        hidden_size=128,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        seed=4,
+    )
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 200, 12 + 9 * i)] for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True),
+    ] * 2
+    cpu = LLM(model=str(model), device="cpu", num_kv_blocks=64)
+    want = [list(o.outputs[0].token_ids) for o in cpu.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    monkeypatch.setattr(engine_mod, "get_backend", lambda device: backend(emu, num_sms=4))
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    gpu = LLM(model=str(model), device="cuda", dtype="float32", num_kv_blocks=32, block_size=8, speculative_config=spec)
+    vocab = gpu.engine.model_config.vocab_size
+    gpu.engine.speculator.proposer = OracleProposer({tuple(p): w for p, w in zip(prompts, want)}, vocab, seed=2)
+    got = [list(o.outputs[0].token_ids) for o in gpu.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert got == want
+    stats = gpu.stats()
+    assert 0 < stats["spec_decode"]["num_accepted_tokens"] < stats["spec_decode"]["num_draft_tokens"], stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 @pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q8_0", "qwen2")])
 def test_gguf_engine_on_emulated_cuda_runs_on_blocks_and_matches_the_cpu_engine(
     emu, tmp_path, monkeypatch, qtype, arch
