@@ -34,6 +34,9 @@ class SpeculativeConfig:
     """ngram: the shortest suffix matched"""
     prompt_lookup_max: int = 5
     """ngram: the longest suffix matched (longer matches are tried first)"""
+    disable_by_batch_size: int | None = None
+    """no drafts in a step whose running batch has at least this many sequences (vLLM's name): at large
+    batches a step is no longer bound by reading the weights, so verifying drafts costs more than it saves"""
 
     def __post_init__(self):
         if self.method not in SpeculativeMethod.__args__:
@@ -44,6 +47,14 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if self.disable_by_batch_size is not None and (
+            isinstance(self.disable_by_batch_size, bool)
+            or not isinstance(self.disable_by_batch_size, int)
+            or self.disable_by_batch_size < 1
+        ):
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "

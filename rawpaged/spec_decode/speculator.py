@@ -1,7 +1,8 @@
 """Which sequences speculate, and how far: after each step, every running sequence that decodes next gets
 its drafts for the next step (``Sequence.spec_token_ids``), from the configured proposer.
 
-A sequence gets none when it uses beam search or structured outputs (their per-token state is not rolled
+No sequence gets drafts while the running batch holds ``disable_by_batch_size`` sequences or more. A
+sequence gets none when it uses beam search or structured outputs (their per-token state is not rolled
 back yet), when fewer than two tokens are left before ``max_tokens`` or ``max_model_len``, or while it backs
 off: a draft of which nothing was accepted makes the sequence skip the next 1, 2, 4, ... (at most
 ``MAX_BACKOFF_STEPS``) decode steps before it proposes again, and any acceptance resets that. So text the
@@ -45,9 +46,12 @@ class Speculator:
         return max(0, min(self.config.num_speculative_tokens, room))
 
     def propose(self, seqs) -> None:
-        """Set ``spec_token_ids`` of each of ``seqs`` (the running batch) for the next step."""
+        """Set ``spec_token_ids`` of each of ``seqs`` (the running batch) for the next step (none for any
+        when the batch has ``disable_by_batch_size`` sequences or more)."""
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(seqs) >= limit
         for seq in seqs:
-            k = self.num_draft_tokens(seq)
+            k = 0 if off else self.num_draft_tokens(seq)
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, k) if k else []
 
     def reset_stats(self) -> None:
