@@ -14,7 +14,7 @@ DType = Literal[DTYPE_CHOICES]
 KVCacheDType = Literal[KV_CACHE_DTYPE_CHOICES]
 Quantization = Literal["gguf", "q8_0"]
 PreemptionMode = Literal["swap", "recompute"]
-SpeculativeMethod = Literal["ngram"]
+SpeculativeMethod = Literal["ngram", "suffix"]
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,23 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod = "ngram"
     """ngram: prompt lookup, the tokens that followed the longest earlier match of the sequence's last
-    ``prompt_lookup_min..prompt_lookup_max`` tokens (in the prompt or the output so far)"""
+    ``prompt_lookup_min..prompt_lookup_max`` tokens (in the prompt or the output so far); suffix:
+    SuffixDecoding, the most frequent continuation of the longest matched suffix in the sequence and in
+    recent requests' outputs, as long as the match earns"""
     num_speculative_tokens: int = 4
     """draft tokens per sequence per step at most (k); a step verifies k + 1 positions"""
     prompt_lookup_min: int = 2
     """ngram: the shortest suffix matched"""
     prompt_lookup_max: int = 5
     """ngram: the longest suffix matched (longer matches are tried first)"""
+    suffix_decoding_max_tree_depth: int = 32
+    """suffix: the longest suffix matched"""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: draft tokens per matched token at most"""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: a draft stops at a token less frequent than this among the matching occurrences"""
+    suffix_decoding_max_cached_requests: int = 100
+    """suffix: finished requests whose outputs are searched (0: only the sequence's own tokens)"""
     disable_by_batch_size: int | None = None
     """no drafts in a step whose running batch has at least this many sequences (vLLM's name): at large
     batches a step is no longer bound by reading the weights, so verifying drafts costs more than it saves"""
@@ -43,10 +53,28 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method must be one of {SpeculativeMethod.__args__}, got {self.method!r}"
             )
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "suffix_decoding_max_tree_depth",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.suffix_decoding_max_spec_factor, (int, float)) or not (
+            self.suffix_decoding_max_spec_factor > 0
+        ):
+            raise ValueError("speculative_config.suffix_decoding_max_spec_factor must be > 0")
+        if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) or not (
+            0 <= self.suffix_decoding_min_token_prob <= 1
+        ):
+            raise ValueError("speculative_config.suffix_decoding_min_token_prob must be in [0, 1]")
+        if (
+            not isinstance(self.suffix_decoding_max_cached_requests, int)
+            or self.suffix_decoding_max_cached_requests < 0
+        ):
+            raise ValueError("speculative_config.suffix_decoding_max_cached_requests must be an integer >= 0")
         if self.disable_by_batch_size is not None and (
             isinstance(self.disable_by_batch_size, bool)
             or not isinstance(self.disable_by_batch_size, int)

@@ -261,10 +261,19 @@ class LLMEngine:
         selected = self.token_selector.select(logits, sampling, self.requests, now, sched_out.spec_token_ids)
         self._update_sequences(sched_out, selected, now)
         if self.speculator is not None:
-            for seq, num_drafts, num_accepted in selected.verified:
-                self.speculator.observe(seq, num_drafts, num_accepted)
-            self.speculator.propose(self.scheduler.running)
+            self._speculate(selected)
         return self._make_outputs(selected)
+
+    def _speculate(self, selected: SelectedTokens) -> None:
+        """Record this step's verified drafts and finished outputs, then draft for the next step."""
+        spec = self.speculator
+        for seq, num_drafts, num_accepted in selected.verified:
+            spec.observe(seq, num_drafts, num_accepted)
+        for req in selected.touched.values():
+            if req.finished:
+                for seq in req.seqs:
+                    spec.finished(seq)
+        spec.propose(self.scheduler.running)
 
     def _update_sequences(self, sched_out, selected: SelectedTokens, now: float) -> None:
         """Append the selected tokens, drop pruned and finished beams, and stop the sequences whose

@@ -14,6 +14,7 @@ from __future__ import annotations
 from rawpaged.config import SpeculativeConfig
 from rawpaged.spec_decode.metrics import SpecDecodingStats
 from rawpaged.spec_decode.ngram_proposer import NgramProposer
+from rawpaged.spec_decode.suffix_proposer import SuffixProposer
 
 #: the longest run of decode steps a sequence sits out after drafts that were all rejected
 MAX_BACKOFF_STEPS = 16
@@ -28,7 +29,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = make_proposer(config)
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
 
     def num_draft_tokens(self, seq) -> int:
@@ -54,6 +55,12 @@ class Speculator:
             k = 0 if off else self.num_draft_tokens(seq)
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, k) if k else []
 
+    def finished(self, seq) -> None:
+        """A sequence finished: a proposer that learns from past outputs (suffix) keeps its output."""
+        add = getattr(self.proposer, "add_finished", None)
+        if add is not None and seq.output_token_ids:
+            add(seq.output_token_ids)
+
     def reset_stats(self) -> None:
         self.stats = SpecDecodingStats(self.config.num_speculative_tokens)
 
@@ -65,3 +72,15 @@ class Speculator:
         else:
             seq.spec_misses += 1
             seq.spec_backoff = min(MAX_BACKOFF_STEPS, 1 << (seq.spec_misses - 1))
+
+
+def make_proposer(config: SpeculativeConfig):
+    """The proposer of ``config.method``: anything with ``propose(token_ids, k) -> list`` of draft ids."""
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+            config.suffix_decoding_max_cached_requests,
+        )
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -197,3 +197,24 @@ def test_under_sampling_the_token_distribution_is_the_targets(tmp_path):
     b2 = np.append(b[common], b[rest].sum())
     stat, df = chi_square_homogeneity(a2, b2)
     assert stat < chi_square_critical(df), (stat, df)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_the_real_proposers_keep_greedy_outputs(model, method):
+    """No oracle: each method's own drafts on prompts with repeats. The suffix method also searches
+    finished outputs, so the same request again is drafted from the first answer."""
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(3, 250, 6)] * 4 for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain, _, _ = _run(model, prompts, params)
+    llm = LLM(model=str(model), speculative_config={"method": method, "num_speculative_tokens": 5}, num_kv_blocks=96)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert _ids(first) == _ids(plain)
+    before = llm.stats()["spec_decode"]["num_accepted_tokens"]
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], params)
+    assert _ids(again) == _ids(plain[:1])
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    gained = stats["spec_decode"]["num_accepted_tokens"] - before
+    if method == "suffix":
+        assert gained >= 30, stats["spec_decode"]  # the first answer, found again

@@ -8,7 +8,9 @@ import pytest
 from rawpaged.config import EngineConfig, SpeculativeConfig
 from rawpaged.core.sequence import Sequence
 from rawpaged.sampling_params import SamplingParams
+from rawpaged.spec_decode.ngram_proposer import NgramProposer
 from rawpaged.spec_decode.speculator import MAX_BACKOFF_STEPS, Speculator
+from rawpaged.spec_decode.suffix_proposer import SuffixProposer
 
 
 def decoding(prompt, output, **params) -> Sequence:
@@ -27,6 +29,10 @@ def test_parsed_from_json_dict_or_none_and_errors_name_the_key():
         ('{"num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens"),
         ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"disable_by_batch_size": 0}', "disable_by_batch_size"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "suffix_decoding_min_token_prob"),
+        ('{"suffix_decoding_max_spec_factor": 0}', "suffix_decoding_max_spec_factor"),
+        ('{"suffix_decoding_max_tree_depth": 0}', "suffix_decoding_max_tree_depth"),
+        ('{"suffix_decoding_max_cached_requests": -1}', "suffix_decoding_max_cached_requests"),
         ('{"num_spec_tokens": 2}', "unknown key"),
         ("{not json", "not valid JSON"),
         ("[1]", "JSON object"),
@@ -80,3 +86,14 @@ def test_misses_back_off_exponentially_and_an_acceptance_resets():
     sp.observe(s, 4, 1)
     assert s.spec_misses == 0 and sp.num_draft_tokens(s) == 4
     assert sp.stats.num_drafts == 8 and sp.stats.num_accepted_tokens_per_pos == [1, 0, 0, 0]
+
+
+def test_the_method_picks_the_proposer_and_suffix_learns_finished_outputs():
+    assert isinstance(Speculator(SpeculativeConfig(), 100).proposer, NgramProposer)
+    sp = Speculator(SpeculativeConfig(method="suffix", suffix_decoding_max_spec_factor=2.0), 100)
+    assert isinstance(sp.proposer, SuffixProposer)
+    done = decoding([9], [4, 5, 6, 7], max_tokens=4)
+    sp.finished(done)
+    s = decoding([1, 2], [4, 5], max_tokens=50)
+    sp.propose([s])
+    assert s.spec_token_ids == [6, 7]
