@@ -14,7 +14,7 @@ DType = Literal[DTYPE_CHOICES]
 KVCacheDType = Literal[KV_CACHE_DTYPE_CHOICES]
 Quantization = Literal["gguf", "q8_0"]
 PreemptionMode = Literal["swap", "recompute"]
-SpeculativeMethod = Literal["ngram", "suffix"]
+SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,10 @@ class SpeculativeConfig:
     """ngram: prompt lookup, the tokens that followed the longest earlier match of the sequence's last
     ``prompt_lookup_min..prompt_lookup_max`` tokens (in the prompt or the output so far); suffix:
     SuffixDecoding, the most frequent continuation of the longest matched suffix in the sequence and in
-    recent requests' outputs, as long as the match earns"""
+    recent requests' outputs, as long as the match earns; draft_model: the greedy tokens of a smaller model
+    (``model``) that shares the target's tokenizer"""
+    model: str | None = None
+    """draft_model: the draft model (a directory or .gguf file, as ``--model``)"""
     num_speculative_tokens: int = 4
     """draft tokens per sequence per step at most (k); a step verifies k + 1 positions"""
     prompt_lookup_min: int = 2
@@ -82,6 +85,11 @@ class SpeculativeConfig:
         ):
             raise ValueError(
                 f"speculative_config.disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model names the draft model of method 'draft_model' (and only of it): "
+                f"got method {self.method!r} with model {self.model!r}"
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(

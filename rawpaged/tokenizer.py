@@ -120,6 +120,10 @@ class Tokenizer:
         BOS), or BOS first where ``tokenizer_config.json`` sets ``add_bos_token`` (never twice)."""
         return self._with_bos(_ids(self._tok, text, add_special_tokens=True))
 
+    def get_vocab(self) -> dict:
+        """Token string -> id, added tokens included (as HF's ``get_vocab``)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters the longest vocabulary entry spells (byte-level: its bytes), added tokens included."""

@@ -22,7 +22,7 @@ LAYERS = {
     "core": {"base", "face"},
     "model_executor": {"base", "face", "kernels", "core"},
     "weights": {"base", "face", "kernels", "model_executor"},  # the default model, above the loader
-    "spec_decode": {"base", "face", "kernels", "core", "model_executor"},  # proposers, acceptance rule
+    "spec_decode": {"base", "face", "kernels", "core", "model_executor"},  # proposers, acceptance rule, draft model
     "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights", "spec_decode"},
     "testing": {"base", "face"},
     "entrypoints": {

@@ -9,9 +9,11 @@ offline.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
+import types
 
 import numpy as np
 
@@ -134,13 +136,31 @@ class LLMEngine:
             self.max_model_len,
             self.tokenizer,
         )
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = self._make_speculator(config.speculative_config, num_blocks)
         self.requests: dict[str, Request] = {}
         self._structured_output_manager = None
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+
+    def _make_speculator(self, spec, num_blocks: int):
+        """The ``Speculator`` of ``speculative_config`` (None: off); a draft model runs beside this engine,
+        on its backend and dtypes, with a pool of ``num_blocks`` blocks of its own."""
+        if spec is None:
+            return None
+        if spec.method == "draft_model":
+            spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model)))
+        target = types.SimpleNamespace(
+            model_config=self.model_config,
+            tokenizer=self.tokenizer,
+            backend=self.backend,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=num_blocks,
+        )
+        return Speculator(spec, self.max_model_len, target)
 
     @property
     def default_sampling_params(self) -> dict:

@@ -12,6 +12,7 @@ proposer cannot predict costs a verification step now and then, not every step.
 from __future__ import annotations
 
 from rawpaged.config import SpeculativeConfig
+from rawpaged.spec_decode.draft_model import DraftModelProposer
 from rawpaged.spec_decode.metrics import SpecDecodingStats
 from rawpaged.spec_decode.ngram_proposer import NgramProposer
 from rawpaged.spec_decode.suffix_proposer import SuffixProposer
@@ -26,10 +27,10 @@ class Speculator:
     max_model_len: tokens per sequence at most (no draft position reaches it).
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, target=None):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, target)
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
 
     def num_draft_tokens(self, seq) -> int:
@@ -51,8 +52,13 @@ class Speculator:
         when the batch has ``disable_by_batch_size`` sequences or more)."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(seqs) >= limit
-        for seq in seqs:
-            k = 0 if off else self.num_draft_tokens(seq)
+        items = [(seq, 0 if off else self.num_draft_tokens(seq)) for seq in seqs]
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is not None:
+            for (seq, _), drafts in zip(items, batch(items)):
+                seq.spec_token_ids = drafts
+            return
+        for seq, k in items:
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, k) if k else []
 
     def finished(self, seq) -> None:
@@ -74,8 +80,14 @@ class Speculator:
             seq.spec_backoff = min(MAX_BACKOFF_STEPS, 1 << (seq.spec_misses - 1))
 
 
-def make_proposer(config: SpeculativeConfig):
-    """The proposer of ``config.method``: anything with ``propose(token_ids, k) -> list`` of draft ids."""
+def make_proposer(config: SpeculativeConfig, target=None):
+    """The proposer of ``config.method``: one with ``propose(token_ids, k) -> list`` of draft ids, or
+    ``propose_batch([(sequence, k)]) -> [drafts]`` (the draft model, which needs ``target``: see
+    ``DraftModelProposer``; ``config.model`` is then a resolved path)."""
+    if config.method == "draft_model":
+        if target is None:
+            raise ValueError("speculative_config: method 'draft_model' needs the target engine's geometry")
+        return DraftModelProposer(config.model, target)
     if config.method == "suffix":
         return SuffixProposer(
             config.suffix_decoding_max_tree_depth,

@@ -218,3 +218,62 @@ def test_the_real_proposers_keep_greedy_outputs(model, method):
     gained = stats["spec_decode"]["num_accepted_tokens"] - before
     if method == "suffix":
         assert gained >= 30, stats["spec_decode"]  # the first answer, found again
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """Another random model with the target's tokenizer: a draft that agrees now and then."""
+    return write_random_model(
+        tmp_path_factory.mktemp("draft") / "d",
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        seed=6,
+    )
+
+
+def test_a_draft_model_leaves_the_targets_outputs_unchanged(model, draft):
+    prompts = _prompts(10, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 5 + [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True) for i in range(5)
+    ]
+    plain, _, _ = _run(model, prompts, params)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    got, stats, llm = _run(model, prompts, params, spec)
+    assert _ids(got) == _ids(plain)
+    assert stats["spec_decode"]["num_draft_tokens"] > 100
+    proposer = llm.engine.speculator.proposer
+    proposer.check_invariants()
+    assert not proposer.mirrors  # every mirror went with its sequence
+    pool = proposer.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_a_model_drafting_for_itself_is_accepted_almost_always(model):
+    prompts = _prompts(6, seed=10)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain, _, _ = _run(model, prompts, params)
+    spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 4}
+    got, stats, _ = _run(model, prompts, params, spec)
+    assert _ids(got) == _ids(plain)
+    s = stats["spec_decode"]
+    assert s["acceptance_rate"] >= 0.95, s  # below 1 only where float order flips a near-tie
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(model, tmp_path):
+    other = write_random_model(
+        tmp_path / "v",
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        vocab_size=300,
+        seed=1,
+    )
+    with pytest.raises(ValueError, match="speculative_config.model: the draft model's vocab_size 300"):
+        LLM(model=str(model), speculative_config={"method": "draft_model", "model": str(other)})
