@@ -161,14 +161,24 @@ class KVCacheManager:
     def swap_out(self, seqs) -> bool:
         """Preemption by swapping: copy the blocks of ``seqs`` (one request's running sequences) to swap
         slots, each distinct block once, and free them in the pool; each sequence keeps a ``SwappedTable``
-        and its ``num_computed_tokens``. Returns False, changing nothing, without a tier or without room."""
+        and its ``num_computed_tokens`` (slots already taken for tokens it has not computed, in the step that
+        preempts it, are given back, not swapped). Returns False, changing nothing, without a tier or without
+        room."""
         if self.offload is None:
             return False
-        tables = [s.block_table for s in seqs if s.block_table is not None]
-        distinct = list(dict.fromkeys(b for t in tables for b in t.block_ids if b != NULL_BLOCK))
+        bs = self.block_size
+        kept = [
+            b
+            for s in seqs
+            if s.block_table is not None
+            for b in s.block_table.block_ids[: -(-s.num_computed_tokens // bs)]
+        ]
+        distinct = list(dict.fromkeys(b for b in kept if b != NULL_BLOCK))
         slots = self.offload.allocate_swap(len(distinct))
         if slots is None:
             return False
+        for seq in seqs:  # slots taken in this step for tokens not computed yet are not swapped
+            self._trim_to_computed(seq)
         slot_of = dict(zip(distinct, slots))
         self._transfers.stores.extend(zip(distinct, slots))
         held = set()
@@ -338,19 +348,26 @@ class KVCacheManager:
         Raises:
             BlockPoolError: the table was freed.
         """
+        released = self._trim_to_computed(seq)
+        if released:
+            self.events.record(ROLLBACK, seq, block_ids=released)
+        return len(released)
+
+    def _trim_to_computed(self, seq) -> list:
+        """Give back ``seq``'s slots past ``num_computed_tokens`` (and the blocks only they used); the ids
+        released."""
         table = seq.block_table
         if table is None or table.num_tokens <= seq.num_computed_tokens:
-            return 0
+            return []
         _check_live(table)
         table.num_tokens = seq.num_computed_tokens
         keep = -(-table.num_tokens // self.block_size)
         released = table.block_ids[keep:]
         del table.block_ids[keep:]
         for bid in reversed(released):
-            self.block_pool.release(bid, table.table_id, reuse_first=True)
-        if released:
-            self.events.record(ROLLBACK, seq, block_ids=released)
-        return len(released)
+            if bid != NULL_BLOCK:
+                self.block_pool.release(bid, table.table_id, reuse_first=True)
+        return released
 
     def fork(self, parent, child) -> None:
         """``child`` gets a table with the same contents as ``parent``'s, sharing every block

@@ -279,6 +279,8 @@ class Scheduler:
             self.running.remove(v)
             self._preempt(v, swapped)
         out.scheduled[:] = [(s, n) for s, n in out.scheduled if s not in victims]
+        for v in victims:
+            out.spec_token_ids.pop(v.seq_id, None)
         out.preempted.extend(victims)
         return victims
 

@@ -72,6 +72,29 @@ def test_restored_entries_keep_their_lru_order():
     assert not m.contains(10) and m.contains(20)
 
 
+def test_a_sequence_preempted_after_taking_this_steps_slots_swaps_only_its_computed_blocks():
+    """A request's sibling (or a sequence with drafts) scheduled before the step ran out of blocks and
+    swapped its request out: the slots it took for this step are given back, not swapped."""
+    tier = OffloadingManager(8)
+    kv = KVCacheManager(8, 4, True, offload=tier)
+    s = seq(range(6), 1)
+    assert kv.allocate_slots(s, 6)
+    s.num_computed_tokens = 6
+    assert kv.allocate_slots(s, 5)  # this step's slots: positions 6..10, a third block
+    assert len(s.block_table.block_ids) == 3
+    assert kv.swap_out([s])
+    assert s.swapped_table.num_tokens == 6 and tier.num_swap_blocks == 2
+    assert kv.block_pool.num_free_blocks == 8
+    kv.end_transfers()
+    assert kv.swap_in([s]) and s.block_table.num_tokens == 6
+    assert kv.allocate_slots(s, 1) and s.block_table.num_tokens == 7
+    kv.check_invariants([s])
+    kv.free(s)
+    kv.end_transfers()
+    tier.check_invariants()
+    assert tier.num_swap_blocks == 0
+
+
 # ------------------------------------------------------------------------------------------ the machine
 def _value(tokens, p) -> int:
     """The "KV" of position ``p``: a function of the tokens up to and including it."""
