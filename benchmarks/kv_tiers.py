@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -171,8 +172,12 @@ def attention_rows(batch: int, context: int) -> list:
 
 
 def _warm(llm: LLM) -> LLM:
-    """One tiny request first (compiles, first-call costs), no full block cached."""
+    """Compile every kernel a timed request runs before timing it: a 3-token request, then a 40-token one
+    twice (tiled prefill, then prefill after a cached prefix: the path of a prompt served from the tier;
+    a first call of that kernel compiles for seconds). The warm-up's blocks are evicted by the timed ones."""
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+    for _ in range(2):
+        llm.generate([{"prompt_token_ids": list(range(5, 45))}], SamplingParams(max_tokens=1))
     return llm
 
 
@@ -245,33 +250,51 @@ def tier_rows(conversation: int, restart_prefix: int) -> list:
     return rows
 
 
-def swap_rows(num_requests: int, prompt_len: int, output_len: int) -> list:
-    """Swap against recompute under a load that needs 4x the pool (module docstring)."""
+def swap_rows(num_requests: int, prompt_len: int, output_len: int, rounds: int = 3) -> list:
+    """Swap against recompute under a load that needs 4x the pool (module docstring): one engine per mode,
+    ``rounds`` runs each in alternating order, the median time."""
     need = num_requests * -(-(prompt_len + output_len) // BLOCK_SIZE)
     prompts = [{"prompt_token_ids": _random_ids(prompt_len, 100 + i)} for i in range(num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     kw = dict(device="cpu", enable_prefix_caching=False, max_num_seqs=num_requests)
     want = [list(o.outputs[0].token_ids) for o in LLM(num_kv_blocks=need + 8, **kw).generate(prompts, params)]
+    modes = ("recompute", "swap")
+    engines = {m: _warm(LLM(num_kv_blocks=need // 4, kv_offloading_size=4.0, preemption_mode=m, **kw)) for m in modes}
+    runs = {m: [] for m in modes}
+    for r in range(rounds):  # alternating which mode goes first, so a drift in the host's speed falls on both
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            llm = engines[mode]
+            before = llm.stats()
+            t0 = time.perf_counter()
+            out = llm.generate(prompts, params)
+            seconds = time.perf_counter() - t0
+            st = llm.stats()
+            runs[mode].append(
+                dict(
+                    seconds=seconds,
+                    preemptions=st["num_preemptions"] - before["num_preemptions"],
+                    swapped_out=st["num_swapped_out"] - before["num_swapped_out"],
+                    complete=len(out) == num_requests and all(len(o.outputs[0].token_ids) == output_len for o in out),
+                    same=[list(o.outputs[0].token_ids) for o in out] == want,
+                )
+            )
     rows = []
-    for mode in ("recompute", "swap"):
-        llm = _warm(LLM(num_kv_blocks=need // 4, kv_offloading_size=4.0, preemption_mode=mode, **kw))
-        t0 = time.perf_counter()
-        out = llm.generate(prompts, params)
-        seconds = time.perf_counter() - t0
-        st = llm.stats()
+    for mode in modes:
+        engines[mode].close()
+        rs = runs[mode]
         rows.append(
             dict(
                 preemption=mode,
                 pool_blocks=need // 4,
                 blocks_needed=need,
-                seconds=seconds,
-                preemptions=st["num_preemptions"],
-                swapped_out=st["num_swapped_out"],
-                all_complete=len(out) == num_requests and all(len(o.outputs[0].token_ids) == output_len for o in out),
-                same_greedy=[list(o.outputs[0].token_ids) for o in out] == want,
+                seconds=statistics.median(r["seconds"] for r in rs),
+                rounds=len(rs),
+                preemptions=rs[-1]["preemptions"],
+                swapped_out=rs[-1]["swapped_out"],
+                all_complete=all(r["complete"] for r in rs),
+                same_greedy=all(r["same"] for r in rs),
             )
         )
-        llm.close()
     return rows
 
 
@@ -309,7 +332,7 @@ def main(argv=None):
         print_table(tier, ["case", "cold_ttft_s", "tier_ttft_s", "speedup", "blocks_loaded", "same_greedy"])
         result["tier"] = tier
     if "swap" in args.sections:
-        swap = swap_rows(args.swap_requests, args.swap_prompt, args.swap_output)
+        swap = swap_rows(args.swap_requests, args.swap_prompt, args.swap_output, 1 if args.quick else 3)
         print(f"\nPreemption under a load of 4x the pool ({args.swap_requests} requests)")
         print_table(
             swap,
@@ -318,6 +341,7 @@ def main(argv=None):
                 "pool_blocks",
                 "blocks_needed",
                 "seconds",
+                "rounds",
                 "preemptions",
                 "swapped_out",
                 "all_complete",
