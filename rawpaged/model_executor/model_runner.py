@@ -102,8 +102,8 @@ class ModelRunner:
         Copies the copy-on-write blocks (``blocks_to_copy``) first. Returns ``(logits, sampling_seqs)``:
         logits on the backend (see ``sample``, ``fetch_rows``) for the sequences whose scheduled tokens
         reach their last token (they sample next), in ``scheduled`` order: one row each, except that a
-        sequence verifying drafts (``spec_token_ids``: it computes its last token and its k drafts, as a
-        prefill over its cached context) has k + 1 consecutive rows, one per position.
+        sequence verifying drafts (``spec_token_ids``: it computes its last token and its k drafts, as k + 1
+        decode rows) has k + 1 consecutive rows, one per position.
         """
         be = self.backend
         scheduled = scheduler_output.scheduled
@@ -112,10 +112,11 @@ class ModelRunner:
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
             be.copy_blocks(self.key_caches, self.value_caches, group)
         decodes, prefills = [], []
-        for s, n in scheduled:  # a decode computes exactly the last token
-            (decodes if n == 1 and s.num_computed_tokens == s.num_tokens - 1 else prefills).append((s, n))
+        for s, n in scheduled:  # a decode computes exactly the last token, and any drafts after it
+            decoding = s.num_computed_tokens == s.num_tokens - 1 and n == 1 + len(spec.get(s.seq_id, ()))
+            (decodes if decoding else prefills).append((s, n))
         graph = self.cuda_graph
-        if graph is not None and not prefills and 0 < len(decodes) <= graph.max_batch_size:
+        if graph is not None and not prefills and not spec and 0 < len(decodes) <= graph.max_batch_size:
             seqs = [s for s, _ in decodes]  # every decode samples, in scheduled order
             return graph.run(seqs), seqs
         ordered = decodes + prefills
@@ -128,30 +129,37 @@ class ModelRunner:
             ids.extend(drafts)
             slots.extend(seq.block_table.slots(start, start + n))
 
-        def tables(group):
+        def tables(group, rows_each):
             width = max((len(s.block_table.block_ids) for s, _ in group), default=0)
-            bt = np.zeros((len(group), max(width, 1)), dtype=np.int32)
-            for row, (s, _) in enumerate(group):
-                bt[row, : len(s.block_table.block_ids)] = s.block_table.block_ids
+            bt = np.zeros((sum(rows_each(n) for _, n in group), max(width, 1)), dtype=np.int32)
+            row = 0
+            for s, n in group:
+                rows = rows_each(n)
+                bt[row : row + rows, : len(s.block_table.block_ids)] = s.block_table.block_ids
+                row += rows
             return bt
 
+        # A decode row per new token: a sequence verifying k drafts is k + 1 decode rows over its one block
+        # table, row i attending its context plus the first i new tokens (causal, as its prefill would),
+        # since each layer writes every row's K and V before any row attends.
+        decode_lens = [s.num_computed_tokens + i + 1 for s, n in decodes for i in range(n)]
         qsl = np.zeros(len(prefills) + 1, dtype=np.int32)
         qsl[1:] = np.cumsum([n for _, n in prefills])
         attn = AttentionMetadata(
             slot_mapping=be.asarray(np.array(slots, dtype=np.int64)),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=be.asarray(tables(decodes)),
-            decode_context_lens=be.asarray(np.array([s.num_tokens for s, _ in decodes], dtype=np.int32)),
-            prefill_block_tables=be.asarray(tables(prefills)),
+            num_decode_tokens=len(decode_lens),
+            decode_block_tables=be.asarray(tables(decodes, lambda n: n)),
+            decode_context_lens=be.asarray(np.array(decode_lens, dtype=np.int32)),
+            prefill_block_tables=be.asarray(tables(prefills, lambda n: 1)),
             query_start_loc=be.asarray(qsl),
             prefill_seq_lens=be.asarray(np.array([s.num_computed_tokens + n for s, n in prefills], dtype=np.int32)),
             max_query_len=max((n for _, n in prefills), default=0),
-            max_context_len=max((s.num_tokens for s, _ in decodes), default=0),
+            max_context_len=max(decode_lens, default=0),
         )
         input_ids = be.asarray(np.array(ids, dtype=np.int64))
         input_positions = be.asarray(np.array(positions, dtype=np.int64))
         fused = self.fused_decode
-        if fused is not None and not prefills and fused.can_run(len(decodes)):
+        if fused is not None and not prefills and fused.can_run(len(decode_lens)):
             hidden = fused.forward(input_ids, input_positions, attn)
         else:
             hidden = self.model.forward(input_ids, input_positions, attn, self.key_caches, self.value_caches)
