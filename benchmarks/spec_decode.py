@@ -2,7 +2,7 @@
 ships (``benchmarks/workloads/spec_decode.json``): input-grounded conversations (code edits, quotes,
 repeated turns) and open-ended ones (ShareGPT-like questions). Greedy, the default model on the CPU.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/spec_decode.py [--k 4] [--rounds 2]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/spec_decode.py [--k 3] [--rounds 2]
 
 Two engines, one with ``--speculative-config`` (n-gram, k drafts) and one without, loaded once each. Each
 round runs every workload on both, alternating which goes first, so a change in the host's speed falls on
@@ -70,7 +70,8 @@ def run_group(llm, convs: list, params, batch: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the default model)")
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--disable-by-batch-size", type=int, default=8, help="0: speculate at any batch size")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
         "num_speculative_tokens": args.k,
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "disable_by_batch_size": args.disable_by_batch_size or None,
     }
     engines = {
         "off": LLM(model=model, device="cpu", max_num_seqs=max(args.batch, 1)),
@@ -134,8 +136,9 @@ def main(argv=None) -> int:
             }
         )
     print(
-        f"\nSpeculative decoding (n-gram, k={args.k}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}), "
-        f"greedy, {args.max_tokens} tokens max, median of {args.rounds} rounds"
+        f"\nSpeculative decoding (n-gram, k={args.k}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}, "
+        f"off from batch {args.disable_by_batch_size or 'never'}), greedy, {args.max_tokens} tokens max, "
+        f"median of {args.rounds} rounds"
     )
     print_table(
         rows,

@@ -12,7 +12,7 @@ from rawpaged import LLM, SamplingParams
 from rawpaged.testing.random_model import write_random_model
 from tests.spec_decode.test_rejection_sampler import chi_square_critical, chi_square_homogeneity
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_under_sampling_the_token_distribution_is_the_targets(tmp_path):
         codes = [a * 256 + b * 16 + c for a, b, c in (o.outputs[0].token_ids for o in outs)]
         return np.bincount(codes, minlength=16**3), stats
 
-    a, stats = joint({"method": "ngram", "num_speculative_tokens": 2}, range(1200))
+    a, stats = joint({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}, range(1200))
     b, _ = joint(None, range(5000, 6200))
     assert stats["spec_decode"]["num_accepted_tokens"] > 200
     # pool rare cells so every expected count is >= 5
@@ -241,7 +241,7 @@ def test_a_draft_model_leaves_the_targets_outputs_unchanged(model, draft):
         SamplingParams(temperature=0.7, seed=i, max_tokens=20, ignore_eos=True) for i in range(5)
     ]
     plain, _, _ = _run(model, prompts, params)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": None}
     got, stats, llm = _run(model, prompts, params, spec)
     assert _ids(got) == _ids(plain)
     assert stats["spec_decode"]["num_draft_tokens"] > 100

@@ -77,15 +77,15 @@ def test_misses_back_off_exponentially_and_an_acceptance_resets():
     s = decoding([1, 2] * 4, [1], max_tokens=500)
     skipped = []
     for _ in range(7):
-        sp.observe(s, 4, 0)
+        sp.observe(s, 3, 0)
         n = 0
         while sp.num_draft_tokens(s) == 0:
             n += 1
         skipped.append(n)
     assert skipped == [1, 2, 4, 8, 16, MAX_BACKOFF_STEPS, MAX_BACKOFF_STEPS]
-    sp.observe(s, 4, 1)
-    assert s.spec_misses == 0 and sp.num_draft_tokens(s) == 4
-    assert sp.stats.num_drafts == 8 and sp.stats.num_accepted_tokens_per_pos == [1, 0, 0, 0]
+    sp.observe(s, 3, 1)
+    assert s.spec_misses == 0 and sp.num_draft_tokens(s) == 3
+    assert sp.stats.num_drafts == 8 and sp.stats.num_accepted_tokens_per_pos == [1, 0, 0]
 
 
 def test_the_method_picks_the_proposer_and_suffix_learns_finished_outputs():
