@@ -2,7 +2,7 @@
 ships (``benchmarks/workloads/spec_decode.json``): input-grounded conversations (code edits, quotes,
 repeated turns) and open-ended ones (ShareGPT-like questions). Greedy, the default model on the CPU.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/spec_decode.py [--k 3] [--rounds 2]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/spec_decode.py [--k 3] [--rounds 2] [--server 32]
 
 Two engines, one with ``--speculative-config`` (n-gram, k drafts) and one without, loaded once each. Each
 round runs every workload on both, alternating which goes first, so a change in the host's speed falls on
@@ -10,12 +10,14 @@ both. Batch 1: each conversation alone, tokens/s = generated tokens / wall time 
 (open-ended): 32 variants of the open-ended conversations in one ``generate``. A row reports the medians
 over rounds, the speed-up, the acceptance rate and mean accepted length (with the bonus token), and how
 many outputs equal plain decoding's (greedy; a difference is a near-tie flipped by the verifier's float
-order, counted, not hidden). Run it on an otherwise idle host.
+order, counted, not hidden). ``--server N``: N open-ended chats at once through ``python server.py``, with and
+without ``--speculative-config``, one server at a time. Run it on an otherwise idle host.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -67,6 +69,54 @@ def run_group(llm, convs: list, params, batch: int) -> dict:
     }
 
 
+async def _chat_all(url: str, convs: list, max_tokens: int) -> tuple:
+    """Every conversation of ``convs`` at once to ``/v1/chat/completions`` (greedy); (tokens, seconds, texts)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+
+        async def one(conv):
+            body = {"messages": conv["messages"], "max_tokens": max_tokens, "temperature": 0}
+            async with session.post(url + "/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                out = await r.json()
+            return out["usage"]["completion_tokens"], out["choices"][0]["message"]["content"]
+
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one(c) for c in convs))
+        return sum(n for n, _ in done), time.perf_counter() - t0, [t for _, t in done]
+
+
+def server_rows(model: str, convs: list, spec: dict, max_tokens: int, rounds: int) -> list:
+    """``python server.py`` with and without ``--speculative-config``, ``len(convs)`` chats at once, one
+    server at a time (each warmed by one round first); medians of ``rounds``."""
+    from benchmarks.serve import start_server, stop
+
+    runs = {}
+    for name, extra in (("off", []), ("ngram", ["--speculative-config", json.dumps(spec)])):
+        args = ["--model", model, "--device", "cpu", "--max-num-seqs", str(len(convs)), *extra]
+        proc, url, _ = start_server(args, 600)
+        try:
+            asyncio.run(_chat_all(url, convs[:2], 8))
+            runs[name] = [asyncio.run(_chat_all(url, convs, max_tokens)) for _ in range(rounds)]
+        finally:
+            stop(proc)
+    tps = {m: statistics.median(n / s for n, s, _ in r) for m, r in runs.items()}
+    same = sum(a == b for a, b in zip(runs["off"][-1][2], runs["ngram"][-1][2]))
+    return [
+        {
+            "workload": "open_ended (server)",
+            "batch": len(convs),
+            "requests": len(convs),
+            "tokens": runs["ngram"][-1][0],
+            "off_tok_s": tps["off"],
+            "ngram_tok_s": tps["ngram"],
+            "speedup": tps["ngram"] / tps["off"],
+            "same_outputs": f"{same}/{len(convs)}",
+        }
+    ]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the default model)")
@@ -77,6 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=32, help="the open-ended batch (0: skip)")
+    p.add_argument("--server", type=int, default=0, help="also: this many open-ended chats at once through the server")
     p.add_argument("--quick", action="store_true", help="16 tokens, 1 round, batch 4 (a smoke test)")
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args(argv)
@@ -135,6 +186,9 @@ def main(argv=None) -> int:
                 "same_outputs": f"{same}/{len(off[-1]['outputs'])}",
             }
         )
+    if args.server:
+        convs = batch_variants(work["open_ended"], args.server)
+        rows += server_rows(model, convs, spec, args.max_tokens, args.rounds)
     print(
         f"\nSpeculative decoding (n-gram, k={args.k}, lookup {args.prompt_lookup_min}..{args.prompt_lookup_max}, "
         f"off from batch {args.disable_by_batch_size or 'never'}), greedy, {args.max_tokens} tokens max, "
