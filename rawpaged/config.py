@@ -32,7 +32,8 @@ class SpeculativeConfig:
     recent requests' outputs, as long as the match earns; draft_model: the greedy tokens of a smaller model
     (``model``) that shares the target's tokenizer"""
     model: str | None = None
-    """draft_model: the draft model (a directory or .gguf file, as ``--model``)"""
+    """draft_model: the draft model, as ``--model`` takes one (a directory, a .gguf file or the default
+    model's name); given without ``method``, the method is draft_model"""
     num_speculative_tokens: int = 3
     """draft tokens per sequence per step at most (k); a step verifies k + 1 positions (on the CPU, k + 1 = 4
     rows fill one tile of the small-batch product: more cost a second pass over each weight tile)"""
@@ -88,10 +89,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"
             )
-        if (self.method == "draft_model") != (self.model is not None):
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError('speculative_config: method "draft_model" needs "model" (the draft model)')
+        if self.method != "draft_model" and self.model is not None:
             raise ValueError(
-                "speculative_config.model names the draft model of method 'draft_model' (and only of it): "
-                f"got method {self.method!r} with model {self.model!r}"
+                f'speculative_config.model is used only with "method": "draft_model" (got {self.method!r})'
             )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
@@ -116,6 +118,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {unknown} (known: {sorted(known)})")
+        if "model" in value and "method" not in value:  # a draft model given alone, as vLLM infers it
+            value = {**value, "method": "draft_model"}
         return cls(**value)
 
 
@@ -183,8 +187,9 @@ class EngineConfig:
     """swap: a preempted request's blocks go to the second tier (when it has room; else recompute);
     recompute: they are dropped and recomputed; default: swap with a tier, else recompute"""
     speculative_config: SpeculativeConfig | dict | str | None = None
-    """speculative decoding, a JSON object as vLLM's, e.g. '{"method": "ngram", "num_speculative_tokens":
-    4, "prompt_lookup_max": 5}' (docs/speculative_decoding.md); default: off"""
+    """speculative decoding, a JSON object as vLLM's: '{"method": "ngram", "num_speculative_tokens": 3}';
+    methods ngram, suffix, draft_model (with "model": the draft model); docs/speculative_decoding.md;
+    default: off"""
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

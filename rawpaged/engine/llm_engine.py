@@ -149,7 +149,10 @@ class LLMEngine:
         if spec is None:
             return None
         if spec.method == "draft_model":
-            spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model)))
+            try:
+                spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model)))
+            except ValueError as e:
+                raise ValueError(f"speculative_config.model: {e}") from None
         target = types.SimpleNamespace(
             model_config=self.model_config,
             tokenizer=self.tokenizer,

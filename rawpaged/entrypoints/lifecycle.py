@@ -112,9 +112,10 @@ def _loaded(state: AppState, result, error: str | None) -> None:
         )
         return
     state.engine = AsyncEngine(result, metrics=state.metrics)
+    spec = result.config.speculative_config
     logger.info(
         "ready: model %s loaded and warmed up in %.1fs on %s (%s, KV cache %s: %d blocks of %d "
-        "tokens, max_model_len %d)",
+        "tokens, max_model_len %d, speculative decoding %s)",
         state.model_name,
         time.monotonic() - state.load_started,
         result.backend.name,
@@ -123,4 +124,5 @@ def _loaded(state: AppState, result, error: str | None) -> None:
         result.kv_cache_manager.num_blocks,
         result.config.block_size,
         result.max_model_len,
+        f"{spec.method}, k={spec.num_speculative_tokens}" if spec is not None else "off",
     )

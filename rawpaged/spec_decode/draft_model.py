@@ -52,7 +52,10 @@ class DraftModelProposer:
     """
 
     def __init__(self, model_dir, target):
-        config, tokenizer, _, weights = load_model(model_dir)
+        try:
+            config, tokenizer, _, weights = load_model(model_dir)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
         check_vocabularies(config, tokenizer, target.model_config, target.tokenizer)
         if config.context_len < target.max_model_len:
             raise ValueError(

@@ -277,3 +277,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model, tmp_path):
     )
     with pytest.raises(ValueError, match="speculative_config.model: the draft model's vocab_size 300"):
         LLM(model=str(model), speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def test_a_draft_model_that_cannot_be_loaded_is_named_in_the_error(model, tmp_path):
+    for path, match in [(tmp_path / "missing", "neither"), (tmp_path, "no config.json")]:
+        with pytest.raises(ValueError, match=f"speculative_config.model: .*{match}"):
+            LLM(model=str(model), speculative_config={"model": str(path)})

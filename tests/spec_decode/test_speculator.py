@@ -24,6 +24,7 @@ def test_parsed_from_json_dict_or_none_and_errors_name_the_key():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert c == SpeculativeConfig(num_speculative_tokens=3) and SpeculativeConfig.parse(c) is c
     assert EngineConfig(speculative_config={"prompt_lookup_max": 7}).speculative_config.prompt_lookup_max == 7
+    assert SpeculativeConfig.parse('{"model": "small"}').method == "draft_model"  # inferred, as vLLM does
     for bad, match in [
         ('{"method": "medusa"}', "speculative_config.method"),
         ('{"num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens"),
@@ -36,6 +37,8 @@ def test_parsed_from_json_dict_or_none_and_errors_name_the_key():
         ('{"num_spec_tokens": 2}', "unknown key"),
         ("{not json", "not valid JSON"),
         ("[1]", "JSON object"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "suffix", "model": "m"}', 'used only with "method": "draft_model"'),
     ]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(speculative_config=bad)
