@@ -87,10 +87,10 @@ def test_a_failing_beam_step_or_detokenizer_ends_only_its_request(tiny_dir, refe
     detok = llm.engine.output_processor.detokenizer
     real_step = detok.step
 
-    def step(seq):
+    def step(seq, end=None):
         if seq.sampling_params.seed == POISON_SEED:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned text")
-        return real_step(seq)
+        return real_step(seq, end)
 
     monkeypatch.setattr(detok, "step", step)
     got = run_with_poisoned(llm, SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=8))

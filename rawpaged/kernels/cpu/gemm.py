@@ -26,6 +26,7 @@ taken in another order than BLAS's (float32 rounding differs, ~1e-6 relative).
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numba as nb
 import numpy as np
 
@@ -40,8 +41,6 @@ TILE_N = 6
 def _has_avx512() -> bool:
     """Whether the host has AVX-512 (llvmlite's view of it; False where it cannot tell)."""
     try:
-        import llvmlite.binding as llvm
-
         return bool(llvm.get_host_cpu_features().get("avx512f"))
     except Exception:  # noqa: BLE001 - an unknown host takes the narrow tile
         return False
