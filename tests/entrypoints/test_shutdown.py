@@ -166,4 +166,5 @@ def test_sigterm_closes_open_websockets_going_away(tiny_dir):
     assert first == "delta" and replies[-1] == "done", replies  # the request ran to its end
     assert busy_code == 1001 and idle_code == 1001, (busy_code, idle_code)
     assert idle_type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
-    assert elapsed < 8, f"{elapsed:.1f} s from SIGTERM to exit"
+    # before the 30 s handlers' timeout would end it (a loaded 2-core host needed more than 8 s once)
+    assert elapsed < 25, f"{elapsed:.1f} s from SIGTERM to exit"
