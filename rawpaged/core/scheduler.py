@@ -188,8 +188,9 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings' logits, or a prefill chunk past the cap
                 i += 1
                 continue
-            if remaining == 1 and self._schedule_drafts(seq, budget, out):
-                budget = self.max_num_batched_tokens - out.num_batched_tokens
+            drafted = self._schedule_drafts(seq, budget, out) if remaining == 1 else 0
+            if drafted:
+                budget -= drafted
                 i += 1
                 continue
             while not kv.allocate_slots(seq, n):
@@ -211,17 +212,18 @@ class Scheduler:
         out.kv_transfers = kv.take_transfers()
         return out
 
-    def _schedule_drafts(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+    def _schedule_drafts(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule decoding ``seq`` with its drafts (``spec_token_ids``, as many as the budget allows) when
-        the pool has their slots; False (nothing changed) when it has no drafts, no budget for one, or no
-        free blocks for them: it then decodes alone, and the drafts never preempt anyone."""
+        the pool has their slots; returns the tokens scheduled, or 0 (nothing changed) when it has no
+        drafts, no budget for one, or no free blocks for them: it then decodes alone, and the drafts never
+        preempt anyone."""
         drafts = seq.spec_token_ids
         n = min(1 + len(drafts), budget)
         if n < 2 or not self.kv_cache_manager.allocate_slots(seq, n):
-            return False
+            return 0
         out.scheduled.append((seq, n))
         out.spec_token_ids[seq.seq_id] = drafts[: n - 1]
-        return True
+        return n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager

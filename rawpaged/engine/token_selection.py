@@ -10,6 +10,7 @@ part ends that request alone (``SelectedTokens.failed``); the others go on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,17 +73,15 @@ class TokenSelector:
         draft plus one and keeps the tokens ``rejection_sampler.accepted_tokens`` accepts."""
         out = SelectedTokens()
         spec = spec_token_ids or {}
-        first_rows, row = [], 0
-        for seq in sampling:
-            first_rows.append(row)
-            row += 1 + len(spec.get(seq.seq_id, ()))
+        num_rows = [1 + len(spec.get(seq.seq_id, ())) for seq in sampling]
+        first_rows = list(itertools.accumulate(num_rows, initial=0))[:-1]
         rows = self.runner.fetch_rows(
             logits,
             [
                 r
-                for first, seq in zip(first_rows, sampling)
+                for first, n, seq in zip(first_rows, num_rows, sampling)
                 if needs_distribution(seq.sampling_params)
-                for r in range(first, first + 1 + len(spec.get(seq.seq_id, ())))
+                for r in range(first, first + n)
             ],
         )
         self._apply_grammars(logits, sampling, first_rows)

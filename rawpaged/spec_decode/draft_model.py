@@ -111,11 +111,14 @@ class DraftModelProposer:
             mirror = Sequence(seq.seq_id, seq.request_id, seq.index, tokens, _GREEDY, None, seq.arrival_time)
             self.mirrors[seq.seq_id] = mirror
             return mirror
-        old = mirror.token_ids
-        same = 0
-        limit = min(len(old), len(tokens), mirror.num_computed_tokens)
-        while same < limit and old[same] == tokens[same]:
+        # The mirror holds the target's tokens of the last sync (unchanged since) and then its drafts:
+        # only the drafts need comparing.
+        same = len(mirror.prompt_token_ids)
+        for draft, token in zip(mirror.output_token_ids, tokens[same:]):
+            if draft != token:
+                break
             same += 1
+        same = min(same, mirror.num_computed_tokens)
         mirror.prompt_token_ids = tokens
         mirror.output_token_ids = []
         mirror.num_computed_tokens = min(same, len(tokens) - 1)

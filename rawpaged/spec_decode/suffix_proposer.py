@@ -36,6 +36,7 @@ class SuffixProposer:
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         max_cached_requests: int = 100,
+        max_search_tokens: int = 8192,
     ):
         if max_tree_depth < 1 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1 or max_cached_requests < 0:
             raise ValueError(
@@ -44,6 +45,7 @@ class SuffixProposer:
         self.max_tree_depth = max_tree_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.max_search_tokens = max_search_tokens  # the sequence's own tokens searched: its last this many
         self._cached: deque = deque(maxlen=max_cached_requests)
         self._corpus = np.zeros(0, dtype=np.int64)  # cached outputs, each followed by a -1 separator
 
@@ -60,8 +62,8 @@ class SuffixProposer:
         well enough."""
         if k < 1 or not len(token_ids):
             return []
-        context = np.asarray(token_ids[-max(self.max_tree_depth, 1) :], dtype=np.int64)
-        own = np.asarray(token_ids, dtype=np.int64)
+        own = np.asarray(token_ids[-self.max_search_tokens :], dtype=np.int64)
+        context = own[-self.max_tree_depth :]
         best, best_score = [], 0.0
         for source, exclude_tail in ((own, True), (self._corpus, False)):
             draft, score = self._draft(source, context, k, exclude_tail)
