@@ -8,6 +8,10 @@
 //   Q8_0: d * q[k];  Q4_0: d * (nib - 8);  Q4_1: d * nib + m,  nib = j < 16 ? qs[16 b + j] & 15
 //                                                                          : qs[16 b + j - 16] >> 4.
 // FMT: 0 = Q8_0, 1 = Q4_0, 2 = Q4_1. x/out are activations of type T; arithmetic in float32.
+// The 5-bit formats and the K-quants (FMT 3 = Q5_0, 4 = Q5_1, 5 = Q4_K, 6 = Q5_K, 7 = Q6_K) are read in their
+// GGUF blocks as they are: qs is uint8 [rows, K / block values * block bytes] and scales/mins are not read
+// (ggml's block_q5_0, block_q5_1, block_q4_K, block_q5_K, block_q6_K; dequantize_row_* in ggml-quants.c;
+// the layouts are spelled out in rawpaged/kernels/quantization.py).
 #include "common.cuh"
 
 namespace rp {
@@ -27,10 +31,64 @@ __device__ __forceinline__ float half_bits_to_float(unsigned short h) {
     return __uint_as_float(bits);
 }
 
+__device__ __forceinline__ float half_at(const unsigned char* p) {
+    return half_bits_to_float((unsigned short)(p[0] | (p[1] << 8)));
+}
+
+// Q4_K/Q5_K: the 6-bit scale and min of sub-block j (0-7) from the 12 packed bytes (get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, const unsigned char* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Value k of a row of sub-block-format blocks (FMT 3-7) starting at row.
+template <int FMT>
+__device__ __forceinline__ float dequant_block_format(const unsigned char* __restrict__ row, int k) {
+    constexpr int PER = FMT <= 4 ? 32 : 256;
+    constexpr int SIZE = FMT == 3 ? 22 : FMT == 4 ? 24 : FMT == 5 ? 144 : FMT == 6 ? 176 : 210;
+    const unsigned char* blk = row + (i64)(k / PER) * SIZE;
+    const int j = k % PER;
+    if constexpr (FMT == 3 || FMT == 4) {
+        const int head = FMT == 3 ? 2 : 4;
+        const unsigned qh = blk[head] | (blk[head + 1] << 8) | (blk[head + 2] << 16) | ((unsigned)blk[head + 3] << 24);
+        const unsigned byte = blk[head + 4 + (j & 15)];
+        const int q = (int)((j < 16 ? byte & 15u : byte >> 4) | (((qh >> j) & 1u) << 4));
+        const float d = half_at(blk);
+        return FMT == 3 ? d * (float)(q - 16) : d * (float)q + half_at(blk + 2);
+    } else if constexpr (FMT == 5 || FMT == 6) {
+        const int s = j / 32, l = j % 32;
+        int sc, m;
+        scale_min_k4(s, blk + 4, sc, m);
+        const unsigned char* q4 = blk + (FMT == 5 ? 16 : 48);
+        const unsigned byte = q4[32 * (s / 2) + l];
+        unsigned q = (s & 1) ? byte >> 4 : byte & 15u;
+        if constexpr (FMT == 6) q |= ((blk[16 + l] >> s) & 1u) << 4;
+        return half_at(blk) * (float)sc * (float)q - half_at(blk + 2) * (float)m;
+    } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+        const int half = j / 128, r = j % 128, quarter = r / 32, l = r % 32;
+        const unsigned ql = blk[64 * half + l + 32 * (quarter & 1)];
+        const unsigned nib = quarter < 2 ? ql & 15u : ql >> 4;
+        const unsigned h = (blk[128 + 32 * half + l] >> (2 * quarter)) & 3u;
+        const int q = (int)(nib | (h << 4)) - 32;
+        const float sc = (float)(signed char)blk[192 + 8 * half + l / 16 + 2 * quarter];
+        return half_at(blk + 208) * sc * (float)q;
+    }
+}
+
 // Value k of row n (see the file comment). Q4 rows hold K / 2 bytes.
 template <int FMT>
 __device__ __forceinline__ float dequant(const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
                                          const unsigned short* __restrict__ mins, i64 n, int K, int k) {
+    if constexpr (FMT >= 3) {
+        constexpr int PER = FMT <= 4 ? 32 : 256;
+        constexpr int SIZE = FMT == 3 ? 22 : FMT == 4 ? 24 : FMT == 5 ? 144 : FMT == 6 ? 176 : 210;
+        return dequant_block_format<FMT>(qs + n * (i64)(K / PER) * SIZE, k);
+    }
     const int nblk = K / QK;
     const int b = k / QK;
     const float d = half_bits_to_float(scales[n * nblk + b]);

@@ -16,6 +16,21 @@ them back). Dequantizing all three and quantizing to Q8_0 are computed here (the
 definitions, ggml-quants.c; tests check them bit for bit against the ``gguf`` package's reference
 ``gguf.quants``), so neither needs that package; the kernels that compute on the planes are
 ``rawpaged.kernels.cpu.quant``.
+
+The 5-bit formats and the K-quants (``SUBBLOCK``) are held as their GGUF bytes (``qs`` uint8
+``[rows, bytes per row]``, no other plane) and described here as 32-value sub-blocks by
+``SubBlockPlanes`` (``subblock_planes``), the form their kernels compute on:
+
+- ``Q5_0`` (22 bytes / 32 values): fp16 d, 32 high bits qh (little-endian uint32, bit j for value j),
+  16 nibble bytes as Q4_0; value = d * (q5 - 16).
+- ``Q5_1`` (24 bytes / 32): fp16 d, fp16 m, qh, nibbles; value = d * q5 + m.
+- ``Q4_K`` (144 bytes / 256, ggml's ``block_q4_K``): fp16 d and dmin, 12 bytes packing eight 6-bit
+  scales and mins (``get_scale_min_k4``), 128 nibble bytes: sub-block s of 32 values is byte
+  ``32 * (s // 2) + l``'s low (s even) or high (s odd) nibble; value = d * sc_s * q4 - dmin * m_s.
+- ``Q5_K`` (176 / 256): as Q4_K with 32 bytes qh between scales and nibbles: value l of sub-block s has
+  its fifth bit at bit s of ``qh[l]``.
+- ``Q6_K`` (210 / 256, ``block_q6_K``): 128 bytes of low nibbles ql, 64 bytes of 2-bit highs qh, 16 int8
+  scales (one per 16 values), fp16 d last; value = d * sc * (q6 - 32) (``dequantize_row_q6_K``).
 """
 
 from __future__ import annotations
@@ -26,10 +41,16 @@ import numpy as np
 
 from rawpaged.errors import import_optional
 
-QK = 32  # values per block in all three formats
-#: name -> (bytes per block, bytes of fp16 header: d, or d and m)
+QK = 32  # values per block in the 32-value formats, and per sub-block in the K-quants
+QK_K = 256  # values per K-quant super-block
+#: name -> (bytes per block, bytes of fp16 header: d, or d and m): the formats held as planes
 FORMATS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}
-NATIVE = tuple(FORMATS)
+#: name -> (values per block, bytes per block): the formats held as GGUF bytes, computed on as sub-blocks
+SUBBLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+#: every format the kernels compute on without a float32 copy
+NATIVE = tuple(FORMATS) + tuple(SUBBLOCK)
+#: bits per value of the sub-block formats
+SUBBLOCK_BITS = {"Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
 @dataclass(frozen=True)
@@ -48,6 +69,8 @@ class QuantizedTensor:
 
         Raises ValueError for an unknown format, a width not a multiple of 32, or a ``data`` shape that
         does not match ``shape``."""
+        if qtype in SUBBLOCK:
+            return cls._from_subblock_bytes(qtype, shape, data)
         if qtype not in FORMATS:
             raise ValueError(f"quantization type {qtype!r} is not a native format {NATIVE}")
         rows, cols = (int(s) for s in shape)
@@ -64,8 +87,21 @@ class QuantizedTensor:
         qs = np.ascontiguousarray(blocks[:, :, head:]).reshape(rows, -1)
         return cls(qtype, (rows, cols), qs, scales, mins)
 
+    @classmethod
+    def _from_subblock_bytes(cls, qtype: str, shape: tuple, data: np.ndarray) -> QuantizedTensor:
+        rows, cols = (int(s) for s in shape)
+        per, size = SUBBLOCK[qtype]
+        if cols % per:
+            raise ValueError(f"{qtype} weight of {cols} columns: not a multiple of {per}")
+        data = np.asarray(data)
+        if data.dtype != np.uint8 or data.shape != (rows, cols // per * size):
+            raise ValueError(f"{qtype} data {data.shape} {data.dtype}: expected uint8 {(rows, cols // per * size)}")
+        return cls(qtype, (rows, cols), np.ascontiguousarray(data), None)
+
     def blocks(self) -> np.ndarray:
-        """The GGUF bytes, uint8 ``[rows, cols / 32 * block bytes]``."""
+        """The GGUF bytes, uint8 ``[rows, cols / block values * block bytes]``."""
+        if self.qtype in SUBBLOCK:
+            return self.qs
         rows, cols = self.shape
         nblk = cols // QK
         parts = [self.scales.reshape(rows, nblk, 1).view(np.uint8)]
@@ -76,12 +112,16 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
+        planes = (self.qs, self.scales, self.mins)
+        return sum(p.nbytes for p in planes if p is not None)
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[rows, cols]``: each value ``d * q`` (Q8_0), ``d * (nibble - 8)`` (Q4_0) or
         ``d * nibble + m`` (Q4_1), computed in float32 from the fp16 ``d`` and ``m`` as ggml's
-        ``dequantize_row_*`` and the ``gguf`` package compute them (tests check bit equality)."""
+        ``dequantize_row_*`` and the ``gguf`` package compute them (tests check bit equality); the
+        sub-block formats through ``SubBlockPlanes.dequantize``."""
+        if self.qtype in SUBBLOCK:
+            return subblock_planes(self).dequantize()
         rows, cols = self.shape
         nblk = cols // QK
         d = self.scales.view(np.float16).astype(np.float32).reshape(rows, nblk, 1)
@@ -128,6 +168,8 @@ class QuantizedTensor:
         if len(parts) == 1:
             return first
         rows = sum(p.shape[0] for p in parts)
+        if first.qtype in SUBBLOCK:
+            return QuantizedTensor(first.qtype, (rows, first.shape[1]), np.concatenate([p.qs for p in parts]), None)
         mins = np.concatenate([p.mins for p in parts]) if first.mins is not None else None
         return QuantizedTensor(
             first.qtype,
@@ -152,3 +194,141 @@ def _quantize_q8_0(w: np.ndarray) -> np.ndarray:
     out[:, :, :2] = d.astype(np.float16).view(np.uint8)
     out[:, :, 2:] = q.astype(np.int8).view(np.uint8)
     return out.reshape(rows, -1)
+
+
+@dataclass(frozen=True)
+class SubBlockPlanes:
+    """A ``SUBBLOCK``-format ``[rows, cols]`` weight as 32-value sub-blocks (``nsub = cols / 32``), its
+    bits regrouped so one kernel reads every format alike (a permutation of the GGUF bits; nothing is
+    rounded):
+
+    - ``qs`` uint8 ``[rows, nsub, 16]``: the low 4 bits of the values, byte j holding value j in its low
+      nibble and value 16 + j in its high one (Q4_0's order);
+    - ``qh`` uint8 ``[rows, nsub, hb]``: the high bits; hb = 0 (Q4_K), 4 (5-bit: bit ``v % 8`` of byte
+      ``v // 8`` is value v's fifth bit), 8 (Q6_K: bits ``2 (v % 4)`` of byte ``v // 4`` are its two
+      high bits);
+    - ``scales`` uint16 ``[rows, nscale]``: fp16 d per sub-block (Q5_0, Q5_1) or per super-block (K);
+    - ``mins`` uint16 like ``scales``: Q5_1's m, Q4_K/Q5_K's dmin (None for Q5_0, Q6_K);
+    - ``sub`` uint8 ``[rows, nsub, 2]``: Q4_K/Q5_K's 6-bit (scale, min) of each sub-block, Q6_K's two
+      int8 scales (values 0-15, 16-31); None for Q5_0/Q5_1.
+
+    Sub-block s's values are ``a_h * q - b_h`` for its halves h: Q5_0 ``d (q - 16)``, Q5_1 ``d q + m``,
+    Q4_K/Q5_K ``(d sc) q - dmin m``, Q6_K ``(d sc_h) (q - 32)``.
+    """
+
+    qtype: str
+    shape: tuple
+    qs: np.ndarray
+    qh: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None
+    sub: np.ndarray | None
+
+    def values(self) -> np.ndarray:
+        """The unsigned quants, uint8 ``[rows, nsub, 32]``."""
+        lo = np.concatenate([self.qs & 15, self.qs >> 4], axis=2)
+        hb = self.qh.shape[2]
+        if hb == 0:
+            return lo
+        v = np.arange(QK)
+        if hb == 4:
+            high = (self.qh[:, :, v // 8] >> (v % 8).astype(np.uint8)) & 1
+        else:
+            high = (self.qh[:, :, v // 4] >> (2 * (v % 4)).astype(np.uint8)) & 3
+        return lo | (high << 4).astype(np.uint8)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[rows, cols]``, computed in the order ggml's ``dequantize_row_*`` and the ``gguf``
+        package use (tests check bit equality with ``gguf.quants.dequantize``)."""
+        rows, cols = self.shape
+        nsub = cols // QK
+        q = self.values().astype(np.float32)
+        d = self.scales.view(np.float16).astype(np.float32)
+        if self.qtype in ("Q5_0", "Q5_1"):
+            d = d.reshape(rows, nsub, 1)
+            if self.qtype == "Q5_0":
+                out = d * (self.values().astype(np.int8) - np.int8(16)).astype(np.float32)
+            else:
+                out = d * q + self.mins.view(np.float16).astype(np.float32).reshape(rows, nsub, 1)
+            return out.reshape(rows, cols)
+        d = np.repeat(d, QK_K // QK, axis=1).reshape(rows, nsub, 1)
+        if self.qtype == "Q6_K":
+            sc = self.sub.view(np.int8).astype(np.float32)  # [rows, nsub, 2]
+            scale = np.repeat(d * sc, QK // 2, axis=2)  # [rows, nsub, 32]
+            return (scale * (self.values().astype(np.int8) - np.int8(32)).astype(np.float32)).reshape(rows, cols)
+        dmin = np.repeat(self.mins.view(np.float16).astype(np.float32), QK_K // QK, axis=1).reshape(rows, nsub, 1)
+        sc = self.sub[:, :, 0:1].astype(np.float32)
+        m = self.sub[:, :, 1:2].astype(np.float32)
+        return ((d * sc) * q - dmin * m).reshape(rows, cols)
+
+
+def subblock_planes(q: QuantizedTensor) -> SubBlockPlanes:
+    """The ``SubBlockPlanes`` of a ``SUBBLOCK``-format tensor (GGUF bytes -> regrouped bits).
+
+    Raises ValueError for another format."""
+    if q.qtype not in SUBBLOCK:
+        raise ValueError(f"{q.qtype} is not a sub-block format {tuple(SUBBLOCK)}")
+    rows, cols = q.shape
+    per, size = SUBBLOCK[q.qtype]
+    nblk = cols // per
+    blocks = q.qs.reshape(rows, nblk, size)
+    nsub = cols // QK
+
+    def u16(a):
+        return np.ascontiguousarray(a).view(np.uint16).reshape(rows, nblk)
+
+    if q.qtype in ("Q5_0", "Q5_1"):
+        head = 2 if q.qtype == "Q5_0" else 4
+        scales = u16(blocks[:, :, 0:2])
+        mins = u16(blocks[:, :, 2:4]) if head == 4 else None
+        qh = np.ascontiguousarray(blocks[:, :, head : head + 4])
+        qs = np.ascontiguousarray(blocks[:, :, head + 4 :])
+        return SubBlockPlanes(q.qtype, q.shape, qs, qh, scales, mins, None)
+    if q.qtype in ("Q4_K", "Q5_K"):
+        scales, mins = u16(blocks[:, :, 0:2]), u16(blocks[:, :, 2:4])
+        packed = blocks[:, :, 4:16]
+        a, b, c = packed[:, :, 0:4], packed[:, :, 4:8], packed[:, :, 8:12]
+        sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=2)  # get_scale_min_k4
+        mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=2)
+        sub = np.stack([sc, mn], axis=3).reshape(rows, nsub, 2)
+        start = 16 if q.qtype == "Q4_K" else 48
+        nib = blocks[:, :, start:].reshape(rows, nblk, 4, 1, 32)
+        v = np.concatenate([nib & 15, nib >> 4], axis=3).reshape(rows, nblk, 8, 32)  # sub-block s = 2 c + h
+        if q.qtype == "Q5_K":
+            qh5 = blocks[:, :, 16:48].reshape(rows, nblk, 1, 32)
+            v = v | (((qh5 >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1) << 4)
+        v = v.reshape(rows, nsub, QK)
+    else:  # Q6_K: ql[128], qh[64], scales[16], d
+        scales = u16(blocks[:, :, 208:210])
+        mins = None
+        sub = np.ascontiguousarray(blocks[:, :, 192:208]).reshape(rows, nsub, 2)
+        ql = blocks[:, :, 0:128].reshape(rows, nblk, 2, 2, 32)  # [half n, l / 32 (ql[l] or ql[l + 32])]
+        lo = np.stack([ql & 15, ql >> 4], axis=3)  # [rows, nblk, n, nibble, 2, 32]: value 64 nibble + 32 i + l
+        qh = blocks[:, :, 128:192].reshape(rows, nblk, 2, 1, 32)
+        hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # shift 2k: value 32 k + l
+        v = lo.reshape(rows, nblk, 2, 4, 32) | (hi << 4)
+        v = v.reshape(rows, nsub, QK)
+    return _pack_values(q.qtype, q.shape, v, scales, mins, sub)
+
+
+def _pack_values(qtype, shape, v, scales, mins, sub) -> SubBlockPlanes:
+    """SubBlockPlanes from unsigned quants ``v`` uint8 ``[rows, nsub, 32]``."""
+    rows, nsub, _ = v.shape
+    qs = (v[:, :, :16] & 15) | ((v[:, :, 16:] & 15) << 4)
+    bits = SUBBLOCK_BITS[qtype]
+    if bits == 4:
+        qh = np.zeros((rows, nsub, 0), np.uint8)
+    elif bits == 5:
+        qh = np.packbits((v >> 4) & 1, axis=2, bitorder="little")
+    else:
+        h = ((v >> 4) & 3).reshape(rows, nsub, 8, 4)
+        qh = h[..., 0] | (h[..., 1] << 2) | (h[..., 2] << 4) | (h[..., 3] << 6)
+    return SubBlockPlanes(
+        qtype,
+        tuple(shape),
+        np.ascontiguousarray(qs, dtype=np.uint8),
+        np.ascontiguousarray(qh, dtype=np.uint8),
+        np.ascontiguousarray(scales),
+        None if mins is None else np.ascontiguousarray(mins),
+        None if sub is None else np.ascontiguousarray(sub, dtype=np.uint8),
+    )

@@ -1,9 +1,10 @@
 """Load a GGUF file (llama.cpp's format) directly: config, tokenizer and chat template from its metadata,
 tensors read with the ``gguf`` package (memory-mapped).
 
-Tensors in a native format (Q8_0, Q4_0, Q4_1: ``rawpaged.kernels.quantization``) stay in their blocks as
-``QuantizedTensor``s unless ``native=False``; every other type the ``gguf`` package can dequantize becomes
-float32. llama.cpp's converter permutes the rows of Llama's Q and K projections (it interleaves the two
+Tensors in a native format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K:
+``rawpaged.kernels.quantization.NATIVE``) stay in their blocks as ``QuantizedTensor``s unless
+``native=False``; every other type the ``gguf`` package can dequantize becomes float32, and the load log
+says which tensors and how many bytes that costs. llama.cpp's converter permutes the rows of Llama's Q and K projections (it interleaves the two
 rotary halves of each head); the permutation is undone, on whole rows, so it is exact on blocks too.
 Qwen2 files are not permuted. GGUF lists dimensions fastest first, so the reader's arrays are already
 HF-shaped ``[out_features, in_features]``.
@@ -11,6 +12,7 @@ HF-shaped ``[out_features, in_features]``.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from rawpaged.errors import import_optional
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
 from rawpaged.model_executor.model_config import ModelConfig
 from rawpaged.tokenizer import Tokenizer
+
+logger = logging.getLogger("rawpaged.engine")
 
 # GGUF tensor name (without "blk.N." and the ".weight"/".bias" suffix) -> HF name.
 LAYER_NAMES = {
@@ -278,6 +282,7 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
     permute = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors: dict[str, Any] = {}
+    expanded: dict[str, list] = {}  # type -> [tensors, file bytes, float32 bytes] of the dequantized ones
     for t in tqdm(reader.tensors, desc="read tensors", unit="tensor", disable=not progress):
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         name = hf_name(t.name)
@@ -296,6 +301,22 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
             w = unpermute_qk(w, heads[kind])
         # a copy even when already float32: a view would keep the whole file mapped and resident
         tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
+        if len(shape) == 2 and qtype not in ("F32", "F16", "BF16"):
+            counts = expanded.setdefault(qtype, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += int(t.n_bytes)
+            counts[2] += tensors[name].nbytes
+    for qtype, (n, file_bytes, f32_bytes) in expanded.items():
+        logger.warning(
+            "%s: %d %s tensors are not computed natively (native: %s): dequantized to float32, %.1f MB in "
+            "place of %.1f MB in the file",
+            source,
+            n,
+            qtype,
+            ", ".join(NATIVE),
+            f32_bytes / 1e6,
+            file_bytes / 1e6,
+        )
     return tensors
 
 

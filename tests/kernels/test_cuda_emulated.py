@@ -790,6 +790,47 @@ def test_quant_linear_and_embedding_on_blocks(emu, qtype, act):
         be.linear(dev(np.zeros((2, 64), a_np)), dw)
 
 
+@pytest.mark.parametrize("act", ["float32", "bfloat16"])
+def test_sub_block_formats_on_blocks_and_stacked_parts(emu, act):
+    """Q5_0, Q5_1, Q4_K, Q5_K and Q6_K read in their GGUF blocks by cuda/quant.cu (random super-blocks) against
+    float64 products with the gguf package's dequantization, GEMV and tiled GEMM; a fused weight of mixed
+    formats is a DeviceStacked computed part by part (with its bias); the lookup of each format."""
+    from rawpaged.kernels.cuda.weights import DeviceQuantized, DeviceStacked
+    from rawpaged.kernels.quantization import SUBBLOCK, QuantizedTensor
+    from rawpaged.testing.quant_blocks import random_blocks
+
+    gguf = pytest.importorskip("gguf")
+    be = backend(emu)
+    be.xp = _PoisonedNumpy()
+    a_np = QUANT_ACTS[act]
+    rng = np.random.default_rng(12)
+    K = 512
+    parts = [QuantizedTensor.from_blocks(t, (24, K), random_blocks(t, 24, K, rng, 0.1)) for t in SUBBLOCK]
+    parts.insert(1, QuantizedTensor.from_blocks("Q5_0", (8, K), random_blocks("Q5_0", 8, K, rng, 0.1)))
+
+    def ref(p):
+        return gguf.quants.dequantize(p.blocks(), gguf.GGMLQuantizationType[p.qtype]).reshape(p.shape)
+
+    ref_w = np.concatenate([ref(p) for p in parts]).astype(np.float64)
+    dw = be.load_linear(parts, act)
+    assert isinstance(dw, DeviceStacked) and dw.qtype == "Q5_0+Q5_1+Q4_K+Q5_K+Q6_K" and dw.shape == (128, K)
+    bias = rng.standard_normal(128).astype(np.float32).astype(a_np)
+    for M in (1, 8, 9):
+        x = rng.standard_normal((M, K)).astype(np.float32).astype(a_np)
+        expect = x.astype(np.float64) @ ref_w.T + bias.astype(np.float64)
+        got = host(be.linear(dev(x), dw, dev(bias)), a_np).astype(np.float64)
+        assert got.shape == (M, 128) and not np.isnan(got).any()
+        tol = 1e-5 if a_np == np.float32 else 1e-2
+        np.testing.assert_allclose(got, expect, rtol=tol, atol=tol * np.abs(expect).max())
+    for p in parts:
+        ids = np.array([p.shape[0] - 1, 0, 5, 5], np.int64)
+        table = be.load_weight(p, act)
+        assert isinstance(table, DeviceQuantized) and table.qtype == p.qtype
+        rows = host(be.embedding(ids, table), a_np).astype(np.float64)
+        want = ref(p)[ids].astype(np.float32).astype(a_np).astype(np.float64)
+        np.testing.assert_allclose(rows, want, rtol=1e-6 if a_np == np.float32 else 1e-2, atol=1e-7)
+
+
 # ------------------------------------------------------------------------------------------ the engine
 def _numpy_linear_bf16(ctx, x, weight, bias, float32_out=False):
     """What the cuBLAS gemmEx call computes (bf16 inputs, float32 accumulation, then one rounding to bf16,

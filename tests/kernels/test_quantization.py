@@ -1,4 +1,4 @@
-"""GGUF block formats on the CPU: products and lookups on the (repacked) blocks against float64 products
+"""GGUF's Q8_0, Q4_0 and Q4_1 on the CPU: products and lookups on the (repacked) blocks against float64 products
 with the ``gguf`` package's own dequantization, on every path (GEMV, register tiles, tiled SGEMM)."""
 
 import pytest
@@ -12,7 +12,9 @@ import numpy as np
 from rawpaged.kernels.cpu import quant as cpu_quant
 from rawpaged.kernels.cpu.backend import CPUBackend
 from rawpaged.kernels.cpu.intrinsics import q4_block_rows, q8_block_rows
-from rawpaged.kernels.quantization import FORMATS, NATIVE, QuantizedTensor
+from rawpaged.kernels.quantization import FORMATS, QuantizedTensor
+
+PLANAR = tuple(FORMATS)  # the 32-value formats held as planes (the sub-block ones: test_quant_subblock.py)
 
 # M = 1 (GEMV), 2, 3, 8 and ROWS_MAX_BATCH (48 rows dequantized at a time into register tiles; 300
 # weight rows: the last pass partly beyond the weight), ROWS_MAX_BATCH + 1 and 300 (tiles through SGEMM;
@@ -29,7 +31,7 @@ def weights():
     return w
 
 
-@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("qtype", PLANAR)
 @pytest.mark.parametrize("M", BATCHES)
 def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
     q = QuantizedTensor.quantize(weights, qtype)
@@ -43,7 +45,7 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
     np.testing.assert_array_equal(got[:, 5], 0.0)
 
 
-@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("qtype", PLANAR)
 @pytest.mark.parametrize("M", [1, 5, 22, cpu_quant.ROWS_MAX_BATCH + 5])
 def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
     """233 rows: a last group of 9 real rows and 7 padding rows; tiles of 64 rows leave a partial last tile."""
@@ -56,14 +58,14 @@ def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
     np.testing.assert_allclose(got, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-4 * np.abs(got).max())
 
 
-@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("qtype", PLANAR)
 def test_embedding_rows_are_dequantized_on_lookup(weights, qtype):
     q = QuantizedTensor.quantize(weights, qtype)
     ids = np.array([299, 0, 5, 7, 7], np.int64)
     np.testing.assert_array_equal(cpu_quant.quant_embedding(ids, cpu_quant.repack(q)), q.dequantize()[ids])
 
 
-def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
+def test_backend_keeps_blocks_fuses_one_format_and_stacks_mixed(weights):
     be = CPUBackend()
     a, b = QuantizedTensor.quantize(weights, "Q4_1"), QuantizedTensor.quantize(weights[:64], "Q4_1")
     fused = be.load_linear([a, b])
@@ -77,8 +79,13 @@ def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
         rtol=1e-5,
         atol=1e-4,
     )
-    mixed = be.load_linear([a, QuantizedTensor.quantize(weights[:64], "Q8_0")])
-    assert isinstance(mixed, np.ndarray) and mixed.shape == (364, 96)
+    c = QuantizedTensor.quantize(weights[:64], "Q8_0")
+    mixed = be.load_linear([a, b, c])  # a and b concatenated, c beside them
+    assert isinstance(mixed, cpu_quant.StackedQuantized) and mixed.shape == (428, 96) and mixed.qtype == "Q4_1+Q8_0"
+    want = np.concatenate([x @ a.dequantize().T, x @ b.dequantize().T, x @ c.dequantize().T], 1)
+    np.testing.assert_allclose(be.linear(x, mixed), want, rtol=1e-5, atol=1e-4)
+    dense = be.load_linear([a, weights[:64]])  # quantized beside float: dequantized
+    assert isinstance(dense, np.ndarray) and dense.shape == (364, 96)
     table = be.load_weight(a)
     assert be.load_linear([a]) is table  # a tied embedding and LM head: one repacked copy
     np.testing.assert_array_equal(be.embedding(np.array([3]), table), a.dequantize()[[3]])
@@ -88,6 +95,8 @@ def test_backend_keeps_blocks_fuses_one_format_and_expands_mixed(weights):
 
 def test_invalid_quantized_tensors_raise():
     with pytest.raises(ValueError, match="not a native format"):
+        QuantizedTensor.from_blocks("IQ2_XS", (1, 256), np.zeros((1, 66), np.uint8))
+    with pytest.raises(ValueError, match="multiple of 256"):
         QuantizedTensor.from_blocks("Q5_K", (1, 32), np.zeros((1, 22), np.uint8))
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedTensor.from_blocks("Q8_0", (1, 33), np.zeros((1, 34), np.uint8))
@@ -102,7 +111,7 @@ def test_invalid_quantized_tensors_raise():
         QuantizedTensor.concat([q, QuantizedTensor.quantize(np.ones((4, 64), np.float32), "Q4_0")])
 
 
-@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("qtype", PLANAR)
 def test_repacking_round_trips_the_gguf_bytes(weights, qtype):
     q = QuantizedTensor.quantize(weights[:233], qtype)
     packed = cpu_quant.repack(q)
@@ -143,14 +152,14 @@ def _dequantize_with_block_rows(fmt, qs, scales, mins, out):
                 q4_block_rows(qs, off, dm, out, g * cpu_quant.R, 1 + b * 32)
 
 
-@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("qtype", PLANAR)
 def test_block_rows_intrinsics_equal_gguf_dequantization(weights, qtype):
     """The vector-IR block dequantizers write exactly gguf's values, each row's 32 positions in order, at
     the given row and column of a poisoned matrix, and nothing else."""
     q = QuantizedTensor.quantize(weights, qtype)
     packed = cpu_quant.repack(q)
     out = np.full((packed.qs.shape[0] * cpu_quant.R, 96 + 2), np.nan, np.float32)
-    qs, scales, mins = cpu_quant._planes(packed)
+    qs, _, scales, mins, _ = cpu_quant._planes(packed)
     _dequantize_with_block_rows(cpu_quant._FMT[qtype], qs, scales, mins, out)
     ref = gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[qtype])
     np.testing.assert_array_equal(out[:300, 1:97], ref)
@@ -158,7 +167,7 @@ def test_block_rows_intrinsics_equal_gguf_dequantization(weights, qtype):
     assert np.isnan(out[:, 0]).all() and np.isnan(out[:, 97]).all()
 
 
-@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("qtype", PLANAR)
 def test_own_dequantize_and_q8_0_quantize_are_ggufs_bit_for_bit(weights, qtype):
     """The engine dequantizes all three formats and quantizes Q8_0 itself (no ``gguf`` at run time): the
     same bytes and float32 bits as the package's reference, with rounding ties and zero blocks present."""

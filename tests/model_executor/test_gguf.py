@@ -178,3 +178,121 @@ def test_f32_gguf_copy_holds_the_dequantized_weights_and_every_key(tmp_path):
         np.testing.assert_array_equal(arr, native[name])
     with pytest.raises(ValueError, match="not a readable GGUF"):
         W.write_f32_gguf(tmp_path / "f32.gguf.missing", tmp_path / "x.gguf")
+
+
+#: a K-quant mix as llama-quantize's Q4_K_M writes them (formats differ inside fused QKV and gate/up, and
+#: between layers), on a model whose rows are multiples of 256 so every projection can be a K type
+K_MIX = [
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+     "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_K", "ffn_gate": "Q5_K",
+     "ffn_up": "Q5_K", "ffn_down": "Q4_K"},
+]  # fmt: skip
+K_HIDDEN, K_HEADS, K_FFN = 256, 4, 512
+
+
+def _write_kquant_gguf(path, seed=0):
+    """A tiny Llama GGUF in the ``K_MIX`` formats (embedding and tied head Q6_K): random super-blocks
+    written as raw bytes (the ``gguf`` package cannot quantize K types), Q/K rows permuted as llama.cpp
+    does; returns the file's tensor bytes."""
+    from rawpaged.testing.quant_blocks import random_blocks
+
+    rng = np.random.default_rng(seed)
+    head_dim = K_HIDDEN // K_HEADS
+    w = gguf_writer(path, "llama", hidden=K_HIDDEN, ffn=K_FFN, n_head=K_HEADS, ctx=256, theta=10000.0)
+    shapes = {
+        "attn_q": (K_HEADS * head_dim, K_HIDDEN),
+        "attn_k": (N_KV * head_dim, K_HIDDEN),
+        "attn_v": (N_KV * head_dim, K_HIDDEN),
+        "attn_output": (K_HIDDEN, K_HEADS * head_dim),
+        "ffn_gate": (K_FFN, K_HIDDEN),
+        "ffn_up": (K_FFN, K_HIDDEN),
+        "ffn_down": (K_HIDDEN, K_FFN),
+    }
+    total = 0
+
+    def add(name, qtype, shape, scale):
+        nonlocal total
+        if qtype == "Q8_0":
+            data = gguf.quants.quantize((scale * rng.standard_normal(shape)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        else:
+            data = random_blocks(qtype, *shape, rng, scale)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = llama_cpp_permute(data, K_HEADS if "attn_q" in name else N_KV)
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        total += data.nbytes
+
+    add("token_embd.weight", "Q6_K", (len(TOKENS), K_HIDDEN), 1.0)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(K_HIDDEN)).astype(np.float32))
+    for i, mix in enumerate(K_MIX):
+        for kind, shape in shapes.items():
+            add(f"blk.{i}.{kind}.weight", mix[kind], shape, 0.08)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(K_HIDDEN)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(K_HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return total
+
+
+def _resident_bytes(model) -> tuple:
+    """(bytes of every weight array the model holds, the float32 2-D arrays among them)."""
+    seen, total, dense = set(), 0, []
+
+    def visit(x):
+        nonlocal total
+        if x is None or id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, np.ndarray):
+            total += x.nbytes
+            if x.ndim == 2 and x.dtype == np.float32:
+                dense.append(x.shape)
+        elif hasattr(x, "parts"):
+            for p in x.parts:
+                visit(p)
+        elif hasattr(x, "qtype"):
+            for plane in (x.qs, x.qh, x.scales, x.mins, x.sub):
+                if plane is not None and id(plane) not in seen:
+                    seen.add(id(plane))
+                    total += plane.nbytes
+
+    for layer in model.layers:
+        for v in layer.values():
+            visit(v)
+    for name in ("embed_tokens", "lm_head", "norm"):
+        visit(getattr(model, name, None))
+    return total, dense
+
+
+def test_kquant_mix_computes_on_its_blocks_and_matches_its_dequantized_float32_model(tmp_path):
+    """Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 (and Q8_0) in one model, mixed inside fused projections: no float32 copy of
+    any weight (bytes resident within 3% of the file's tensor bytes: the K types' 6-bit scales decoded to
+    bytes), and greedy ids and logprobs equal to the same file dequantized to float32 by the ``gguf``
+    package, with the one-call decode step and op by op."""
+    path = tmp_path / "kmix.gguf"
+    file_bytes = _write_kquant_gguf(path)
+    hf = W.convert_gguf_to_hf(path, tmp_path / "hf", progress=False)
+    native = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
+    model = native.engine.model
+    assert model.layers[0]["qkv_proj"].qtype == "Q4_K+Q6_K"
+    assert model.layers[1]["qkv_proj"].qtype == "Q5_0+Q5_1+Q8_0"
+    assert model.layers[1]["gate_up_proj"].qtype == "Q5_K" and model.layers[0]["down_proj"].qtype == "Q6_K"
+    assert model.embed_tokens.qtype == "Q6_K" and model.lm_head is model.embed_tokens
+    resident, dense = _resident_bytes(model)
+    assert dense == [], f"float32 copies of 2-D weights: {dense}"
+    assert file_bytes <= resident <= 1.03 * file_bytes + 4 * K_HIDDEN * 8, (resident, file_bytes)
+    assert native.engine.runner.fused_decode.supported, "the mix runs in the one-call decode step"
+    op_by_op = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256, fused_decode=False)
+    dense_llm = LLM(model=str(hf), device="cpu", num_kv_blocks=64, max_model_len=256)
+    prompts = [{"prompt_token_ids": [1, 3, 4, 5, 5, 6] * k} for k in (1, 3, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in dense_llm.generate(prompts, params)]
+    for llm in (native, op_by_op):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
+    first = native.generate(prompts[:1], one)[0]
+    ref = dense_llm.generate(prompts[:1], one)[0]
+    for tid, lp in ref.outputs[0].logprobs[0].items():
+        assert first.outputs[0].logprobs[0][tid] == pytest.approx(lp, abs=1e-4)

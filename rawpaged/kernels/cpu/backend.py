@@ -15,7 +15,7 @@ from rawpaged.kernels.cpu.attention import paged_attention, prefill_attention
 from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_embedding_and_cache
 from rawpaged.kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
-from rawpaged.kernels.cpu.quant import RepackedQuantized, quant_embedding, quant_linear, repack
+from rawpaged.kernels.cpu.quant import RepackedQuantized, StackedQuantized, quant_embedding, quant_linear, repack
 from rawpaged.kernels.cpu.sampling import apply_token_bitmask, sample
 from rawpaged.kernels.kv_cache import allocate_kv_cache
 from rawpaged.kernels.quantization import QuantizedTensor
@@ -128,13 +128,16 @@ class CPUBackend:
     def load_linear(self, parts: list, dtype: str = "float32"):
         """HF ``[out_i, in]`` weights fused along ``out`` -> one C-contiguous float32 ``[sum out_i, in]``
         (the layout ``linear`` takes); ``QuantizedTensor`` parts of one format stay in their blocks (rows
-        concatenated, then repacked: ``quant.RepackedQuantized``), mixed formats are dequantized. A
-        single part already loaded (a tied LM head) is the same array."""
+        concatenated, then repacked: ``quant.RepackedQuantized``), parts of different formats too, stacked
+        (``quant.StackedQuantized``); quantized parts mixed with float ones are dequantized. A single part
+        already loaded (a tied LM head) is the same array."""
         _check_cpu_dtype(dtype)
         if len(parts) == 1:
             return self.load_weight(parts[0], dtype)
-        if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
-            return repack(QuantizedTensor.concat(parts))
+        if all(isinstance(p, QuantizedTensor) for p in parts):
+            if len({p.qtype for p in parts}) == 1:
+                return repack(QuantizedTensor.concat(parts))
+            return StackedQuantized.from_parts(parts)
         parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
 
@@ -149,7 +152,7 @@ class CPUBackend:
         batches), through BLAS's SGEMM above; a ``RepackedQuantized`` weight through
         ``quant.quant_linear``. Always float32 (the CPU's only activation dtype), so ``float32_out``
         changes nothing."""
-        if isinstance(weight, RepackedQuantized):
+        if isinstance(weight, (RepackedQuantized, StackedQuantized)):
             y = quant_linear(x, weight)
         elif x.shape[0] <= SMALL_M:
             y = gemm_nt(x, weight)

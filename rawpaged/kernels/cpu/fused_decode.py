@@ -33,14 +33,21 @@ def _linear(x, w, out, max_chunks):
 @overload(_linear, jit_options=_JIT)
 def _linear_impl(x, w, out, max_chunks):
     """``out [Mp, N] = x [Mp, K] @ W.T`` as ``CPUBackend.linear`` computes it for those rows: a float32
-    ``W [N, K]`` through ``gemm.gemm_nt_into``, a quantized one given as ``(format, qs, scales,
-    mins)`` through ``quant.rows_into``."""
+    ``W [N, K]`` through ``gemm.gemm_nt_into``, a quantized one given as ``linear_weight``'s parts
+    through ``quant.rows_into``, part by part into their columns."""
     if isinstance(w, nb_types.Array):
         return lambda x, w, out, max_chunks: gemm.gemm_nt_into(x, w, out)
 
     def quantized(x, w, out, max_chunks):
-        fmt, qs, scales, mins = w
-        quant.rows_into(fmt, x, qs, scales, mins, out, max_chunks)
+        if w[1][0] < 0:  # one part: all of out's columns
+            p = w[0]
+            quant.rows_into(p[0], x, p[3], p[4], p[5], p[6], p[7], out, max_chunks)
+            return
+        for p in w:
+            if p[0] >= 0:
+                part = np.empty((x.shape[0], p[2]), np.float32)
+                quant.rows_into(p[0], x, p[3], p[4], p[5], p[6], p[7], part, max_chunks)
+                out[:, p[1] : p[1] + p[2]] = part
 
     return quantized
 
@@ -189,13 +196,31 @@ def decode_layers(
     elementwise.add_rms_norm_rows(h[:M], residual, final_norm, eps, out)
 
 
+#: parts of a quantized linear weight as ``decode_layers`` takes it (a fused QKV has three)
+MAX_PARTS = 3
+
+
 def linear_weight(w):
-    """A linear weight as ``decode_layers`` takes it: a float32 ``[out, in]`` array as it is, a
-    ``quant.RepackedQuantized`` as ``(format, qs, scales, mins)``."""
+    """A linear weight as ``decode_layers`` takes it: a float32 ``[out, in]`` array as it is; a quantized
+    one (``quant.RepackedQuantized`` or ``quant.StackedQuantized``) as ``MAX_PARTS`` tuples ``(format,
+    first row, rows, qs, qh, scales, mins, sub)``, unused ones with format -1, so every layer's entry
+    has one Numba type whatever its parts' formats.
+
+    Raises ValueError for more than ``MAX_PARTS`` parts."""
     if isinstance(w, quant.RepackedQuantized):
-        qs, scales, mins = quant._planes(w)
-        return (quant._FMT[w.qtype], qs, scales, mins)
-    return w
+        parts = (w,)
+    elif isinstance(w, quant.StackedQuantized):
+        parts = w.parts
+    else:
+        return w
+    if len(parts) > MAX_PARTS:
+        raise ValueError(f"a quantized weight of {len(parts)} parts (at most {MAX_PARTS})")
+    entries, row = [], 0
+    for p in parts:
+        entries.append((quant._FMT[p.qtype], row, p.shape[0], *quant._planes(p)))
+        row += p.shape[0]
+    empty = (-1, 0, 0, *quant._planes(parts[0]))
+    return tuple(entries) + (empty,) * (MAX_PARTS - len(entries))
 
 
 def cache_view(kv_cache) -> tuple:

@@ -114,6 +114,23 @@ def signed_byte(typingctx, q):
 
 
 @intrinsic
+def quant_bits(typingctx, q, nib_shift, h, h_shift, h_mask):
+    """float32 of ``((q >> nib_shift) & 15) | (((h >> h_shift) & h_mask) << 4)`` in 8-bit arithmetic: a
+    5- or 6-bit quant from its nibble byte ``q`` and high-bits byte ``h`` (uint8; shifts and mask are
+    integers, constants once the caller's loop is unrolled)."""
+    if q != types.uint8 or h != types.uint8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        qv, ns, hv, hs, hm = args
+        nib = builder.and_(builder.lshr(qv, builder.trunc(ns, _I8)), ir.Constant(_I8, 15))
+        high = builder.and_(builder.lshr(hv, builder.trunc(hs, _I8)), builder.trunc(hm, _I8))
+        return builder.uitofp(builder.or_(nib, builder.shl(high, ir.Constant(_I8, 4))), _F32)
+
+    return types.float32(q, nib_shift, h, h_shift, h_mask), codegen
+
+
+@intrinsic
 def pow2_int(typingctx, n):
     if n != types.int32:
         return None

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from rawpaged.kernels.cpu import quant_subblock as sb
 from rawpaged.kernels.cpu.gemm import TILE_M, TILE_N, _tile_4x6, pad_rows
 from rawpaged.kernels.cpu.intrinsics import (
     half_to_float,
@@ -44,7 +45,7 @@ from rawpaged.kernels.cpu.intrinsics import (
     q8_block_rows,
     signed_byte,
 )
-from rawpaged.kernels.quantization import QK, QuantizedTensor
+from rawpaged.kernels.quantization import QK, SUBBLOCK, QuantizedTensor, SubBlockPlanes, subblock_planes
 
 #: rows interleaved in a repacked weight: one 512-bit vector of float32
 R = 16
@@ -67,7 +68,7 @@ ROWS_MAX_BATCH = 256
 TILE_BYTES = 8 << 20
 #: how far ahead of the block being computed the GEMVs prefetch (bytes; 2-8 KiB measured alike)
 PREFETCH_BYTES = 4096
-_FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+_FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, **sb.CODES}
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class RepackedQuantized:
     ``qs`` uint8 ``[groups, cols / 32, L, R]`` (L = 32 bytes per block for Q8_0, whose bytes are int8;
     16 nibble bytes for Q4_0/Q4_1: byte j holds position j in its low and 16 + j in its high nibble);
     ``scales`` and ``mins`` (Q4_1 only) the fp16 bit patterns, uint16 ``[groups, cols / 32, R]``.
+    The sub-block formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) hold ``quant_subblock.repack_subblock``'s planes,
+    with ``qh`` and ``sub`` besides.
     """
 
     qtype: str
@@ -84,10 +87,15 @@ class RepackedQuantized:
     qs: np.ndarray
     scales: np.ndarray
     mins: np.ndarray | None = None
+    qh: np.ndarray | None = None
+    sub: np.ndarray | None = None
 
     @classmethod
     def from_quantized(cls, q: QuantizedTensor) -> RepackedQuantized:
         """Repack a ``QuantizedTensor`` (rows padded with zero blocks to a multiple of ``R``)."""
+        if q.qtype in SUBBLOCK:
+            p = sb.repack_subblock(subblock_planes(q))
+            return cls(q.qtype, tuple(q.shape), p["qs"], p["scales"], p["mins"], p["qh"], p["sub"])
         rows, cols = q.shape
         nblk = cols // QK
         groups = -(-rows // R)
@@ -104,10 +112,14 @@ class RepackedQuantized:
 
     @property
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.scales.nbytes + (self.mins.nbytes if self.mins is not None else 0)
+        planes = (self.qs, self.scales, self.mins, self.qh, self.sub)
+        return sum(p.nbytes for p in planes if p is not None)
 
     def to_quantized(self) -> QuantizedTensor:
-        """The GGUF row-major planes back (padding dropped)."""
+        """The GGUF row-major planes back (padding dropped). Raises ValueError for a sub-block format
+        (its planes are regrouped bits, see ``to_planes``)."""
+        if self.qtype in SUBBLOCK:
+            raise ValueError(f"a repacked {self.qtype} weight gives its planes back (to_planes), not GGUF blocks")
         rows, cols = self.shape
 
         def rowmajor(p):  # [groups, nblk, inner, R] -> [rows, nblk * inner]
@@ -119,9 +131,57 @@ class RepackedQuantized:
         mins = rowmajor(self.mins[:, :, None, :]) if self.mins is not None else None
         return QuantizedTensor(self.qtype, self.shape, qs, scales, mins)
 
+    def to_planes(self) -> SubBlockPlanes:
+        """A sub-block format's ``SubBlockPlanes`` back (padding dropped)."""
+        rows = self.shape[0]
+
+        def rowmajor(p):  # [groups, n, inner, R] -> [rows, n, inner]
+            return np.ascontiguousarray(p.transpose(0, 3, 1, 2).reshape(p.shape[0] * R, *p.shape[1:3])[:rows])
+
+        mins = rowmajor(self.mins[:, :, None, :])[:, :, 0] if self.mins.shape[1] else None
+        sub = rowmajor(self.sub) if self.sub.shape[1] else None
+        scales = rowmajor(self.scales[:, :, None, :])[:, :, 0]
+        return SubBlockPlanes(self.qtype, self.shape, rowmajor(self.qs), rowmajor(self.qh), scales, mins, sub)
+
     def dequantize(self) -> np.ndarray:
-        """float32 ``[rows, cols]`` through the ``gguf`` package's reference dequantizer."""
+        """float32 ``[rows, cols]``, as ``QuantizedTensor.dequantize`` computes it."""
+        if self.qtype in SUBBLOCK:
+            return self.to_planes().dequantize()
         return self.to_quantized().dequantize()
+
+
+@dataclass(frozen=True)
+class StackedQuantized:
+    """Quantized weights of different formats stacked along their rows (``[sum rows_i, cols]``): a fused
+    projection whose parts differ in format, as K-quant mixes give (Q4_K_M files keep ``attn_v`` and some
+    ``ffn_down`` in Q6_K, Q8_0 or Q5_0 beside Q4_K). Each part is a ``RepackedQuantized``; a product
+    computes part by part into its columns of the output."""
+
+    parts: tuple
+    shape: tuple
+
+    @classmethod
+    def from_parts(cls, parts: list) -> StackedQuantized:
+        """Adjacent parts of one format are concatenated first (one product each)."""
+        merged: list = []
+        for p in parts:
+            if merged and merged[-1][-1].qtype == p.qtype:
+                merged[-1].append(p)
+            else:
+                merged.append([p])
+        packed = tuple(repack(QuantizedTensor.concat(run)) for run in merged)
+        return cls(packed, (sum(p.shape[0] for p in packed), parts[0].shape[1]))
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> np.ndarray:
+        return np.concatenate([p.dequantize() for p in self.parts])
 
 
 def repack(q: QuantizedTensor | RepackedQuantized) -> RepackedQuantized:
@@ -184,15 +244,18 @@ def _gemv_q4(x, qs, scales, mins, has_min, out):
     groups, nblk = qs.shape[0], qs.shape[1]
     N = out.shape[0]
     xsum = _block_sums(x, nblk)
+    fmt = 2 if has_min else 1
     nchunks = min(groups, CHUNKS)
-    scratch = np.empty((nchunks, R), np.float32)
+    scratch = np.empty((nchunks, 3, R), np.float32)
     for c in nb.prange(nchunks):
-        acc = scratch[c]
+        acc = scratch[c, 2]
+        dm = scratch[c, :2]
         for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
             for r in range(R):
                 acc[r] = 0.0
             for b in range(nblk):
                 _prefetch_ahead(qs, (g * nblk + b) * 16 * R, 16 * R)
+                _block_scales(fmt, scales, mins, g, b, dm)  # before the row loop: it stays branch-free
                 xs = xsum[b]
                 for r in range(R):
                     s0 = np.float32(0.0)
@@ -206,9 +269,7 @@ def _gemv_q4(x, qs, scales, mins, has_min, out):
                         q = qs[g, b, j + 1, r]
                         s2 += low_nibble(q) * x[b * QK + j + 1]
                         s3 += high_nibble(q) * x[b * QK + 17 + j]
-                    d = half_to_float(scales[g, b, r])
-                    m = half_to_float(mins[g, b, r]) if has_min else np.float32(-8.0) * d
-                    acc[r] += d * ((s0 + s1) + (s2 + s3)) + m * xs
+                    acc[r] += dm[0, r] * ((s0 + s1) + (s2 + s3)) + dm[1, r] * xs
             for r in range(R):
                 n = g * R + r
                 if n < N:
@@ -314,15 +375,26 @@ def _dequant_rows(fmt, qs, scales, mins, rows, out):
                     out[i, b * QK + 16 + j] = d * high_nibble(q) + m
 
 
+_NO_U8 = np.zeros((0, 0, 0, R), np.uint8)
+
+
 def _planes(w: RepackedQuantized):
-    mins = w.mins if w.mins is not None else w.scales  # unread for Q8_0/Q4_0
-    return w.qs, w.scales, mins
+    """``(qs, qh, scales, mins, sub)``: every format's planes with one type each (absent ones empty or
+    standing in; the kernels never read them)."""
+    mins = w.mins if w.mins is not None else w.scales  # unread for Q8_0/Q4_0 (and Q5_0, Q6_K's empty plane)
+    qh = w.qh if w.qh is not None else _NO_U8
+    sub = w.sub if w.sub is not None else _NO_U8
+    return w.qs, qh, w.scales, mins, sub
 
 
-def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
-    """float32 ``x [M, K] @ dequantize(w).T`` -> ``[M, N]`` (see the module docstring for the paths).
+def quant_linear(x: np.ndarray, w: RepackedQuantized | StackedQuantized) -> np.ndarray:
+    """float32 ``x [M, K] @ dequantize(w).T`` -> ``[M, N]`` (see the module docstring for the paths; a
+    ``StackedQuantized`` weight part by part).
 
     Raises ValueError when K differs from the weight's columns, or for a weight not repacked."""
+    if isinstance(w, StackedQuantized):
+        outs = [quant_linear(x, p) for p in w.parts]
+        return np.concatenate(outs, axis=1)
     if not isinstance(w, RepackedQuantized):
         raise ValueError(f"quant_linear takes a RepackedQuantized weight (quant.repack), not {type(w).__name__}")
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -331,11 +403,11 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
     if K != cols:
         raise ValueError(f"x has {K} columns, the {w.qtype} weight {cols}")
     fmt = _FMT[w.qtype]
-    qs, scales, mins = _planes(w)
+    qs, qh, scales, mins, sub = _planes(w)
     if M <= ROWS_MAX_BATCH:
         xp = x if M == 1 else pad_rows(x)
         out = np.empty((xp.shape[0], N), np.float32)
-        rows_into(fmt, xp, qs, scales, mins, out, 4 * nb.get_num_threads())
+        rows_into(fmt, xp, qs, qh, scales, mins, sub, out, 4 * nb.get_num_threads())
         return out[:M]
     out = np.empty((M, N), np.float32)
     groups = qs.shape[0]
@@ -344,7 +416,10 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
     for g0 in range(0, groups, tile_groups):
         g1 = min(groups, g0 + tile_groups)
         tile = buf[: K * (g1 - g0) * R].reshape(K, (g1 - g0) * R)
-        _dequant_tile_t(fmt, qs, scales, mins, g0, tile)
+        if fmt >= 3:
+            sb.dequant_tile_t(fmt, qs, qh, scales, mins, sub, g0, tile)
+        else:
+            _dequant_tile_t(fmt, qs, scales, mins, g0, tile)
         n0, n1 = g0 * R, min(N, g1 * R)
         if n0 == 0 and n1 == N and tile.shape[1] == N:
             np.matmul(x, tile, out=out)
@@ -354,12 +429,24 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized) -> np.ndarray:
 
 
 @nb.njit(**_JIT)
-def rows_into(fmt, x, qs, scales, mins, out, max_chunks):
+def rows_into(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, N] = x [Mp, K] @ dequantize(W).T`` for one row (the GEMVs) or Mp a multiple of TILE_M up
     to ROWS_MAX_BATCH (``_gemm_rows``), W given as its format code (``_FMT``) and planes (``_planes``):
     what ``quant_linear`` runs for those rows, callable from compiled code (``fused_decode``).
     ``max_chunks``: as ``_gemm_rows`` takes it (Numba's thread count is read by the caller: reading it
-    in compiled code keeps that code from being cached)."""
+    in compiled code keeps that code from being cached). The sub-block formats (``fmt`` >= 3) go
+    through ``quant_subblock``'s kernels, which also read ``qh`` and ``sub``."""
+    if fmt >= 3:
+        if x.shape[0] == 1:
+            sb.gemv(fmt, x[0], qs, qh, scales, mins, sub, out[0])
+            return
+        passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
+        res = np.empty((x.shape[0], passes * ROWS_PER_PASS), np.float32)
+        sb.gemm_rows(fmt, x, qs, qh, scales, mins, sub, res, max_chunks)
+        n = out.shape[1]
+        for r in range(x.shape[0]):
+            out[r, :] = res[r, :n]
+        return
     if x.shape[0] == 1:
         if fmt == 0:
             _gemv_q8_0(x[0], qs, scales, out[0])
@@ -378,6 +465,10 @@ def quant_embedding(token_ids: np.ndarray, w: RepackedQuantized) -> np.ndarray:
     """float32 rows ``token_ids`` of a quantized ``[vocab, hidden]`` table, dequantized on lookup."""
     ids = np.asarray(token_ids, dtype=np.int64)
     out = np.empty((ids.shape[0], w.shape[1]), np.float32)
-    qs, scales, mins = _planes(w)
-    _dequant_rows(_FMT[w.qtype], qs, scales, mins, ids, out)
+    qs, qh, scales, mins, sub = _planes(w)
+    fmt = _FMT[w.qtype]
+    if fmt >= 3:
+        sb.dequant_rows(fmt, qs, qh, scales, mins, sub, ids, out)
+    else:
+        _dequant_rows(fmt, qs, scales, mins, ids, out)
     return out

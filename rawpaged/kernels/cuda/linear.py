@@ -9,7 +9,7 @@ import numpy as np
 from rawpaged.kernels.cuda import cublas, launch_config, program
 from rawpaged.kernels.cuda.elementwise import convert
 from rawpaged.kernels.cuda.launch import CTYPES, ctype, i32, i64, row_stride
-from rawpaged.kernels.cuda.weights import DeviceQuantized
+from rawpaged.kernels.cuda.weights import DeviceQuantized, DeviceStacked
 
 
 def linear(ctx, x, weight, bias=None, float32_out=False):
@@ -28,7 +28,7 @@ def linear(ctx, x, weight, bias=None, float32_out=False):
     """
     if x.dtype != weight.dtype:
         raise ValueError(f"x {x.dtype} and weight {weight.dtype} must have the same dtype")
-    if isinstance(weight, DeviceQuantized):
+    if isinstance(weight, (DeviceQuantized, DeviceStacked)):
         y = quant_linear(ctx, x, weight, bias)
         if not float32_out or y.dtype == np.float32:
             return y
@@ -109,9 +109,17 @@ def gemm_ex(ctx, x, weight, bias, in_type, float32_out):
     return y
 
 
-def quant_linear(ctx, x, w: DeviceQuantized, bias):
+def quant_linear(ctx, x, w: DeviceQuantized | DeviceStacked, bias):
     """``x [M, K] @ dequantize(w).T (+ bias)`` on the blocks: ``quant_gemv_kernel`` for M up to
-    ``QUANT_GEMV_MAX_M`` (decode), ``quant_gemm_kernel`` tiles above."""
+    ``QUANT_GEMV_MAX_M`` (decode), ``quant_gemm_kernel`` tiles above; a :class:`DeviceStacked` weight
+    part by part, the outputs concatenated."""
+    if isinstance(w, DeviceStacked):
+        outs, row = [], 0
+        for p in w.parts:
+            n = p.shape[0]
+            outs.append(quant_linear(ctx, x, p, None if bias is None else bias[row : row + n]))
+            row += n
+        return ctx.xp.concatenate(outs, axis=1)
     act = ctype(x, "x")
     if x.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x {x.shape} and the {w.qtype} weight {w.shape} do not chain")

@@ -35,6 +35,25 @@ class DeviceQuantized:
         return int(self.qs.nbytes + self.scales.nbytes + extra)
 
 
+@dataclass(frozen=True)
+class DeviceStacked:
+    """Quantized parts of different formats stacked along their rows (a fused projection of a K-quant mix,
+    e.g. Q4_K query and key rows beside Q6_K value rows): each a :class:`DeviceQuantized`, computed part by
+    part into its columns of the output."""
+
+    parts: tuple
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 class PinnedStager:
     """Host -> device copies through two page-locked (pinned) staging buffers.
 
@@ -122,10 +141,20 @@ def load_weight(ctx, host, dtype: str):
 def load_linear(ctx, parts: list, dtype: str):
     """HF ``[out_i, in]`` host weights -> one device weight ``[sum out_i, in]`` of ``dtype`` (fused
     projections such as QKV or gate/up are uploaded part by part into their rows). ``QuantizedTensor``
-    parts of one format stay in their blocks (rows concatenated, a :class:`DeviceQuantized`); mixed
-    formats are dequantized."""
-    if all(isinstance(p, QuantizedTensor) for p in parts) and len({p.qtype for p in parts}) == 1:
-        return upload_quantized(ctx, QuantizedTensor.concat(parts), dtype)
+    parts of one format stay in their blocks (rows concatenated, a :class:`DeviceQuantized`), parts of
+    different formats too (adjacent ones of a format concatenated, a :class:`DeviceStacked`); quantized
+    parts beside float ones are dequantized."""
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        runs: list = []
+        for p in parts:
+            if runs and runs[-1][-1].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        packed = tuple(upload_quantized(ctx, QuantizedTensor.concat(run), dtype) for run in runs)
+        if len(packed) == 1:
+            return packed[0]
+        return DeviceStacked(packed, (sum(p.shape[0] for p in packed), parts[0].shape[1]), packed[0].dtype)
     parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
     storage = float_type(dtype).device
     cols = parts[0].shape[1]
@@ -140,8 +169,11 @@ def load_linear(ctx, parts: list, dtype: str):
 
 
 def upload_quantized(ctx, q: QuantizedTensor, dtype: str) -> DeviceQuantized:
+    """The planes on the device; a sub-block format's one plane is its GGUF bytes (a one-element
+    ``scales`` stands in for the planes its kernels never read)."""
+    scales = q.scales if q.scales is not None else np.zeros(1, np.uint16)
     planes = []
-    for host in (q.qs, q.scales) + ((q.mins,) if q.mins is not None else ()):
+    for host in (q.qs, scales) + ((q.mins,) if q.mins is not None else ()):
         dev = ctx.xp.empty(host.shape, dtype=host.dtype)
         ctx.copy_to_device(dev, np.ascontiguousarray(host))
         planes.append(dev)
