@@ -4,10 +4,10 @@ tensors read with the ``gguf`` package (memory-mapped).
 Tensors in a native format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K:
 ``rawpaged.kernels.quantization.NATIVE``) stay in their blocks as ``QuantizedTensor``s unless
 ``native=False``; every other type the ``gguf`` package can dequantize becomes float32, and the load log
-says which tensors and how many bytes that costs. llama.cpp's converter permutes the rows of Llama's Q and K projections (it interleaves the two
-rotary halves of each head); the permutation is undone, on whole rows, so it is exact on blocks too.
-Qwen2 files are not permuted. GGUF lists dimensions fastest first, so the reader's arrays are already
-HF-shaped ``[out_features, in_features]``.
+says which tensors and how many bytes that costs. llama.cpp's converter permutes the rows of Llama's Q and
+K projections (it interleaves the two rotary halves of each head); the permutation is undone, on whole
+rows, so it is exact on blocks too. Qwen2 files are not permuted. GGUF lists dimensions fastest first,
+so the reader's arrays are already HF-shaped ``[out_features, in_features]``.
 """
 
 from __future__ import annotations

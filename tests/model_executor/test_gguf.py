@@ -214,7 +214,8 @@ def _write_kquant_gguf(path, seed=0):
     def add(name, qtype, shape, scale):
         nonlocal total
         if qtype == "Q8_0":
-            data = gguf.quants.quantize((scale * rng.standard_normal(shape)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+            dense = (scale * rng.standard_normal(shape)).astype(np.float32)
+            data = gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0)
         else:
             data = random_blocks(qtype, *shape, rng, scale)
         if name.endswith(("attn_q.weight", "attn_k.weight")):
