@@ -301,7 +301,7 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
             w = unpermute_qk(w, heads[kind])
         # a copy even when already float32: a view would keep the whole file mapped and resident
         tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
-        if len(shape) == 2 and qtype not in ("F32", "F16", "BF16"):
+        if native and len(shape) == 2 and qtype not in ("F32", "F16", "BF16"):
             counts = expanded.setdefault(qtype, [0, 0, 0])
             counts[0] += 1
             counts[1] += int(t.n_bytes)

@@ -2,7 +2,8 @@
 (random bytes with finite fp16 scales: the ``gguf`` package dequantizes these types but cannot quantize
 them) dequantized bit for bit as the package does, and products and lookups on the repacked blocks
 against float64 products with the package's dequantization, on every path (GEMV, register tiles, tiled
-SGEMM)."""
+SGEMM). The GEMV takes x rounded to int8 per 32 values (as llama.cpp's quantized dot products do): its
+reference is the float64 product with those int8 activations, the formats' offsets with x itself."""
 
 import pytest
 
@@ -13,7 +14,8 @@ import numpy as np
 
 from rawpaged.kernels.cpu import quant as cpu_quant
 from rawpaged.kernels.cpu.backend import CPUBackend
-from rawpaged.kernels.quantization import SUBBLOCK, QuantizedTensor, subblock_planes
+from rawpaged.kernels.cpu.int8_dot import quantize_activation
+from rawpaged.kernels.quantization import SUBBLOCK, QuantizedTensor, SubBlockPlanes, subblock_planes
 from rawpaged.testing.quant_blocks import random_blocks
 
 TYPES = tuple(SUBBLOCK)
@@ -39,6 +41,38 @@ def _gguf_dequantize(q):
     return gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[q.qtype]).reshape(q.shape)
 
 
+def _expected(q, x):
+    """float64 ``x [M, K] @ W.T`` as the kernels compute it: rows M > 1 with x as it is; a single row with
+    ``a q`` (W less its offsets: gguf's dequantization of the quants minus that of zero quants) against x
+    rounded to int8 per 32 values, and the offsets against x."""
+    w = _gguf_dequantize(q).astype(np.float64)
+    if x.shape[0] > 1:
+        return x.astype(np.float64) @ w.T
+    p = subblock_planes(q)
+    offsets = SubBlockPlanes(p.qtype, p.shape, 0 * p.qs, 0 * p.qh, p.scales, p.mins, p.sub).dequantize()
+    nsub = x.shape[1] // 32
+    xq, dx, xs = np.empty((nsub, 32), np.int8), np.empty(nsub, np.float32), np.empty((nsub, 2), np.float32)
+    quantize_activation(x[0], xq, dx, xs)
+    x8 = (xq.astype(np.float64) * dx[:, None].astype(np.float64)).reshape(1, -1)
+    return x8 @ (w - offsets).T + x.astype(np.float64) @ offsets.astype(np.float64).T
+
+
+def test_int8_activations_round_to_nearest_per_block():
+    """``quantize_activation`` against a float64 reference: scale max|x| / 127, every value within half a
+    step of x (one step at a float32 rounding tie), the half sums exact to float32 rounding."""
+    x = np.random.default_rng(5).standard_normal(128).astype(np.float32)
+    x[32:64] = 0.0  # a zero block: zero scale and quants
+    xq, dx, xs = np.empty((4, 32), np.int8), np.full(4, np.nan, np.float32), np.full((4, 2), np.nan, np.float32)
+    quantize_activation(x, xq, dx, xs)
+    blocks = x.reshape(4, 32).astype(np.float64)
+    np.testing.assert_allclose(dx, np.abs(blocks).max(axis=1) / 127, rtol=1e-6)
+    assert dx[1] == 0 and (xq[1] == 0).all()
+    err = np.abs(xq * dx[:, None].astype(np.float64) - blocks)
+    assert (err <= 0.5 * dx[:, None] * (1 + 1e-5)).all()
+    assert np.abs(xq).max() == 127
+    np.testing.assert_allclose(xs, blocks.reshape(4, 2, 16).sum(axis=2), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_own_dequantize_is_ggufs_bit_for_bit(qtype):
     q = _weight(qtype)
@@ -62,10 +96,9 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(qtype, M):
     data = q.qs.copy()
     data[7] = data[8]  # keep the product's scale sane (row 7's extreme field is for the dequantize test)
     q = QuantizedTensor.from_blocks(qtype, q.shape, data)
-    ref_w = _gguf_dequantize(q).astype(np.float64)
     x = np.random.default_rng(M).standard_normal((M, COLS)).astype(np.float32)
     got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
-    want = x.astype(np.float64) @ ref_w.T
+    want = _expected(q, x)
     assert got.dtype == np.float32 and got.shape == (M, 300)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     np.testing.assert_array_equal(got[:, 5], 0.0)
@@ -77,11 +110,10 @@ def test_odd_row_counts_and_partial_tiles(qtype, M, monkeypatch):
     """233 rows: a last group of 9 real rows and 7 padding rows; tiles of 64 rows leave a partial last tile."""
     monkeypatch.setattr(cpu_quant, "TILE_BYTES", 64 * COLS * 4)
     q = QuantizedTensor.from_blocks(qtype, (233, COLS), random_blocks(qtype, 233, COLS, np.random.default_rng(3)))
-    ref_w = _gguf_dequantize(q).astype(np.float64)
     x = np.random.default_rng(M).standard_normal((M, COLS)).astype(np.float32)
     got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
     assert got.shape == (M, 233)
-    np.testing.assert_allclose(got, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-5 * np.abs(got).max())
+    np.testing.assert_allclose(got, _expected(q, x), rtol=1e-5, atol=1e-5 * np.abs(got).max())
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -105,7 +137,7 @@ def test_fused_parts_of_mixed_formats_compute_part_by_part():
     assert w.nbytes <= 1.03 * sum(p.nbytes for p in parts) + 16 * 2 * COLS  # padding rows of the 104-row part
     for M in (1, 3, 40):
         x = rng.standard_normal((M, COLS)).astype(np.float32)
-        want = np.concatenate([x.astype(np.float64) @ _gguf_dequantize(p).T for p in parts], axis=1)
+        want = np.concatenate([_expected(p, x) for p in parts], axis=1)
         np.testing.assert_allclose(CPUBackend.linear(x, w), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

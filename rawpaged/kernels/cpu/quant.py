@@ -45,7 +45,14 @@ from rawpaged.kernels.cpu.intrinsics import (
     q8_block_rows,
     signed_byte,
 )
-from rawpaged.kernels.quantization import QK, SUBBLOCK, QuantizedTensor, SubBlockPlanes, subblock_planes
+from rawpaged.kernels.quantization import (
+    QK,
+    SUBBLOCK,
+    QuantizedTensor,
+    SubBlockPlanes,
+    _pack_values,
+    subblock_planes,
+)
 
 #: rows interleaved in a repacked weight: one 512-bit vector of float32
 R = 16
@@ -141,7 +148,8 @@ class RepackedQuantized:
         mins = rowmajor(self.mins[:, :, None, :])[:, :, 0] if self.mins.shape[1] else None
         sub = rowmajor(self.sub) if self.sub.shape[1] else None
         scales = rowmajor(self.scales[:, :, None, :])[:, :, 0]
-        return SubBlockPlanes(self.qtype, self.shape, rowmajor(self.qs), rowmajor(self.qh), scales, mins, sub)
+        values = sb.unpack_values(self.qs, self.qh, rows)
+        return _pack_values(self.qtype, self.shape, values, scales, mins, sub)
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[rows, cols]``, as ``QuantizedTensor.dequantize`` computes it."""

@@ -2,18 +2,22 @@
 on their 32-value sub-blocks (``quantization.SubBlockPlanes``) without a float32 copy of the weight.
 
 Layout: as ``quant``'s other formats, ``R`` = 16 rows interleaved (``repack_subblock``): for group g of 16
-rows and sub-block s, ``qs[g, s, j, :]`` holds nibble byte j of the 16 rows, ``qh[g, s, k, :]`` their high
-bits, ``sub[g, s, :, :]`` their 6-bit (Q4_K, Q5_K) or int8 (Q6_K) sub-block scales, and ``scales``/``mins``
-their fp16 d and m (per sub-block) or d and dmin (per 256-value super-block). Decoding the packed 6-bit
-scales of Q4_K/Q5_K into one byte each is the only growth: 16 bytes in place of 12 per 256 values (2.8%).
+rows and sub-block s, ``qs[g, s, p, 2 r + e]`` holds nibble byte ``2 p + e`` of row r (positions ``2 p + e``
+and ``16 + 2 p + e``: adjacent positions of a row are adjacent bytes, for ``int8_dot``'s pairwise products),
+``qh[g, s]`` their high bits (``int8_dot`` spells out the bit order), ``sub[g, s, :, :]`` their 6-bit
+(Q4_K, Q5_K) or int8 (Q6_K) sub-block scales, and ``scales``/``mins`` their fp16 d and m (per sub-block) or
+d and dmin (per 256-value super-block). Decoding the packed 6-bit scales of Q4_K/Q5_K into one byte each
+is the only growth: 16 bytes in place of 12 per 256 values (2.8%).
 
 Every sub-block reduces to ``a_h * q - b_h`` on its halves h (values 0-15, 16-31; ``_coeffs`` computes the
 four coefficients of 16 rows at once), so the products are:
 
-- one row (decode at batch 1): per sub-block and row, two running sums per half over the quants
-  dequantized in registers, then ``out[n] += a_0 dot_0 + a_1 dot_1 + b_0 xsum_0 + b_1 xsum_1`` (the
-  minimums cost one multiply per half, as in llama.cpp's K-quant dot products); the loop over the 16 rows
-  is the vector.
+- one row (decode at batch 1): x is quantized to int8 per 32 values (scale ``dx``, as llama.cpp's
+  activations for its quantized dot products), each sub-block's integer dot products for 16 rows come
+  from ``int8_dot`` (``pmaddubsw`` on x86), then ``out[n] += dx (a_0 idot_0 + a_1 idot_1) + b_0 xsum_0 +
+  b_1 xsum_1`` (the offsets take x's float sums; they cost one multiply per half, as in llama.cpp's
+  K-quant dot products). The int8 rounding of x is the only difference from the float product: at most
+  ``dx / 2`` per activation.
 - a few rows (batched decode): 48 weight rows at a time dequantized into a row-major float32 scratch and
   multiplied with ``gemm``'s 4 x 6 register tiles, as ``quant._gemm_rows``.
 - many rows (prefill): the transposed weight dequantized a tile at a time into float32, then SGEMM
@@ -28,7 +32,8 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu.gemm import TILE_M, TILE_N, _tile_4x6
-from rawpaged.kernels.cpu.intrinsics import half_to_float, high_nibble, low_nibble, prefetch, quant_bits, signed_byte
+from rawpaged.kernels.cpu.int8_dot import dot_q4_k, dot_q5_0, dot_q5_1, dot_q5_k, dot_q6_k, quantize_activation
+from rawpaged.kernels.cpu.intrinsics import half_to_float, prefetch, quant_bits, signed_byte
 from rawpaged.kernels.quantization import QK, QK_K, SUBBLOCK_BITS, SubBlockPlanes
 
 R = 16
@@ -50,13 +55,34 @@ def interleave(plane: np.ndarray, groups: int) -> np.ndarray:
 
 
 def repack_subblock(planes: SubBlockPlanes) -> dict:
-    """The interleaved planes of a sub-block weight: ``qs`` uint8 ``[groups, nsub, 16, R]``, ``qh`` uint8
-    ``[groups, nsub, hb, R]``, ``scales``/``mins`` uint16 ``[groups, nscale, R]`` and ``sub`` uint8
-    ``[groups, nsub, 2, R]`` (``mins``/``sub`` are empty ``[groups, 0, ...]`` planes where the format has
-    none). Zero padding rows dequantize to zero in every format (d = 0)."""
+    """The interleaved planes of a sub-block weight: ``qs`` uint8 ``[groups, nsub, 8, 32]`` (pairs of
+    positions, module docstring), ``qh`` uint8 ``[groups, nsub, 0 | 2 | 4, 32]``, ``scales``/``mins``
+    uint16 ``[groups, nscale, R]`` and ``sub`` uint8 ``[groups, nsub, 2, R]`` (``mins``/``sub`` are empty
+    ``[groups, 0, ...]`` planes where the format has none). Zero padding rows dequantize to zero in every
+    format (d = 0)."""
     rows = planes.shape[0]
     groups = -(-rows // R)
     nsub = planes.qs.shape[1]
+
+    def pairs(plane):  # [rows, nsub, n, 2] -> [groups, nsub, n, 32]: byte 2 r + e
+        p = np.pad(plane, ((0, groups * R - rows), (0, 0), (0, 0), (0, 0)))
+        n = plane.shape[2]
+        return np.ascontiguousarray(
+            p.reshape(groups, R, nsub, n, 2).transpose(0, 2, 3, 1, 4).reshape(groups, nsub, n, 2 * R)
+        )
+
+    qs = pairs(planes.qs.reshape(rows, nsub, 8, 2))
+    bits = planes.qh.shape[2] * 8 // QK + 4
+    if bits == 4:
+        qh = np.zeros((groups, nsub, 0, 2 * R), np.uint8)
+    else:
+        high = (planes.values() >> 4).reshape(rows, nsub, 2, 8, 2)  # [.., h, p, e]
+        if bits == 5:
+            packed = sum((high[:, :, :, p, :] & 1) << p for p in range(8)).astype(np.uint8)  # [rows, nsub, h, e]
+        else:
+            c = high.reshape(rows, nsub, 4, 4, 2)  # combo 8 h + p = 4 t + k
+            packed = sum((c[:, :, :, k, :] & 3) << (2 * k) for k in range(4)).astype(np.uint8)  # [rows, nsub, t, e]
+        qh = pairs(packed)
     scales = interleave(planes.scales[:, :, None], groups)[:, :, 0, :].copy()
     mins = (
         interleave(planes.mins[:, :, None], groups)[:, :, 0, :].copy()
@@ -64,8 +90,28 @@ def repack_subblock(planes: SubBlockPlanes) -> dict:
         else np.zeros((groups, 0, R), np.uint16)
     )
     sub = interleave(planes.sub, groups) if planes.sub is not None else np.zeros((groups, 0, 2, R), np.uint8)
-    qh = interleave(planes.qh, groups) if planes.qh.shape[2] else np.zeros((groups, nsub, 0, R), np.uint8)
-    return dict(qs=interleave(planes.qs, groups), qh=qh, scales=scales, mins=mins, sub=sub)
+    return dict(qs=qs, qh=qh, scales=scales, mins=mins, sub=sub)
+
+
+def unpack_values(qs: np.ndarray, qh: np.ndarray, rows: int) -> np.ndarray:
+    """The unsigned quants uint8 ``[rows, nsub, 32]`` of repacked ``qs``/``qh`` (``repack_subblock``'s
+    inverse on the quants)."""
+    groups, nsub = qs.shape[0], qs.shape[1]
+
+    def rowmajor(p):  # [groups, nsub, n, 32] -> [rows, nsub, n, 2]
+        n = p.shape[2]
+        return p.reshape(groups, nsub, n, R, 2).transpose(0, 3, 1, 2, 4).reshape(groups * R, nsub, n, 2)[:rows]
+
+    nib = rowmajor(qs)  # [rows, nsub, p, e]: positions 2 p + e (low) and 16 + 2 p + e (high)
+    v = np.stack([nib & 15, nib >> 4], axis=2).reshape(rows, nsub, 2, 8, 2)  # [.., h, p, e]
+    if qh.shape[2] == 2:
+        hb = rowmajor(qh)  # [rows, nsub, h, e]
+        v = v | np.stack([((hb >> p) & 1) << 4 for p in range(8)], axis=3)
+    elif qh.shape[2] == 4:
+        hb = rowmajor(qh)  # [rows, nsub, t, e]
+        c = np.stack([(hb >> (2 * k)) & 3 for k in range(4)], axis=3)  # [rows, nsub, t, k, e]: combo 4 t + k
+        v = v | (c.reshape(rows, nsub, 2, 8, 2) << 4)
+    return np.ascontiguousarray(v.reshape(rows, nsub, QK), dtype=np.uint8)
 
 
 def bits_of(code: int) -> int:
@@ -76,17 +122,9 @@ def bits_of(code: int) -> int:
 @nb.njit(inline="always")
 def _coeffs(fmt, scales, mins, sub, g, s, cf):
     """``cf [4, R]`` = (a_0, a_1, b_0, b_1) of sub-block s of group g's rows: half h's values are
-    ``a_h * q + b_h`` (also Q4_0 and Q4_1, codes 1 and 2)."""
+    ``a_h * q + b_h``."""
     nr = cf.shape[1]
-    if fmt == 1 or fmt == 2:
-        for r in range(nr):
-            d = half_to_float(scales[g, s, r])
-            b = half_to_float(mins[g, s, r]) if fmt == 2 else np.float32(-8.0) * d
-            cf[0, r] = d
-            cf[1, r] = d
-            cf[2, r] = b
-            cf[3, r] = b
-    elif fmt == 3 or fmt == 4:
+    if fmt == 3 or fmt == 4:
         for r in range(nr):
             d = half_to_float(scales[g, s, r])
             b = half_to_float(mins[g, s, r]) if fmt == 4 else np.float32(-16.0) * d
@@ -118,54 +156,75 @@ def _coeffs(fmt, scales, mins, sub, g, s, cf):
 @nb.njit(inline="always")
 def _value(bits, qs, qh, g, s, j, r):
     """Quant j (0-31) of row r of sub-block s of group g, as float32."""
+    h = j >> 4
+    p = (j & 15) >> 1
+    col = 2 * r + (j & 1)
+    q = qs[g, s, p, col]
     if bits == 4:
-        return low_nibble(qs[g, s, j, r]) if j < 16 else high_nibble(qs[g, s, j - 16, r])
-    nib_shift = 0 if j < 16 else 4
-    jj = j if j < 16 else j - 16
+        return quant_bits(q, 4 * h, q, 0, 0)
     if bits == 5:
-        return quant_bits(qs[g, s, jj, r], nib_shift, qh[g, s, j >> 3, r], j & 7, 1)
-    return quant_bits(qs[g, s, jj, r], nib_shift, qh[g, s, j >> 2, r], 2 * (j & 3), 3)
+        return quant_bits(q, 4 * h, qh[g, s, h, col], p, 1)
+    c = 8 * h + p
+    return quant_bits(q, 4 * h, qh[g, s, c >> 2, col], 2 * (c & 3), 3)
 
 
 @nb.njit(parallel=True, **_JIT)
 def gemv(fmt, x, qs, qh, scales, mins, sub, out):
-    """``out [N] = dequantize(W) @ x [K]`` for one row x (float32). Also Q4_0 and Q4_1 (codes 1 and 2:
-    ``quant``'s planes have this ``qs`` layout, with no ``qh``)."""
+    """``out [N] = dequantize(W) @ x [K]`` for one row x (float32), with x quantized to int8 per 32 values
+    (module docstring)."""
     groups, nsub = qs.shape[0], qs.shape[1]
-    bits = 4 if fmt <= 2 or fmt == 5 else (6 if fmt == 7 else 5)
+    nscale = scales.shape[1]
+    hstep = qh.shape[2] * qh.shape[3]
     N = out.shape[0]
+    xq = np.empty((nsub, QK), np.int8)
+    dx = np.empty(nsub, np.float32)
     xs = np.empty((nsub, 2), np.float32)
-    for s in range(nsub):
-        a = np.float32(0.0)
-        b = np.float32(0.0)
-        for j in range(16):
-            a += x[s * QK + j]
-            b += x[s * QK + 16 + j]
-        xs[s, 0] = a
-        xs[s, 1] = b
+    quantize_activation(x, xq, dx, xs)
+    xq16 = xq.reshape(nsub * QK).view(np.int16)
     nchunks = min(groups, CHUNKS)
-    scratch = np.empty((nchunks, 9, R), np.float32)
+    accs = np.empty((nchunks, R), np.float32)
     for c in nb.prange(nchunks):
-        cf = scratch[c, 0:4]
-        acc = scratch[c, 4]
-        sums = scratch[c, 5:9]
+        acc = accs[c]
         for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
             for r in range(R):
                 acc[r] = 0.0
             for s in range(nsub):
-                start = (g * nsub + s) * 16 * R + PREFETCH_BYTES
-                if start + 256 <= qs.size:
+                off = (g * nsub + s) * 16 * R
+                if off + PREFETCH_BYTES + 256 <= qs.size:
                     for line in range(0, 256, 64):
-                        prefetch(qs, start + line)
-                _coeffs(fmt, scales, mins, sub, g, s, cf)
-                _sub_dot(bits, x, qs, qh, g, s, sums)
-                for r in range(R):
-                    acc[r] += (
-                        cf[0, r] * (sums[0, r] + sums[1, r])
-                        + cf[1, r] * (sums[2, r] + sums[3, r])
-                        + cf[2, r] * xs[s, 0]
-                        + cf[3, r] * xs[s, 1]
+                        prefetch(qs, off + PREFETCH_BYTES + line)
+                hoff = (g * nsub + s) * hstep
+                xo = s * 16
+                if fmt == 3:
+                    dot_q5_0(
+                        qs,
+                        off,
+                        qh,
+                        hoff,
+                        xq16,
+                        xo,
+                        scales,
+                        mins,
+                        (g * nsub + s) * R,
+                        sub,
+                        0,
+                        dx[s],
+                        xs[s, 0],
+                        xs[s, 1],
+                        acc,
                     )
+                elif fmt == 4:
+                    so = (g * nsub + s) * R
+                    dot_q5_1(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, 0, dx[s], xs[s, 0], xs[s, 1], acc)
+                else:
+                    so = (g * nscale + s // _SUBS_PER_SUPER) * R
+                    bo = (g * nsub + s) * 2 * R
+                    if fmt == 5:
+                        dot_q4_k(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, bo, dx[s], xs[s, 0], xs[s, 1], acc)
+                    elif fmt == 6:
+                        dot_q5_k(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, bo, dx[s], xs[s, 0], xs[s, 1], acc)
+                    else:
+                        dot_q6_k(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, bo, dx[s], xs[s, 0], xs[s, 1], acc)
             for r in range(R):
                 n = g * R + r
                 if n < N:
@@ -173,60 +232,10 @@ def gemv(fmt, x, qs, qh, scales, mins, sub, out):
 
 
 @nb.njit(inline="always")
-def _sub_dot(bits, x, qs, qh, g, s, sums):
-    """``sums [4, R]`` = the dot products of sub-block s's quants (rows of group g) with x's 32 values:
-    rows 0-1 the first half (even, odd positions), rows 2-3 the second. The loop over the 16 rows is
-    innermost, so it is the vector; four running sums keep the FMAs independent."""
-    base = s * QK
-    for r in range(R):
-        sums[0, r] = 0.0
-        sums[1, r] = 0.0
-        sums[2, r] = 0.0
-        sums[3, r] = 0.0
-    for j in range(0, 16, 2):
-        xa = x[base + j]
-        xb = x[base + j + 1]
-        ya = x[base + 16 + j]
-        yb = x[base + 17 + j]
-        if bits == 4:
-            for r in range(R):
-                q = qs[g, s, j, r]
-                p = qs[g, s, j + 1, r]
-                sums[0, r] += low_nibble(q) * xa
-                sums[1, r] += low_nibble(p) * xb
-                sums[2, r] += high_nibble(q) * ya
-                sums[3, r] += high_nibble(p) * yb
-        elif bits == 5:
-            k = j >> 3
-            sh = j & 7
-            for r in range(R):
-                q = qs[g, s, j, r]
-                p = qs[g, s, j + 1, r]
-                hl = qh[g, s, k, r]
-                hh = qh[g, s, 2 + k, r]
-                sums[0, r] += quant_bits(q, 0, hl, sh, 1) * xa
-                sums[1, r] += quant_bits(p, 0, hl, sh + 1, 1) * xb
-                sums[2, r] += quant_bits(q, 4, hh, sh, 1) * ya
-                sums[3, r] += quant_bits(p, 4, hh, sh + 1, 1) * yb
-        else:
-            k = j >> 2
-            sh = 2 * (j & 3)
-            for r in range(R):
-                q = qs[g, s, j, r]
-                p = qs[g, s, j + 1, r]
-                hl = qh[g, s, k, r]
-                hh = qh[g, s, 4 + k, r]
-                sums[0, r] += quant_bits(q, 0, hl, sh, 3) * xa
-                sums[1, r] += quant_bits(p, 0, hl, sh + 2, 3) * xb
-                sums[2, r] += quant_bits(q, 4, hh, sh, 3) * ya
-                sums[3, r] += quant_bits(p, 4, hh, sh + 2, 3) * yb
-
-
-@nb.njit(inline="always")
 def _dequant_sub_t(bits, fmt, qs, qh, scales, mins, sub, g, s, cf, w, col):
     """``w[0:32, col + r]`` = sub-block s of row r of group g (float32), rows innermost (vectorized)."""
     _coeffs(fmt, scales, mins, sub, g, s, cf)
-    nr = qs.shape[3]
+    nr = R
     for j in range(16):
         for r in range(nr):
             w[j, col + r] = cf[0, r] * _value(bits, qs, qh, g, s, j, r) + cf[2, r]
