@@ -383,7 +383,10 @@ def compare_with_llama_server(args) -> int:
     from benchmarks.common import conditions, write_json
     from rawpaged import weights as rp_weights
 
-    if args.compare_format == "f32":
+    if args.compare_gguf:
+        gguf = Path(args.compare_gguf)
+        ours_model = str(gguf)
+    elif args.compare_format == "f32":
         gguf, ours_model = rp_weights.default_f32_gguf_path(), str(rp_weights.prepare(progress=True))
     else:
         gguf = rp_weights.default_gguf_path()
@@ -428,7 +431,7 @@ def compare_with_llama_server(args) -> int:
     out = {
         "benchmark": "serve --compare-llama-server",
         "conditions": conditions(
-            weights=args.compare_format,
+            weights=Path(args.compare_gguf).name if args.compare_gguf else args.compare_format,
             gguf=str(gguf),
             rawpaged_model=ours_model,
             rawpaged_args=ours_args,
@@ -513,7 +516,14 @@ def main(argv=None) -> int:
         help="weights for --compare-llama-server: the float32 model (llama-server gets an F32 GGUF of it) "
         "or the Q4_1 GGUF file (both servers)",
     )
+    p.add_argument(
+        "--compare-gguf",
+        help="with --compare-llama-server: this GGUF file for both servers (e.g. the Q4_K_M file that "
+        "scripts/q4_k_m_check.py makes), in place of --compare-format",
+    )
     args = p.parse_args(argv)
+    if args.compare_gguf and not Path(args.compare_gguf).is_file():
+        p.error(f"--compare-gguf {args.compare_gguf}: no such file")
     if args.compare_rounds < 1:
         p.error(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
     if args.compare_llama_server:

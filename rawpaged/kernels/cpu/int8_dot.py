@@ -229,3 +229,95 @@ def quantize_activation(x, xq, dx, xs):
         inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
         for j in range(32):
             xq[s, j] = np.int8(np.floor(x[s * 32 + j] * inv + np.float32(0.5)))
+
+
+def _make_rows(bits: int):
+    """``sub_block_rows{bits}``: see ``sub_block_rows4``."""
+
+    def typer(typingctx, qs, qs_off, qh, qh_off, cf, w, row0, col):
+        ok = (
+            isinstance(qs, types.Array)
+            and qs.dtype == types.uint8
+            and isinstance(qh, types.Array)
+            and qh.dtype == types.uint8
+            and isinstance(cf, types.Array)
+            and cf.dtype == types.float32
+            and isinstance(w, types.Array)
+            and w.dtype == types.float32
+            and w.ndim == 2
+            and w.layout == "C"
+            and all(isinstance(t, types.Integer) for t in (qs_off, qh_off, row0, col))
+        )
+        if not ok:
+            return None
+
+        def codegen(context, builder, sig, args):
+            qs_t, qs_off_t, qh_t, qh_off_t, cf_t, w_t, row_t, col_t = sig.args
+            qs_v, qs_off_v, qh_v, qh_off_v, cf_v, w_v, row_v, col_v = args
+            intp = context.get_value_type(types.intp)
+
+            def load(arr_t, arr, off_t, off, n):
+                data = builder.bitcast(context.make_array(arr_t)(context, builder, arr).data, _I8.as_pointer())
+                p = builder.gep(data, [context.cast(builder, off, off_t, types.intp)])
+                vt = ir.VectorType(_I8, n)
+                return builder.load(builder.bitcast(p, vt.as_pointer()), align=1), vt
+
+            block, block_t = load(qs_t, qs_v, qs_off_t, qs_off_v, 256)
+            if bits > 4:
+                high, high_t = load(qh_t, qh_v, qh_off_t, qh_off_v, 64 if bits == 5 else 128)
+            cfp = builder.bitcast(context.make_array(cf_t)(context, builder, cf_v).data, _F32.as_pointer())
+            warr = context.make_array(w_t)(context, builder, w_v)
+            wdata = builder.bitcast(warr.data, _I8.as_pointer())
+            stride0 = builder.extract_value(warr.strides, 0)
+            row0 = context.cast(builder, row_v, row_t, types.intp)
+            col_bytes = builder.mul(context.cast(builder, col_v, col_t, types.intp), ir.Constant(intp, 4))
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fmuladd.v16f32"
+            )
+            v16b = ir.VectorType(_I8, 16)
+
+            def splat8(v):
+                return ir.Constant(v16b, [v & 0xFF] * 16)
+
+            for r in range(16):
+                # row r's 16 nibble bytes in position order: byte 2 r + e of pair vector p is position 2 p + e
+                pick = ir.Constant(ir.VectorType(_I32, 16), [32 * (j // 2) + 2 * r + (j % 2) for j in range(16)])
+                q = builder.shuffle_vector(block, ir.Constant(block_t, None), pick)
+                halves = [builder.and_(q, splat8(15)), builder.lshr(q, splat8(4))]
+                row = builder.add(row0, ir.Constant(intp, r))
+                rowp = builder.gep(wdata, [builder.add(builder.mul(row, stride0), col_bytes)])
+                out = builder.bitcast(rowp, _V16F.as_pointer())
+                v16i = ir.VectorType(_I32, 16)
+                for h in range(2):
+                    v = halves[h]
+                    if bits > 4:
+                        if bits == 5:  # vector h, byte 2 r + e, bit p
+                            picks = [32 * h + 2 * r + (j % 2) for j in range(16)]
+                            shifts, mask = [j // 2 for j in range(16)], 1
+                        else:  # combo c = 8 h + p = 4 t + k: vector t, bits 2 k
+                            cs = [8 * h + j // 2 for j in range(16)]
+                            picks = [32 * (c // 4) + 2 * r + (j % 2) for j, c in enumerate(cs)]
+                            shifts, mask = [2 * (c % 4) for c in cs], 3
+                        hv = builder.shuffle_vector(high, ir.Constant(high_t, None), ir.Constant(v16i, picks))
+                        b = builder.and_(builder.lshr(hv, ir.Constant(v16b, shifts)), splat8(mask))
+                        v = builder.or_(v, builder.shl(b, splat8(4)))
+                    a = builder.load(builder.gep(cfp, [ir.Constant(_I32, 16 * h + r)]))
+                    b0 = builder.load(builder.gep(cfp, [ir.Constant(_I32, 16 * (2 + h) + r)]))
+                    vals = builder.call(fma, [builder.uitofp(v, _V16F), _splatf(builder, a), _splatf(builder, b0)])
+                    builder.store(vals, builder.gep(out, [ir.Constant(_I32, h)]), align=4)
+            return context.get_dummy_value()
+
+        return types.void(qs, qs_off, qh, qh_off, cf, w, row0, col), codegen
+
+    typer.__name__ = f"sub_block_rows{bits}"
+    return intrinsic(typer)
+
+
+#: ``sub_block_rowsN(qs, qs_offset, qh, qh_offset, cf, w, row0, col)``: ``w[row0 + r, col + j]`` =
+#: ``cf[h, r] * q_j(r) + cf[2 + h, r]`` (h = j // 16) for r < 16, j < 32: one N-bit sub-block of 16
+#: interleaved rows (nibbles from byte ``qs_offset``, high bits from ``qh_offset``; module docstring)
+#: dequantized into 16 rows of a C-contiguous float32 matrix, each row's bytes picked out by a constant
+#: shuffle. ``cf``: C-contiguous float32 ``[4, 16]`` (``quant_subblock._coeffs``). No bounds checks.
+sub_block_rows4 = _make_rows(4)
+sub_block_rows5 = _make_rows(5)
+sub_block_rows6 = _make_rows(6)

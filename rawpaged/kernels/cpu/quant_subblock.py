@@ -18,7 +18,8 @@ four coefficients of 16 rows at once), so the products are:
   b_1 xsum_1`` (the offsets take x's float sums; they cost one multiply per half, as in llama.cpp's
   K-quant dot products). The int8 rounding of x is the only difference from the float product: at most
   ``dx / 2`` per activation.
-- a few rows (batched decode): 48 weight rows at a time dequantized into a row-major float32 scratch and
+- a few rows (batched decode, short prefills): 48 weight rows at a time dequantized into a row-major
+  float32 scratch (``int8_dot.sub_block_rowsN``: a sub-block of 16 rows in vector registers) and
   multiplied with ``gemm``'s 4 x 6 register tiles, as ``quant._gemm_rows``.
 - many rows (prefill): the transposed weight dequantized a tile at a time into float32, then SGEMM
   (``quant.quant_linear`` drives the tiles).
@@ -32,7 +33,17 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu.gemm import TILE_M, TILE_N, _tile_4x6
-from rawpaged.kernels.cpu.int8_dot import dot_q4_k, dot_q5_0, dot_q5_1, dot_q5_k, dot_q6_k, quantize_activation
+from rawpaged.kernels.cpu.int8_dot import (
+    dot_q4_k,
+    dot_q5_0,
+    dot_q5_1,
+    dot_q5_k,
+    dot_q6_k,
+    quantize_activation,
+    sub_block_rows4,
+    sub_block_rows5,
+    sub_block_rows6,
+)
 from rawpaged.kernels.cpu.intrinsics import half_to_float, prefetch, quant_bits, signed_byte
 from rawpaged.kernels.quantization import QK, QK_K, SUBBLOCK_BITS, SubBlockPlanes
 
@@ -247,8 +258,8 @@ def _dequant_sub_t(bits, fmt, qs, qh, scales, mins, sub, g, s, cf, w, col):
 @nb.njit(parallel=True, **_JIT)
 def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
-    rounded up to ROWS_PER_PASS, as ``quant._gemm_rows``: 48 rows at a time dequantized (a sub-block of
-    16 rows into a ``[32, 16]`` tile, then transposed into the row-major scratch) and multiplied by
+    rounded up to ROWS_PER_PASS, as ``quant._gemm_rows``: 48 rows at a time dequantized into a row-major
+    scratch (a sub-block of 16 rows in vector registers, ``int8_dot.sub_block_rowsN``) and multiplied by
     ``gemm``'s 4 x 6 tiles."""
     bits = 4 if fmt == 5 else (6 if fmt == 7 else 5)
     Mp = x.shape[0]
@@ -257,12 +268,11 @@ def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     gpp = ROWS_PER_PASS // R
     passes = -(-groups // gpp)
     nchunks = min(passes, max_chunks)
+    hstep = qh.shape[2] * qh.shape[3]
     rows = np.empty((nchunks, ROWS_PER_PASS, K), np.float32)
-    tiles = np.empty((nchunks, QK, R), np.float32)
     cfs = np.empty((nchunks, 4, R), np.float32)
     for c in nb.prange(nchunks):
         w = rows[c]
-        t = tiles[c]
         cf = cfs[c]
         for p in range(c * passes // nchunks, (c + 1) * passes // nchunks):
             for gi in range(gpp):
@@ -271,10 +281,15 @@ def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
                     w[gi * R : (gi + 1) * R, :] = 0.0
                     continue
                 for s in range(nsub):
-                    _dequant_sub_t(bits, fmt, qs, qh, scales, mins, sub, g, s, cf, t, 0)
-                    for r in range(R):
-                        for j in range(QK):
-                            w[gi * R + r, s * QK + j] = t[j, r]
+                    _coeffs(fmt, scales, mins, sub, g, s, cf)
+                    off = (g * nsub + s) * 16 * R
+                    hoff = (g * nsub + s) * hstep
+                    if bits == 4:
+                        sub_block_rows4(qs, off, qh, hoff, cf, w, gi * R, s * QK)
+                    elif bits == 5:
+                        sub_block_rows5(qs, off, qh, hoff, cf, w, gi * R, s * QK)
+                    else:
+                        sub_block_rows6(qs, off, qh, hoff, cf, w, gi * R, s * QK)
             for m in range(0, Mp, TILE_M):
                 for tt in range(ROWS_PER_PASS // TILE_N):
                     _tile_4x6(x, w, out, m, tt * TILE_N, p * ROWS_PER_PASS + tt * TILE_N)
