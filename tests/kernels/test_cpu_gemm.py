@@ -66,15 +66,13 @@ def test_backend_tied_head_is_the_embedding_array():
 
 @pytest.mark.parametrize("tile, width", [(cpu_gemm._tile_4x3, 3), (cpu_gemm._tile_4x6, 6)])
 def test_both_tile_widths_match_float64_whichever_the_host_uses(tile, width):
-    """``gemm_nt`` runs one width per host (``GEMM_TILE_N``: 6 with AVX-512, else 3); both are checked."""
+    """``gemm_nt`` and the quantized row products run one width per host (``GEMM_TILE_N``: 6 with AVX-512,
+    else 3); both are checked."""
     rng = np.random.default_rng(width)
     x = rng.standard_normal((4, 37)).astype(np.float32)
     w = rng.standard_normal((2 * width, 37)).astype(np.float32)
     out = np.full((4, 2 * width), np.nan, np.float32)
-    if width == 6:
-        tile(x, w, out, 0, width, width)
-    else:
-        tile(x, w, out, 0, width)
+    tile(x, w, out, 0, width, width)
     want = x.astype(np.float64) @ w.astype(np.float64).T
     np.testing.assert_allclose(out[:, width:], want[:, width:], rtol=1e-5, atol=1e-4)
     assert np.isnan(out[:, :width]).all()  # nothing outside the tile written

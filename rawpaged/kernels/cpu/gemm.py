@@ -134,8 +134,8 @@ def _tile_4x6(x, w, out, m, n, col):
 
 
 @nb.njit(**_JIT)
-def _tile_4x3(x, w, out, m, n):
-    """``out[m : m + 4, n : n + 3] = x[m : m + 4] @ w[n : n + 3].T``."""
+def _tile_4x3(x, w, out, m, n, col):
+    """``out[m : m + 4, col : col + 3] = x[m : m + 4] @ w[n : n + 3].T``."""
     K = x.shape[1]
     a00 = a01 = a02 = a10 = a11 = a12 = np.float32(0.0)
     a20 = a21 = a22 = a30 = a31 = a32 = np.float32(0.0)
@@ -159,18 +159,18 @@ def _tile_4x3(x, w, out, m, n):
         a30 += x3 * w0
         a31 += x3 * w1
         a32 += x3 * w2
-    out[m, n] = a00
-    out[m, n + 1] = a01
-    out[m, n + 2] = a02
-    out[m + 1, n] = a10
-    out[m + 1, n + 1] = a11
-    out[m + 1, n + 2] = a12
-    out[m + 2, n] = a20
-    out[m + 2, n + 1] = a21
-    out[m + 2, n + 2] = a22
-    out[m + 3, n] = a30
-    out[m + 3, n + 1] = a31
-    out[m + 3, n + 2] = a32
+    out[m, col] = a00
+    out[m, col + 1] = a01
+    out[m, col + 2] = a02
+    out[m + 1, col] = a10
+    out[m + 1, col + 1] = a11
+    out[m + 1, col + 2] = a12
+    out[m + 2, col] = a20
+    out[m + 2, col + 1] = a21
+    out[m + 2, col + 2] = a22
+    out[m + 3, col] = a30
+    out[m + 3, col + 1] = a31
+    out[m + 3, col + 2] = a32
 
 
 @nb.njit(**_JIT)
@@ -202,7 +202,7 @@ def _gemm_nt(x, w, out):
                 if GEMM_TILE_N == 6:
                     _tile_4x6(x, w, out, m, t * 6, t * 6)
                 else:
-                    _tile_4x3(x, w, out, m, t * 3)
+                    _tile_4x3(x, w, out, m, t * 3, t * 3)
         if c == nchunks - 1:
             for n in range(tiles * GEMM_TILE_N, N):
                 for m in range(0, Mp, TILE_M):

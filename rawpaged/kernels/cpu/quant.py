@@ -16,7 +16,8 @@ the GGUF ones in another order (rows padded to a multiple of 16 with zero blocks
   ``out[n] += d * sum_j q_j x_j + m * sum_j x_j`` (Q4_1's minimum, and Q4_0's ``-8 d``, cost one
   multiply per block, as in llama.cpp's dot products). The bytes a few kilobytes ahead are prefetched.
 - 1 < M <= ``ROWS_MAX_BATCH`` (batched decode): 48 weight rows at a time are dequantized into a
-  row-major ``[48, K]`` float32 scratch (L2) and multiplied with ``gemm``'s 4 x 6 register tiles. A
+  row-major ``[48, K]`` float32 scratch (L2) and multiplied with ``gemm``'s register tiles (4 x 6 with
+  AVX-512, 4 x 3 on AVX2 hosts, whose 16 vector registers the 4 x 6 tile's accumulators overflow). A
   block of 16 interleaved rows is dequantized and transposed in vector registers
   (``intrinsics.q4_block_rows``), so the scratch costs about one float32 store per weight.
 - larger M (prefill, big batches): the transposed weight is dequantized ``TILE_BYTES`` at a time (on one
@@ -35,7 +36,7 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu import quant_subblock as sb
-from rawpaged.kernels.cpu.gemm import TILE_M, TILE_N, _tile_4x6, pad_rows
+from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x3, _tile_4x6, pad_rows
 from rawpaged.kernels.cpu.intrinsics import (
     half_to_float,
     high_nibble,
@@ -348,8 +349,11 @@ def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
                     else:
                         q4_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
             for m in range(0, Mp, TILE_M):
-                for t in range(ROWS_PER_PASS // TILE_N):
-                    _tile_4x6(x, w, out, m, t * TILE_N, p * ROWS_PER_PASS + t * TILE_N)
+                for t in range(ROWS_PER_PASS // GEMM_TILE_N):
+                    if GEMM_TILE_N == 6:
+                        _tile_4x6(x, w, out, m, t * 6, p * ROWS_PER_PASS + t * 6)
+                    else:
+                        _tile_4x3(x, w, out, m, t * 3, p * ROWS_PER_PASS + t * 3)
 
 
 @nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (~7 ms)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu.gemm import TILE_M, TILE_N, _tile_4x6
+from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x3, _tile_4x6
 from rawpaged.kernels.cpu.int8_dot import (
     dot_q4_k,
     dot_q5_0,
@@ -291,8 +291,11 @@ def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
                     else:
                         sub_block_rows6(qs, off, qh, hoff, cf, w, gi * R, s * QK)
             for m in range(0, Mp, TILE_M):
-                for tt in range(ROWS_PER_PASS // TILE_N):
-                    _tile_4x6(x, w, out, m, tt * TILE_N, p * ROWS_PER_PASS + tt * TILE_N)
+                for tt in range(ROWS_PER_PASS // GEMM_TILE_N):
+                    if GEMM_TILE_N == 6:
+                        _tile_4x6(x, w, out, m, tt * 6, p * ROWS_PER_PASS + tt * 6)
+                    else:
+                        _tile_4x3(x, w, out, m, tt * 3, p * ROWS_PER_PASS + tt * 3)
 
 
 @nb.njit(**_JIT)
