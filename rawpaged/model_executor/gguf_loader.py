@@ -306,6 +306,12 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
             counts[0] += 1
             counts[1] += int(t.n_bytes)
             counts[2] += tensors[name].nbytes
+    kept: dict[str, int] = {}
+    for v in tensors.values():
+        if isinstance(v, QuantizedTensor):
+            kept[v.qtype] = kept.get(v.qtype, 0) + 1
+    if kept:
+        logger.info("%s: computing on the blocks of %s", source, ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))
     for qtype, (n, file_bytes, f32_bytes) in expanded.items():
         logger.warning(
             "%s: %d %s tensors are not computed natively (native: %s): dequantized to float32, %.1f MB in "

@@ -2,8 +2,8 @@
 (random bytes with finite fp16 scales: the ``gguf`` package dequantizes these types but cannot quantize
 them) dequantized bit for bit as the package does, and products and lookups on the repacked blocks
 against float64 products with the package's dequantization, on every path (GEMV, register tiles, tiled
-SGEMM). The GEMV takes x rounded to int8 per 32 values (as llama.cpp's quantized dot products do): its
-reference is the float64 product with those int8 activations, the formats' offsets with x itself."""
+SGEMM). Up to 8 rows take x rounded to int16 per 32 values (llama.cpp's quantized dot products round to
+int8): their reference is the float64 product with those activations, the formats' offsets with x itself."""
 
 import pytest
 
@@ -14,12 +14,15 @@ import numpy as np
 
 from rawpaged.kernels.cpu import quant as cpu_quant
 from rawpaged.kernels.cpu.backend import CPUBackend
-from rawpaged.kernels.cpu.int8_dot import quantize_activation
+from rawpaged.kernels.cpu.int_dot import quantize_activation
+from rawpaged.kernels.cpu.quant_subblock import INT_MAX_ROWS
 from rawpaged.kernels.quantization import SUBBLOCK, QuantizedTensor, SubBlockPlanes, subblock_planes
 from rawpaged.testing.quant_blocks import random_blocks
 
 TYPES = tuple(SUBBLOCK)
-BATCHES = [1, 2, 3, 8, cpu_quant.ROWS_MAX_BATCH, cpu_quant.ROWS_MAX_BATCH + 1, 300]
+# 1 (one int8 row), 2, 3 and 8 (int8, 4 rows at a time, padded), 9 and ROWS_MAX_BATCH (dequantized row
+# tiles), ROWS_MAX_BATCH + 1 and 300 (SGEMM tiles)
+BATCHES = [1, 2, 3, 8, 9, cpu_quant.ROWS_MAX_BATCH, cpu_quant.ROWS_MAX_BATCH + 1, 300]
 COLS = 512
 
 
@@ -42,34 +45,36 @@ def _gguf_dequantize(q):
 
 
 def _expected(q, x):
-    """float64 ``x [M, K] @ W.T`` as the kernels compute it: rows M > 1 with x as it is; a single row with
-    ``a q`` (W less its offsets: gguf's dequantization of the quants minus that of zero quants) against x
-    rounded to int8 per 32 values, and the offsets against x."""
+    """float64 ``x [M, K] @ W.T`` as the kernels compute it: up to ``INT_MAX_ROWS`` rows, ``a q`` (W less
+    its offsets: gguf's dequantization of the quants minus that of zero quants) against x rounded to int16
+    per 32 values and the offsets against x itself; more rows with x as it is."""
     w = _gguf_dequantize(q).astype(np.float64)
-    if x.shape[0] > 1:
+    if x.shape[0] > INT_MAX_ROWS:
         return x.astype(np.float64) @ w.T
     p = subblock_planes(q)
     offsets = SubBlockPlanes(p.qtype, p.shape, 0 * p.qs, 0 * p.qh, p.scales, p.mins, p.sub).dequantize()
     nsub = x.shape[1] // 32
-    xq, dx, xs = np.empty((nsub, 32), np.int8), np.empty(nsub, np.float32), np.empty((nsub, 2), np.float32)
-    quantize_activation(x[0], xq, dx, xs)
-    x8 = (xq.astype(np.float64) * dx[:, None].astype(np.float64)).reshape(1, -1)
-    return x8 @ (w - offsets).T + x.astype(np.float64) @ offsets.astype(np.float64).T
+    rows = []
+    for row in x:
+        xq, dx, xs = np.empty((nsub, 32), np.int16), np.empty(nsub, np.float32), np.empty((nsub, 2), np.float32)
+        quantize_activation(row, xq, dx, xs)
+        rows.append((xq.astype(np.float64) * dx[:, None].astype(np.float64)).reshape(-1))
+    return np.array(rows) @ (w - offsets).T + x.astype(np.float64) @ offsets.astype(np.float64).T
 
 
-def test_int8_activations_round_to_nearest_per_block():
-    """``quantize_activation`` against a float64 reference: scale max|x| / 127, every value within half a
-    step of x (one step at a float32 rounding tie), the half sums exact to float32 rounding."""
+def test_int16_activations_round_to_nearest_per_block():
+    """``quantize_activation`` against a float64 reference: scale max|x| / 32767, every value within half a
+    step of x, the half sums exact to float32 rounding."""
     x = np.random.default_rng(5).standard_normal(128).astype(np.float32)
     x[32:64] = 0.0  # a zero block: zero scale and quants
-    xq, dx, xs = np.empty((4, 32), np.int8), np.full(4, np.nan, np.float32), np.full((4, 2), np.nan, np.float32)
+    xq, dx, xs = np.empty((4, 32), np.int16), np.full(4, np.nan, np.float32), np.full((4, 2), np.nan, np.float32)
     quantize_activation(x, xq, dx, xs)
     blocks = x.reshape(4, 32).astype(np.float64)
-    np.testing.assert_allclose(dx, np.abs(blocks).max(axis=1) / 127, rtol=1e-6)
+    np.testing.assert_allclose(dx, np.abs(blocks).max(axis=1) / 32767, rtol=1e-6)
     assert dx[1] == 0 and (xq[1] == 0).all()
     err = np.abs(xq * dx[:, None].astype(np.float64) - blocks)
-    assert (err <= 0.5 * dx[:, None] * (1 + 1e-5)).all()
-    assert np.abs(xq).max() == 127
+    assert (err <= 0.5 * dx[:, None] * (1 + 1e-3)).all()
+    assert np.abs(xq).max() == 32767
     np.testing.assert_allclose(xs, blocks.reshape(4, 2, 16).sum(axis=2), rtol=1e-5, atol=1e-5)
 
 

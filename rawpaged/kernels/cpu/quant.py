@@ -449,8 +449,8 @@ def rows_into(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     in compiled code keeps that code from being cached). The sub-block formats (``fmt`` >= 3) go
     through ``quant_subblock``'s kernels, which also read ``qh`` and ``sub``."""
     if fmt >= 3:
-        if x.shape[0] == 1:
-            sb.gemv(fmt, x[0], qs, qh, scales, mins, sub, out[0])
+        if x.shape[0] <= sb.INT_MAX_ROWS:
+            sb.gemv(fmt, x, qs, qh, scales, mins, sub, out)
             return
         passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
         res = np.empty((x.shape[0], passes * ROWS_PER_PASS), np.float32)

@@ -3,8 +3,8 @@ on their 32-value sub-blocks (``quantization.SubBlockPlanes``) without a float32
 
 Layout: as ``quant``'s other formats, ``R`` = 16 rows interleaved (``repack_subblock``): for group g of 16
 rows and sub-block s, ``qs[g, s, p, 2 r + e]`` holds nibble byte ``2 p + e`` of row r (positions ``2 p + e``
-and ``16 + 2 p + e``: adjacent positions of a row are adjacent bytes, for ``int8_dot``'s pairwise products),
-``qh[g, s]`` their high bits (``int8_dot`` spells out the bit order), ``sub[g, s, :, :]`` their 6-bit
+and ``16 + 2 p + e``: adjacent positions of a row are adjacent bytes, for ``int_dot``'s pairwise products),
+``qh[g, s]`` their high bits (``int_dot`` spells out the bit order), ``sub[g, s, :, :]`` their 6-bit
 (Q4_K, Q5_K) or int8 (Q6_K) sub-block scales, and ``scales``/``mins`` their fp16 d and m (per sub-block) or
 d and dmin (per 256-value super-block). Decoding the packed 6-bit scales of Q4_K/Q5_K into one byte each
 is the only growth: 16 bytes in place of 12 per 256 values (2.8%).
@@ -12,15 +12,15 @@ is the only growth: 16 bytes in place of 12 per 256 values (2.8%).
 Every sub-block reduces to ``a_h * q - b_h`` on its halves h (values 0-15, 16-31; ``_coeffs`` computes the
 four coefficients of 16 rows at once), so the products are:
 
-- one row (decode at batch 1): x is quantized to int8 per 32 values (scale ``dx``, as llama.cpp's
-  activations for its quantized dot products), each sub-block's integer dot products for 16 rows come
-  from ``int8_dot`` (``pmaddubsw`` on x86), then ``out[n] += dx (a_0 idot_0 + a_1 idot_1) + b_0 xsum_0 +
-  b_1 xsum_1`` (the offsets take x's float sums; they cost one multiply per half, as in llama.cpp's
-  K-quant dot products). The int8 rounding of x is the only difference from the float product: at most
-  ``dx / 2`` per activation.
-- a few rows (batched decode, short prefills): 48 weight rows at a time dequantized into a row-major
-  float32 scratch (``int8_dot.sub_block_rowsN``: a sub-block of 16 rows in vector registers) and
-  multiplied with ``gemm``'s 4 x 6 register tiles, as ``quant._gemm_rows``.
+- up to ``INT_MAX_ROWS`` rows (decode at batch 1-8): x is quantized to int16 per 32 values (scale ``dx``,
+  as llama.cpp quantizes activations to int8 for its dot products), each sub-block's integer dot products
+  for 16 weight rows come from ``int_dot`` (``pmaddwd`` on x86; the quants expanded once for 4 activation
+  rows), then ``out[n] += dx (a_0 idot_0 + a_1 idot_1) + b_0 xsum_0 + b_1 xsum_1`` (the offsets take x's
+  float sums; they cost one multiply per half, as in llama.cpp's K-quant dot products). The rounding of x
+  is the only difference from the float product: at most ``dx / 2`` per activation.
+- more rows up to ``quant.ROWS_MAX_BATCH`` (larger batches, short prefills): 48 weight rows at a time
+  dequantized into a row-major float32 scratch (``int_dot.sub_block_rowsN``: a sub-block of 16 rows in
+  vector registers) and multiplied with ``gemm``'s register tiles, as ``quant._gemm_rows``.
 - many rows (prefill): the transposed weight dequantized a tile at a time into float32, then SGEMM
   (``quant.quant_linear`` drives the tiles).
 
@@ -33,7 +33,12 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x3, _tile_4x6
-from rawpaged.kernels.cpu.int8_dot import (
+from rawpaged.kernels.cpu.int_dot import (
+    dot4_q4_k,
+    dot4_q5_0,
+    dot4_q5_1,
+    dot4_q5_k,
+    dot4_q6_k,
     dot_q4_k,
     dot_q5_0,
     dot_q5_1,
@@ -179,67 +184,223 @@ def _value(bits, qs, qh, g, s, j, r):
     return quant_bits(q, 4 * h, qh[g, s, c >> 2, col], 2 * (c & 3), 3)
 
 
+@nb.njit(inline="always")
+def _dot(
+    fmt,
+    nr,
+    qs,
+    off,
+    qh,
+    hoff,
+    xq16,
+    xo,
+    xstride,
+    scales,
+    mins,
+    so,
+    sub,
+    bo,
+    dx,
+    do,
+    dstride,
+    xs,
+    xso,
+    xsstride,
+    acc,
+    ao,
+):
+    """One sub-block of 16 weight rows against ``nr`` (1 or 4) activation rows (``int_dot``)."""
+    if nr == 1:
+        if fmt == 3:
+            dot_q5_0(
+                qs,
+                off,
+                qh,
+                hoff,
+                xq16,
+                xo,
+                xstride,
+                scales,
+                mins,
+                so,
+                sub,
+                bo,
+                dx,
+                do,
+                dstride,
+                xs,
+                xso,
+                xsstride,
+                acc,
+                ao,
+            )
+        elif fmt == 4:
+            dot_q5_1(
+                qs,
+                off,
+                qh,
+                hoff,
+                xq16,
+                xo,
+                xstride,
+                scales,
+                mins,
+                so,
+                sub,
+                bo,
+                dx,
+                do,
+                dstride,
+                xs,
+                xso,
+                xsstride,
+                acc,
+                ao,
+            )
+        elif fmt == 5:
+            dot_q4_k(
+                qs,
+                off,
+                qh,
+                hoff,
+                xq16,
+                xo,
+                xstride,
+                scales,
+                mins,
+                so,
+                sub,
+                bo,
+                dx,
+                do,
+                dstride,
+                xs,
+                xso,
+                xsstride,
+                acc,
+                ao,
+            )
+        elif fmt == 6:
+            dot_q5_k(
+                qs,
+                off,
+                qh,
+                hoff,
+                xq16,
+                xo,
+                xstride,
+                scales,
+                mins,
+                so,
+                sub,
+                bo,
+                dx,
+                do,
+                dstride,
+                xs,
+                xso,
+                xsstride,
+                acc,
+                ao,
+            )
+        else:
+            dot_q6_k(
+                qs,
+                off,
+                qh,
+                hoff,
+                xq16,
+                xo,
+                xstride,
+                scales,
+                mins,
+                so,
+                sub,
+                bo,
+                dx,
+                do,
+                dstride,
+                xs,
+                xso,
+                xsstride,
+                acc,
+                ao,
+            )
+    elif fmt == 3:
+        dot4_q5_0(
+            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
+        )
+    elif fmt == 4:
+        dot4_q5_1(
+            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
+        )
+    elif fmt == 5:
+        dot4_q4_k(
+            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
+        )
+    elif fmt == 6:
+        dot4_q5_k(
+            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
+        )
+    else:
+        dot4_q6_k(
+            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
+        )
+
+
+#: up to this many x rows (a multiple of 4 from 4) the sub-block formats' products take int16 activations
+#: (``gemv``: the quants expanded once per sub-block for 4 rows at a time); above, dequantized tiles
+INT_MAX_ROWS = 8
+
+
 @nb.njit(parallel=True, **_JIT)
 def gemv(fmt, x, qs, qh, scales, mins, sub, out):
-    """``out [N] = dequantize(W) @ x [K]`` for one row x (float32), with x quantized to int8 per 32 values
-    (module docstring)."""
+    """``out [M, N] = x [M, K] @ dequantize(W).T`` for M = 1 or M a multiple of 4 (float32), with x rounded
+    to int16 per 32 values (module docstring): one row through the one-row dot products, more in groups of 4
+    rows, each sub-block's quants expanded once per group."""
+    M = x.shape[0]
+    nr = 1 if M == 1 else 4
     groups, nsub = qs.shape[0], qs.shape[1]
     nscale = scales.shape[1]
     hstep = qh.shape[2] * qh.shape[3]
-    N = out.shape[0]
-    xq = np.empty((nsub, QK), np.int8)
-    dx = np.empty(nsub, np.float32)
-    xs = np.empty((nsub, 2), np.float32)
-    quantize_activation(x, xq, dx, xs)
-    xq16 = xq.reshape(nsub * QK).view(np.int16)
+    N = out.shape[1]
+    xq = np.empty((M, nsub, QK), np.int16)
+    dx = np.empty((M, nsub), np.float32)
+    xs = np.empty((M, nsub, 2), np.float32)
+    for m in range(M):
+        quantize_activation(x[m], xq[m], dx[m], xs[m])
+    xq16 = xq.reshape(M * nsub * QK).view(np.int32)  # pairs of activations
+    dxf = dx.reshape(M * nsub)
+    xsf = xs.reshape(M * nsub * 2)
+    xrow = nsub * 16
     nchunks = min(groups, CHUNKS)
-    accs = np.empty((nchunks, R), np.float32)
+    accs = np.empty((nchunks, M * R), np.float32)
     for c in nb.prange(nchunks):
         acc = accs[c]
         for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
-            for r in range(R):
-                acc[r] = 0.0
+            for i in range(M * R):
+                acc[i] = 0.0
             for s in range(nsub):
                 off = (g * nsub + s) * 16 * R
                 if off + PREFETCH_BYTES + 256 <= qs.size:
                     for line in range(0, 256, 64):
                         prefetch(qs, off + PREFETCH_BYTES + line)
                 hoff = (g * nsub + s) * hstep
-                xo = s * 16
-                if fmt == 3:
-                    dot_q5_0(
-                        qs,
-                        off,
-                        qh,
-                        hoff,
-                        xq16,
-                        xo,
-                        scales,
-                        mins,
-                        (g * nsub + s) * R,
-                        sub,
-                        0,
-                        dx[s],
-                        xs[s, 0],
-                        xs[s, 1],
-                        acc,
-                    )
-                elif fmt == 4:
+                if fmt == 3 or fmt == 4:
                     so = (g * nsub + s) * R
-                    dot_q5_1(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, 0, dx[s], xs[s, 0], xs[s, 1], acc)
                 else:
                     so = (g * nscale + s // _SUBS_PER_SUPER) * R
-                    bo = (g * nsub + s) * 2 * R
-                    if fmt == 5:
-                        dot_q4_k(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, bo, dx[s], xs[s, 0], xs[s, 1], acc)
-                    elif fmt == 6:
-                        dot_q5_k(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, bo, dx[s], xs[s, 0], xs[s, 1], acc)
-                    else:
-                        dot_q6_k(qs, off, qh, hoff, xq16, xo, scales, mins, so, sub, bo, dx[s], xs[s, 0], xs[s, 1], acc)
-            for r in range(R):
-                n = g * R + r
-                if n < N:
-                    out[n] = acc[r]
+                bo = (g * nsub + s) * 2 * R
+                for m0 in range(0, M, nr):
+                    _dot(
+                        fmt, nr, qs, off, qh, hoff, xq16, m0 * xrow + s * 16, xrow, scales, mins, so, sub, bo,
+                        dxf, m0 * nsub + s, nsub, xsf, (m0 * nsub + s) * 2, nsub * 2, acc, m0 * R,
+                    )  # fmt: skip
+            for m in range(M):
+                for r in range(R):
+                    n = g * R + r
+                    if n < N:
+                        out[m, n] = acc[m * R + r]
 
 
 @nb.njit(inline="always")
@@ -259,7 +420,7 @@ def _dequant_sub_t(bits, fmt, qs, qh, scales, mins, sub, g, s, cf, w, col):
 def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS, as ``quant._gemm_rows``: 48 rows at a time dequantized into a row-major
-    scratch (a sub-block of 16 rows in vector registers, ``int8_dot.sub_block_rowsN``) and multiplied by
+    scratch (a sub-block of 16 rows in vector registers, ``int_dot.sub_block_rowsN``) and multiplied by
     ``gemm``'s 4 x 6 tiles."""
     bits = 4 if fmt == 5 else (6 if fmt == 7 else 5)
     Mp = x.shape[0]

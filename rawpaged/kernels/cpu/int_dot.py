@@ -1,17 +1,20 @@
-"""Integer dot products of one 32-value sub-block of 16 interleaved weight rows with int8 activations,
-written as vector IR (``quant_subblock``'s decode GEMV; the arithmetic of llama.cpp's ``ggml_vec_dot_q*``
-on x86: unsigned quants times signed int8 activations, adjacent pairs summed in 16 bits).
+"""Integer dot products of one 32-value sub-block of 16 interleaved weight rows with int16 activations,
+written as vector IR (``quant_subblock``'s decode products): unsigned quants times signed 16-bit
+activations, adjacent pairs of positions summed in 32 bits (``pmaddwd``). llama.cpp's ``ggml_vec_dot_q*``
+round the activations to int8 (``pmaddubsw``); at 16 bits the rounding (1/65534 of a block's largest
+activation) stays below float32 kernels' own differences in the logits, where 8 bits parted greedy
+decoding from the float32 model's on 4 of 6 recorded prompts of the default model's Q4_K_M file.
 
 Layout (``quant_subblock.repack_subblock``): a sub-block's 256 nibble bytes are 8 vectors of 32 bytes, one
 per pair of positions p: byte ``2 r + e`` of vector p holds position ``2 p + e`` of row r in its low nibble
 and position ``16 + 2 p + e`` in its high one. The high bits are 2 (5-bit) or 4 (6-bit) vectors of 32
 bytes in the same ``2 r + e`` order: 5-bit vector h has bit p = the fifth bit of position ``16 h + 2 p +
 e``; 6-bit vector t has bits ``2 k, 2 k + 1`` = the high bits of position ``16 h + 2 p + e`` with
-``8 h + p = 4 t + k``. The activations are int8 (``quantize_activation``), read as int16 pairs.
+``8 h + p = 4 t + k``. The activations are int16 (``quantize_activation``), read as int32 pairs.
 
-With a pair of positions adjacent in each row, one ``pmaddubsw`` (AVX2; a portable zext/sext multiply
-and pairwise add elsewhere) gives the 16 rows' sums of two products; two pairs are added in 16 bits
-(at most 2 * 2 * 63 * 127 < 2^15), then widened to 32.
+With a pair of positions adjacent in each row, the quants widened to 16 bits and one ``pmaddwd`` per 8
+rows (AVX2; a portable sext multiply and pairwise add elsewhere) give the rows' sums of two products in
+32 bits (at most 16 * 63 * 32767 < 2^31 over a half sub-block).
 """
 
 from __future__ import annotations
@@ -55,18 +58,29 @@ def _splat8(value: int):
     return ir.Constant(_V32B, [value & 0xFF] * 32)
 
 
-def _maddubs(builder, a, b):
-    """<16 x i16>: a[2i] * b[2i] + a[2i + 1] * b[2i + 1], a unsigned and b signed bytes (no saturation is
-    reached with our ranges)."""
+_V8I = ir.VectorType(_I32, 8)
+
+
+def _pmaddwd(builder, a, b):
+    """<8 x i32>: a[2i] * b[2i] + a[2i + 1] * b[2i + 1] of <16 x i16> a and b (signed)."""
     if HAS_AVX2:
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16S, [_V32B, _V32B]), "llvm.x86.avx2.pmadd.ub.sw"
-        )
+        fnty = ir.FunctionType(_V8I, [_V16S, _V16S])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
         return builder.call(fn, [a, b])
-    prod = builder.mul(builder.zext(a, _V32S), builder.sext(b, _V32S))
-    even = builder.shuffle_vector(prod, ir.Constant(_V32S, None), ir.Constant(_V16I, list(range(0, 32, 2))))
-    odd = builder.shuffle_vector(prod, ir.Constant(_V32S, None), ir.Constant(_V16I, list(range(1, 32, 2))))
+    prod = builder.mul(builder.sext(a, _V16I), builder.sext(b, _V16I))
+    even = builder.shuffle_vector(prod, ir.Constant(_V16I, None), ir.Constant(_V8I, list(range(0, 16, 2))))
+    odd = builder.shuffle_vector(prod, ir.Constant(_V16I, None), ir.Constant(_V8I, list(range(1, 16, 2))))
     return builder.add(even, odd)
+
+
+def _dot_pairs(builder, q, xpair):
+    """<16 x i32>: for the 16 rows r, ``q[2 r] x0 + q[2 r + 1] x1`` (q: <32 x i8> unsigned quants, xpair:
+    <16 x i16> holding (x0, x1) eight times)."""
+    wide = builder.zext(q, _V32S)
+    lo = builder.shuffle_vector(wide, ir.Constant(_V32S, None), ir.Constant(_V16I, list(range(16))))
+    hi = builder.shuffle_vector(wide, ir.Constant(_V32S, None), ir.Constant(_V16I, list(range(16, 32))))
+    a, b = _pmaddwd(builder, lo, xpair), _pmaddwd(builder, hi, xpair)
+    return builder.shuffle_vector(a, b, ir.Constant(_V16I, list(range(16))))
 
 
 def _half_to_float16(builder, bits16):
@@ -85,15 +99,19 @@ def _splat32(value: int):
 BITS = {3: 5, 4: 5, 5: 4, 6: 5, 7: 6}
 
 
-def _make(fmt: int):
+def _make(fmt: int, nr: int):
     bits = BITS[fmt]
 
-    def typer(typingctx, qs, qs_off, qh, qh_off, xq16, x_off, scales, mins, sc_off, sub, sub_off, d, xs0, xs1, acc):
-        arrays = ((qs, types.uint8), (qh, types.uint8), (xq16, types.int16), (scales, types.uint16))
-        arrays += ((mins, types.uint16), (sub, types.uint8), (acc, types.float32))
+    def typer(
+        typingctx, qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
+        dx_stride, xs, xs_off, xs_stride, acc, acc_off,
+    ):  # fmt: skip
+        arrays = ((qs, types.uint8), (qh, types.uint8), (xq16, types.int32), (scales, types.uint16))
+        arrays += ((mins, types.uint16), (sub, types.uint8), (dx, types.float32), (xs, types.float32))
+        arrays += ((acc, types.float32),)
         ok = all(isinstance(a, types.Array) and a.dtype == t for a, t in arrays)
-        ok = ok and all(isinstance(t, types.Integer) for t in (qs_off, qh_off, x_off, sc_off, sub_off))
-        ok = ok and all(t == types.float32 for t in (d, xs0, xs1))
+        ints = (qs_off, qh_off, x_off, x_stride, sc_off, sub_off, dx_off, dx_stride, xs_off, xs_stride, acc_off)
+        ok = ok and all(isinstance(t, types.Integer) for t in ints)
         if not ok:
             return None
 
@@ -103,8 +121,12 @@ def _make(fmt: int):
                 base = builder.bitcast(data, elem.as_pointer())
                 return builder.gep(base, [context.cast(builder, args[off_i], sig.args[off_i], types.intp)])
 
+            def intp(i):
+                return context.cast(builder, args[i], sig.args[i], types.intp)
+
             qbase = ptr(0, 1, _I8)
-            xbase = ptr(4, 5, _I16)
+            xbase = ptr(4, 5, _I32)
+            x_stride_v = intp(6)
 
             def vec(base, i, vt=_V32B, step=32):
                 p = builder.gep(base, [ir.Constant(_I32, step * i)])
@@ -115,11 +137,13 @@ def _make(fmt: int):
                 hbase = ptr(2, 3, _I8)
                 high = [vec(hbase, i) for i in range(2 if bits == 5 else 4)]
 
-            def x_pair(i):
-                v = builder.load(builder.gep(xbase, [ir.Constant(_I32, i)]), align=2)
-                s = builder.insert_element(ir.Constant(_V16S, None), v, ir.Constant(_I32, 0))
-                s = builder.shuffle_vector(s, ir.Constant(_V16S, None), ir.Constant(_V16I, [0] * 16))
-                return builder.bitcast(s, _V32B)
+            row_x = [builder.gep(xbase, [builder.mul(x_stride_v, ir.Constant(x_stride_v.type, i))]) for i in range(nr)]
+
+            def x_pair(i, k):
+                v = builder.load(builder.gep(row_x[i], [ir.Constant(_I32, k)]), align=4)
+                s = builder.insert_element(ir.Constant(_V8I, None), v, ir.Constant(_I32, 0))
+                s = builder.shuffle_vector(s, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8))
+                return builder.bitcast(s, _V16S)
 
             def high_bits(h, p):
                 if bits == 5:
@@ -129,8 +153,8 @@ def _make(fmt: int):
                     b = builder.and_(builder.lshr(high[c // 4], _splat8(2 * (c % 4))), _splat8(3))
                 return builder.shl(b, _splat8(4))
 
-            acc = [ir.Constant(_V16I, [0] * 16), ir.Constant(_V16I, [0] * 16)]
-            pending = [None, None]
+            zero = ir.Constant(_V16I, [0] * 16)
+            acc = [[zero, zero] for _ in range(nr)]
             for p in range(8):
                 v = vec(qbase, p)
                 halves = [builder.and_(v, _splat8(15)), builder.lshr(v, _splat8(4))]
@@ -138,80 +162,88 @@ def _make(fmt: int):
                     q = halves[h]
                     if bits > 4:
                         q = builder.or_(q, high_bits(h, p))
-                    prod = _maddubs(builder, q, x_pair(8 * h + p))
-                    if pending[h] is None:
-                        pending[h] = prod
-                    else:
-                        acc[h] = builder.add(acc[h], builder.sext(builder.add(pending[h], prod), _V16I))
-                        pending[h] = None
+                    for i in range(nr):  # the quants once, against each row's activations
+                        acc[i][h] = builder.add(acc[i][h], _dot_pairs(builder, q, x_pair(i, 8 * h + p)))
 
             # the sub-block's coefficients for the 16 rows: a_h (scale of half h) and b_h (offset)
             v16h = ir.VectorType(_I16, 16)
             v16b = ir.VectorType(_I8, 16)
-            d_scale = _half_to_float16(builder, vec(ptr(6, 8, _I16), 0, v16h, 16))
+            d_scale = _half_to_float16(builder, vec(ptr(7, 9, _I16), 0, v16h, 16))
             if fmt == 3:
                 a = [d_scale, d_scale]
                 b = builder.fmul(d_scale, ir.Constant(_V16F, [-16.0] * 16))
                 off = [b, b]
             elif fmt == 4:
-                m = _half_to_float16(builder, vec(ptr(7, 8, _I16), 0, v16h, 16))
+                m = _half_to_float16(builder, vec(ptr(8, 9, _I16), 0, v16h, 16))
                 a, off = [d_scale, d_scale], [m, m]
             elif fmt == 7:
-                sbase = ptr(9, 10, _I8)
+                sbase = ptr(10, 11, _I8)
                 a = [builder.fmul(d_scale, builder.sitofp(vec(sbase, k, v16b, 16), _V16F)) for k in range(2)]
                 off = [builder.fmul(x, ir.Constant(_V16F, [-32.0] * 16)) for x in a]
             else:
-                sbase = ptr(9, 10, _I8)
-                dmin = _half_to_float16(builder, vec(ptr(7, 8, _I16), 0, v16h, 16))
+                sbase = ptr(10, 11, _I8)
+                dmin = _half_to_float16(builder, vec(ptr(8, 9, _I16), 0, v16h, 16))
                 sc = builder.fmul(d_scale, builder.uitofp(vec(sbase, 0, v16b, 16), _V16F))
                 mn = builder.fmul(dmin, builder.uitofp(vec(sbase, 1, v16b, 16), _V16F))
                 neg = builder.fsub(ir.Constant(_V16F, [0.0] * 16), mn)
                 a, off = [sc, sc], [neg, neg]
 
-            d_v, xs0_v, xs1_v = args[11], args[12], args[13]
-            accp = builder.bitcast(
-                context.make_array(sig.args[14])(context, builder, args[14]).data, _V16F.as_pointer()
-            )
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fmuladd.v16f32"
             )
-            dots = [builder.fmul(builder.sitofp(x, _V16F), _splatf(builder, d_v)) for x in acc]
-            total = builder.load(accp, align=4)
-            total = builder.call(fma, [off[0], _splatf(builder, xs0_v), total])
-            total = builder.call(fma, [off[1], _splatf(builder, xs1_v), total])
-            total = builder.call(fma, [a[0], dots[0], total])
-            total = builder.call(fma, [a[1], dots[1], total])
-            builder.store(total, accp, align=4)
+            dxp, xsp, accb = ptr(12, 13, _F32), ptr(15, 16, _F32), ptr(18, 19, _F32)
+            dx_stride_v, xs_stride_v = intp(14), intp(17)
+            for i in range(nr):
+                ci = ir.Constant(dx_stride_v.type, i)
+                d_v = builder.load(builder.gep(dxp, [builder.mul(dx_stride_v, ci)]))
+                xsi = builder.gep(xsp, [builder.mul(xs_stride_v, ci)])
+                xs0_v = builder.load(xsi)
+                xs1_v = builder.load(builder.gep(xsi, [ir.Constant(_I32, 1)]))
+                accp = builder.bitcast(builder.gep(accb, [ir.Constant(_I32, 16 * i)]), _V16F.as_pointer())
+                dots = [builder.fmul(builder.sitofp(x, _V16F), _splatf(builder, d_v)) for x in acc[i]]
+                total = builder.load(accp, align=4)
+                total = builder.call(fma, [off[0], _splatf(builder, xs0_v), total])
+                total = builder.call(fma, [off[1], _splatf(builder, xs1_v), total])
+                total = builder.call(fma, [a[0], dots[0], total])
+                total = builder.call(fma, [a[1], dots[1], total])
+                builder.store(total, accp, align=4)
             return context.get_dummy_value()
 
-        sig = types.void(qs, qs_off, qh, qh_off, xq16, x_off, scales, mins, sc_off, sub, sub_off, d, xs0, xs1, acc)
+        sig = types.void(
+            qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
+            dx_stride, xs, xs_off, xs_stride, acc, acc_off,
+        )  # fmt: skip
         return sig, codegen
 
-    typer.__name__ = f"dot_i8_fmt{fmt}"
+    typer.__name__ = f"dot_fmt{fmt}_rows{nr}"
     return intrinsic(typer)
 
 
-#: ``dot_q5_0(qs, qs_offset, qh, qh_offset, xq16, x_offset, scales, mins, sc_offset, sub, sub_offset, d, xs0,
-#: xs1, acc)`` and its siblings, one per format (``quant_subblock``'s codes): with ``idot_h[r]`` (int32) the
-#: sum over positions ``16 h .. 16 h + 15`` of row r's quant times the int8 activation (the sub-block whose
-#: nibbles start at byte ``qs_offset`` of ``qs`` and high bits at ``qh_offset`` of ``qh``, unread for 4 bits;
-#: activations the int16 pairs ``xq16[x_offset : x_offset + 16]``), adds ``d * (a_0[r] idot_0[r] + a_1[r]
-#: idot_1[r]) + b_0[r] xs0 + b_1[r] xs1`` to ``acc[r]`` for r < 16, the coefficients (``quant_subblock``'s
-#: ``_coeffs``) computed from the 16 rows' fp16 ``scales``/``mins`` at element ``sc_offset`` and their
-#: sub-block bytes ``sub`` at byte ``sub_offset``. No bounds checks.
-dot_q5_0 = _make(3)
-dot_q5_1 = _make(4)
-dot_q4_k = _make(5)
-dot_q5_k = _make(6)
-dot_q6_k = _make(7)
+#: ``dot_q5_0(qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
+#: dx_stride, xs, xs_off, xs_stride, acc, acc_off)`` and its siblings, one per format (``quant_subblock``'s
+#: codes), for one activation row (``dot_*``) or four (``dot4_*``): with ``idot_h[r]`` (int32) the sum over
+#: positions ``16 h .. 16 h + 15`` of weight row r's quant times activation row i's int16 values (the
+#: sub-block whose nibbles start at byte ``qs_off`` of ``qs`` and high bits at ``qh_off`` of ``qh``, unread
+#: for 4 bits; row i's pairs of int16 activations, as int32, at ``xq16[x_off + i x_stride ..][:16]``),
+#: adds ``d_i (a_0[r] idot_0[r] + a_1[r] idot_1[r]) + b_0[r] xs_i0 + b_1[r] xs_i1`` to
+#: ``acc[acc_off + 16 i + r]`` for r < 16, with ``d_i = dx[dx_off + i dx_stride]``, ``xs_ih = xs[xs_off +
+#: i xs_stride + h]`` and the coefficients (``quant_subblock._coeffs``) computed from the 16 weight rows'
+#: fp16 ``scales``/``mins`` at element ``sc_off`` and their sub-block bytes ``sub`` at byte ``sub_off``.
+#: The quants are expanded once for all the activation rows. No bounds checks.
+dot_q5_0, dot_q5_1, dot_q4_k, dot_q5_k, dot_q6_k = (_make(fmt, 1) for fmt in (3, 4, 5, 6, 7))
+dot4_q5_0, dot4_q5_1, dot4_q4_k, dot4_q5_k, dot4_q6_k = (_make(fmt, 4) for fmt in (3, 4, 5, 6, 7))
+
+
+#: the activations' integer range: ``quantize_activation`` maps a block's largest |x| to this
+QMAX = 32767
 
 
 @nb.njit(**JIT)
 def quantize_activation(x, xq, dx, xs):
-    """Per 32-value block s of float32 ``x [K]``: ``dx[s] = max |x| / 127``, ``xq[s, j] = round(x / dx)``
-    (int8; zeros where the block is zero), and ``xs[s, h]`` = the float32 sums of each 16-value half
-    (for the formats' offsets, which take the unrounded activations), as llama.cpp's ``quantize_row_q8_0``
-    prepares activations for its integer dot products."""
+    """Per 32-value block s of float32 ``x [K]``: ``dx[s] = max |x| / QMAX``, ``xq[s, j] = round(x / dx)``
+    (int16; zeros where the block is zero), and ``xs[s, h]`` = the float32 sums of each 16-value half
+    (for the formats' offsets, which take the unrounded activations): llama.cpp's ``quantize_row_q8_0``
+    at 16 bits."""
     nsub = dx.shape[0]
     for s in range(nsub):
         amax = np.float32(0.0)
@@ -224,11 +256,11 @@ def quantize_activation(x, xq, dx, xs):
             amax = max(amax, abs(x[s * 32 + j]))
         xs[s, 0] = a
         xs[s, 1] = b
-        d = amax / np.float32(127.0)
+        d = amax / np.float32(QMAX)
         dx[s] = d
         inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
         for j in range(32):
-            xq[s, j] = np.int8(np.floor(x[s * 32 + j] * inv + np.float32(0.5)))
+            xq[s, j] = np.int16(np.floor(x[s * 32 + j] * inv + np.float32(0.5)))
 
 
 def _make_rows(bits: int):
