@@ -70,35 +70,6 @@ def make_q4_k_m(llama_quantize: Path) -> Path:
     return dest
 
 
-def resident_bytes(model) -> tuple:
-    """(bytes of every weight array the model holds, shapes of float32 2-D arrays among them)."""
-    import numpy as np
-
-    seen, total, dense = set(), 0, []
-
-    def visit(x):
-        nonlocal total
-        if x is None or id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, np.ndarray):
-            total += x.nbytes
-            if x.ndim == 2 and x.dtype == np.float32:
-                dense.append(x.shape)
-        elif hasattr(x, "parts"):
-            for p in x.parts:
-                visit(p)
-        elif hasattr(x, "qtype"):
-            total += x.nbytes
-
-    for layer in model.layers:
-        for v in layer.values():
-            visit(v)
-    for name in ("embed_tokens", "lm_head", "norm"):
-        visit(getattr(model, name, None))
-    return total, dense
-
-
 def check(path: Path) -> dict:
     import collections
 
@@ -106,6 +77,7 @@ def check(path: Path) -> dict:
 
     from rawpaged import LLM, SamplingParams
     from rawpaged import weights as rp_weights
+    from rawpaged.testing.quant_blocks import weight_bytes
     from rawpaged.tools.check_cuda_engine import NEAR_TIE_RELATIVE, classify_divergences
 
     refs = json.loads((ROOT / "tests" / "fixtures" / "reference_greedy.json").read_text())["prompts"]
@@ -115,7 +87,7 @@ def check(path: Path) -> dict:
     file_tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     native = LLM(model=str(path), device="cpu", num_kv_blocks=256, max_model_len=1024)
-    resident, dense = resident_bytes(native.engine.model)
+    resident, dense = weight_bytes(native.engine.model)
 
     def greedy(llm, batched):
         if batched:

@@ -180,6 +180,19 @@ class QuantizedTensor:
         )
 
 
+def runs_of_one_format(parts: list) -> list:
+    """``parts`` (anything with a ``qtype``) as lists of adjacent parts of one format, in order: what a
+    fused projection of mixed formats concatenates before repacking (Q4_K query and key rows together,
+    a Q6_K value beside them)."""
+    runs: list = []
+    for p in parts:
+        if runs and runs[-1][-1].qtype == p.qtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
 def _quantize_q8_0(w: np.ndarray) -> np.ndarray:
     """GGUF Q8_0 bytes uint8 ``[rows, cols / 32 * 34]`` of float32 ``w [rows, cols]``."""
     rows, cols = w.shape

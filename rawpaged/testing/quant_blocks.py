@@ -33,3 +33,31 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator, sc
         f = (scale * magnitude * rng.uniform(0.5, 1.0, (rows, nblk))).astype(np.float16)
         data[:, :, offset : offset + 2] = f.view(np.uint8).reshape(rows, nblk, 2)
     return data.reshape(rows, nblk * size)
+
+
+def weight_bytes(model) -> tuple:
+    """(bytes of every weight a model holds, shapes of its float32 2-D arrays): what a check that no
+    float32 copy of a quantized weight is made counts (a tied embedding and LM head once)."""
+    seen, total, dense = set(), 0, []
+
+    def visit(x):
+        nonlocal total
+        if x is None or id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, np.ndarray):
+            total += x.nbytes
+            if x.ndim == 2 and x.dtype == np.float32:
+                dense.append(x.shape)
+        elif hasattr(x, "parts"):
+            for p in x.parts:
+                visit(p)
+        elif hasattr(x, "qtype"):
+            total += x.nbytes
+
+    for layer in model.layers:
+        for v in layer.values():
+            visit(v)
+    for name in ("embed_tokens", "lm_head", "norm"):
+        visit(getattr(model, name, None))
+    return total, dense

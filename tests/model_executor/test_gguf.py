@@ -237,36 +237,6 @@ def _write_kquant_gguf(path, seed=0):
     return total
 
 
-def _resident_bytes(model) -> tuple:
-    """(bytes of every weight array the model holds, the float32 2-D arrays among them)."""
-    seen, total, dense = set(), 0, []
-
-    def visit(x):
-        nonlocal total
-        if x is None or id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, np.ndarray):
-            total += x.nbytes
-            if x.ndim == 2 and x.dtype == np.float32:
-                dense.append(x.shape)
-        elif hasattr(x, "parts"):
-            for p in x.parts:
-                visit(p)
-        elif hasattr(x, "qtype"):
-            for plane in (x.qs, x.qh, x.scales, x.mins, x.sub):
-                if plane is not None and id(plane) not in seen:
-                    seen.add(id(plane))
-                    total += plane.nbytes
-
-    for layer in model.layers:
-        for v in layer.values():
-            visit(v)
-    for name in ("embed_tokens", "lm_head", "norm"):
-        visit(getattr(model, name, None))
-    return total, dense
-
-
 def test_kquant_mix_computes_on_its_blocks_and_matches_its_dequantized_float32_model(tmp_path):
     """Q4_K/Q5_K/Q6_K/Q5_0/Q5_1 (and Q8_0) in one model, mixed inside fused projections: no float32 copy of
     any weight (bytes resident within 3% of the file's tensor bytes: the K types' 6-bit scales decoded to
@@ -282,7 +252,9 @@ def test_kquant_mix_computes_on_its_blocks_and_matches_its_dequantized_float32_m
     assert model.layers[1]["qkv_proj"].qtype == "Q5_0+Q5_1+Q8_0"
     assert model.layers[1]["gate_up_proj"].qtype == "Q5_K" and model.layers[0]["down_proj"].qtype == "Q6_K"
     assert model.embed_tokens.qtype == "Q6_K" and model.lm_head is model.embed_tokens
-    resident, dense = _resident_bytes(model)
+    from rawpaged.testing.quant_blocks import weight_bytes
+
+    resident, dense = weight_bytes(model)
     assert dense == [], f"float32 copies of 2-D weights: {dense}"
     assert file_bytes <= resident <= 1.03 * file_bytes + 4 * K_HIDDEN * 8, (resident, file_bytes)
     assert native.engine.runner.fused_decode.supported, "the mix runs in the one-call decode step"

@@ -99,11 +99,9 @@ def _splat32(value: int):
 BITS = {3: 5, 4: 5, 5: 4, 6: 5, 7: 6}
 
 
-def _make(fmt: int, nr: int):
-    bits = BITS[fmt]
-
+def _make(nr: int):
     def typer(
-        typingctx, qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
+        typingctx, fmt, qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
         dx_stride, xs, xs_off, xs_stride, acc, acc_off,
     ):  # fmt: skip
         arrays = ((qs, types.uint8), (qh, types.uint8), (xq16, types.int32), (scales, types.uint16))
@@ -111,11 +109,15 @@ def _make(fmt: int, nr: int):
         arrays += ((acc, types.float32),)
         ok = all(isinstance(a, types.Array) and a.dtype == t for a, t in arrays)
         ints = (qs_off, qh_off, x_off, x_stride, sc_off, sub_off, dx_off, dx_stride, xs_off, xs_stride, acc_off)
-        ok = ok and all(isinstance(t, types.Integer) for t in ints)
+        ok = ok and all(isinstance(t, types.Integer) for t in ints + (fmt,))
         if not ok:
             return None
 
-        def codegen(context, builder, sig, args):
+        def codegen(context, builder, sig, all_args):
+            fmt_v = context.cast(builder, all_args[0], sig.args[0], types.int64)
+            sig = types.void(*sig.args[1:])
+            args = all_args[1:]
+
             def ptr(i, off_i, elem):
                 data = context.make_array(sig.args[i])(context, builder, args[i]).data
                 base = builder.bitcast(data, elem.as_pointer())
@@ -124,114 +126,128 @@ def _make(fmt: int, nr: int):
             def intp(i):
                 return context.cast(builder, args[i], sig.args[i], types.intp)
 
-            qbase = ptr(0, 1, _I8)
-            xbase = ptr(4, 5, _I32)
-            x_stride_v = intp(6)
+            def emit(fmt):
+                bits = BITS[fmt]
+                qbase = ptr(0, 1, _I8)
+                xbase = ptr(4, 5, _I32)
+                x_stride_v = intp(6)
 
-            def vec(base, i, vt=_V32B, step=32):
-                p = builder.gep(base, [ir.Constant(_I32, step * i)])
-                return builder.load(builder.bitcast(p, vt.as_pointer()), align=1)
+                def vec(base, i, vt=_V32B, step=32):
+                    p = builder.gep(base, [ir.Constant(_I32, step * i)])
+                    return builder.load(builder.bitcast(p, vt.as_pointer()), align=1)
 
-            high = []
-            if bits > 4:
-                hbase = ptr(2, 3, _I8)
-                high = [vec(hbase, i) for i in range(2 if bits == 5 else 4)]
+                high = []
+                if bits > 4:
+                    hbase = ptr(2, 3, _I8)
+                    high = [vec(hbase, i) for i in range(2 if bits == 5 else 4)]
 
-            row_x = [builder.gep(xbase, [builder.mul(x_stride_v, ir.Constant(x_stride_v.type, i))]) for i in range(nr)]
+                row_x = [
+                    builder.gep(xbase, [builder.mul(x_stride_v, ir.Constant(x_stride_v.type, i))]) for i in range(nr)
+                ]
 
-            def x_pair(i, k):
-                v = builder.load(builder.gep(row_x[i], [ir.Constant(_I32, k)]), align=4)
-                s = builder.insert_element(ir.Constant(_V8I, None), v, ir.Constant(_I32, 0))
-                s = builder.shuffle_vector(s, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8))
-                return builder.bitcast(s, _V16S)
+                def x_pair(i, k):
+                    v = builder.load(builder.gep(row_x[i], [ir.Constant(_I32, k)]), align=4)
+                    s = builder.insert_element(ir.Constant(_V8I, None), v, ir.Constant(_I32, 0))
+                    s = builder.shuffle_vector(s, ir.Constant(_V8I, None), ir.Constant(_V8I, [0] * 8))
+                    return builder.bitcast(s, _V16S)
 
-            def high_bits(h, p):
-                if bits == 5:
-                    b = builder.and_(builder.lshr(high[h], _splat8(p)), _splat8(1))
+                def high_bits(h, p):
+                    if bits == 5:
+                        b = builder.and_(builder.lshr(high[h], _splat8(p)), _splat8(1))
+                    else:
+                        c = 8 * h + p
+                        b = builder.and_(builder.lshr(high[c // 4], _splat8(2 * (c % 4))), _splat8(3))
+                    return builder.shl(b, _splat8(4))
+
+                zero = ir.Constant(_V16I, [0] * 16)
+                acc = [[zero, zero] for _ in range(nr)]
+                for p in range(8):
+                    v = vec(qbase, p)
+                    halves = [builder.and_(v, _splat8(15)), builder.lshr(v, _splat8(4))]
+                    for h in range(2):
+                        q = halves[h]
+                        if bits > 4:
+                            q = builder.or_(q, high_bits(h, p))
+                        for i in range(nr):  # the quants once, against each row's activations
+                            acc[i][h] = builder.add(acc[i][h], _dot_pairs(builder, q, x_pair(i, 8 * h + p)))
+
+                # the sub-block's coefficients for the 16 rows: a_h (scale of half h) and b_h (offset)
+                v16h = ir.VectorType(_I16, 16)
+                v16b = ir.VectorType(_I8, 16)
+                d_scale = _half_to_float16(builder, vec(ptr(7, 9, _I16), 0, v16h, 16))
+                if fmt == 3:
+                    a = [d_scale, d_scale]
+                    b = builder.fmul(d_scale, ir.Constant(_V16F, [-16.0] * 16))
+                    off = [b, b]
+                elif fmt == 4:
+                    m = _half_to_float16(builder, vec(ptr(8, 9, _I16), 0, v16h, 16))
+                    a, off = [d_scale, d_scale], [m, m]
+                elif fmt == 7:
+                    sbase = ptr(10, 11, _I8)
+                    a = [builder.fmul(d_scale, builder.sitofp(vec(sbase, k, v16b, 16), _V16F)) for k in range(2)]
+                    off = [builder.fmul(x, ir.Constant(_V16F, [-32.0] * 16)) for x in a]
                 else:
-                    c = 8 * h + p
-                    b = builder.and_(builder.lshr(high[c // 4], _splat8(2 * (c % 4))), _splat8(3))
-                return builder.shl(b, _splat8(4))
+                    sbase = ptr(10, 11, _I8)
+                    dmin = _half_to_float16(builder, vec(ptr(8, 9, _I16), 0, v16h, 16))
+                    sc = builder.fmul(d_scale, builder.uitofp(vec(sbase, 0, v16b, 16), _V16F))
+                    mn = builder.fmul(dmin, builder.uitofp(vec(sbase, 1, v16b, 16), _V16F))
+                    neg = builder.fsub(ir.Constant(_V16F, [0.0] * 16), mn)
+                    a, off = [sc, sc], [neg, neg]
 
-            zero = ir.Constant(_V16I, [0] * 16)
-            acc = [[zero, zero] for _ in range(nr)]
-            for p in range(8):
-                v = vec(qbase, p)
-                halves = [builder.and_(v, _splat8(15)), builder.lshr(v, _splat8(4))]
-                for h in range(2):
-                    q = halves[h]
-                    if bits > 4:
-                        q = builder.or_(q, high_bits(h, p))
-                    for i in range(nr):  # the quants once, against each row's activations
-                        acc[i][h] = builder.add(acc[i][h], _dot_pairs(builder, q, x_pair(i, 8 * h + p)))
+                fma = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fmuladd.v16f32"
+                )
+                dxp, xsp, accb = ptr(12, 13, _F32), ptr(15, 16, _F32), ptr(18, 19, _F32)
+                dx_stride_v, xs_stride_v = intp(14), intp(17)
+                for i in range(nr):
+                    ci = ir.Constant(dx_stride_v.type, i)
+                    d_v = builder.load(builder.gep(dxp, [builder.mul(dx_stride_v, ci)]))
+                    xsi = builder.gep(xsp, [builder.mul(xs_stride_v, ci)])
+                    xs0_v = builder.load(xsi)
+                    xs1_v = builder.load(builder.gep(xsi, [ir.Constant(_I32, 1)]))
+                    accp = builder.bitcast(builder.gep(accb, [ir.Constant(_I32, 16 * i)]), _V16F.as_pointer())
+                    dots = [builder.fmul(builder.sitofp(x, _V16F), _splatf(builder, d_v)) for x in acc[i]]
+                    total = builder.load(accp, align=4)
+                    total = builder.call(fma, [off[0], _splatf(builder, xs0_v), total])
+                    total = builder.call(fma, [off[1], _splatf(builder, xs1_v), total])
+                    total = builder.call(fma, [a[0], dots[0], total])
+                    total = builder.call(fma, [a[1], dots[1], total])
+                    builder.store(total, accp, align=4)
 
-            # the sub-block's coefficients for the 16 rows: a_h (scale of half h) and b_h (offset)
-            v16h = ir.VectorType(_I16, 16)
-            v16b = ir.VectorType(_I8, 16)
-            d_scale = _half_to_float16(builder, vec(ptr(7, 9, _I16), 0, v16h, 16))
-            if fmt == 3:
-                a = [d_scale, d_scale]
-                b = builder.fmul(d_scale, ir.Constant(_V16F, [-16.0] * 16))
-                off = [b, b]
-            elif fmt == 4:
-                m = _half_to_float16(builder, vec(ptr(8, 9, _I16), 0, v16h, 16))
-                a, off = [d_scale, d_scale], [m, m]
-            elif fmt == 7:
-                sbase = ptr(10, 11, _I8)
-                a = [builder.fmul(d_scale, builder.sitofp(vec(sbase, k, v16b, 16), _V16F)) for k in range(2)]
-                off = [builder.fmul(x, ir.Constant(_V16F, [-32.0] * 16)) for x in a]
-            else:
-                sbase = ptr(10, 11, _I8)
-                dmin = _half_to_float16(builder, vec(ptr(8, 9, _I16), 0, v16h, 16))
-                sc = builder.fmul(d_scale, builder.uitofp(vec(sbase, 0, v16b, 16), _V16F))
-                mn = builder.fmul(dmin, builder.uitofp(vec(sbase, 1, v16b, 16), _V16F))
-                neg = builder.fsub(ir.Constant(_V16F, [0.0] * 16), mn)
-                a, off = [sc, sc], [neg, neg]
-
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fmuladd.v16f32"
-            )
-            dxp, xsp, accb = ptr(12, 13, _F32), ptr(15, 16, _F32), ptr(18, 19, _F32)
-            dx_stride_v, xs_stride_v = intp(14), intp(17)
-            for i in range(nr):
-                ci = ir.Constant(dx_stride_v.type, i)
-                d_v = builder.load(builder.gep(dxp, [builder.mul(dx_stride_v, ci)]))
-                xsi = builder.gep(xsp, [builder.mul(xs_stride_v, ci)])
-                xs0_v = builder.load(xsi)
-                xs1_v = builder.load(builder.gep(xsi, [ir.Constant(_I32, 1)]))
-                accp = builder.bitcast(builder.gep(accb, [ir.Constant(_I32, 16 * i)]), _V16F.as_pointer())
-                dots = [builder.fmul(builder.sitofp(x, _V16F), _splatf(builder, d_v)) for x in acc[i]]
-                total = builder.load(accp, align=4)
-                total = builder.call(fma, [off[0], _splatf(builder, xs0_v), total])
-                total = builder.call(fma, [off[1], _splatf(builder, xs1_v), total])
-                total = builder.call(fma, [a[0], dots[0], total])
-                total = builder.call(fma, [a[1], dots[1], total])
-                builder.store(total, accp, align=4)
+            merge = builder.append_basic_block("dot.end")
+            switch = builder.switch(fmt_v, merge)
+            for f in BITS:
+                case = builder.append_basic_block(f"dot.fmt{f}")
+                switch.add_case(ir.Constant(ir.IntType(64), f), case)
+                builder.position_at_end(case)
+                emit(f)
+                builder.branch(merge)
+            builder.position_at_end(merge)
             return context.get_dummy_value()
 
         sig = types.void(
-            qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
+            fmt, qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
             dx_stride, xs, xs_off, xs_stride, acc, acc_off,
         )  # fmt: skip
         return sig, codegen
 
-    typer.__name__ = f"dot_fmt{fmt}_rows{nr}"
+    typer.__name__ = f"dot_rows{nr}"
     return intrinsic(typer)
 
 
-#: ``dot_q5_0(qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
-#: dx_stride, xs, xs_off, xs_stride, acc, acc_off)`` and its siblings, one per format (``quant_subblock``'s
-#: codes), for one activation row (``dot_*``) or four (``dot4_*``): with ``idot_h[r]`` (int32) the sum over
-#: positions ``16 h .. 16 h + 15`` of weight row r's quant times activation row i's int16 values (the
-#: sub-block whose nibbles start at byte ``qs_off`` of ``qs`` and high bits at ``qh_off`` of ``qh``, unread
-#: for 4 bits; row i's pairs of int16 activations, as int32, at ``xq16[x_off + i x_stride ..][:16]``),
-#: adds ``d_i (a_0[r] idot_0[r] + a_1[r] idot_1[r]) + b_0[r] xs_i0 + b_1[r] xs_i1`` to
-#: ``acc[acc_off + 16 i + r]`` for r < 16, with ``d_i = dx[dx_off + i dx_stride]``, ``xs_ih = xs[xs_off +
-#: i xs_stride + h]`` and the coefficients (``quant_subblock._coeffs``) computed from the 16 weight rows'
-#: fp16 ``scales``/``mins`` at element ``sc_off`` and their sub-block bytes ``sub`` at byte ``sub_off``.
-#: The quants are expanded once for all the activation rows. No bounds checks.
-dot_q5_0, dot_q5_1, dot_q4_k, dot_q5_k, dot_q6_k = (_make(fmt, 1) for fmt in (3, 4, 5, 6, 7))
-dot4_q5_0, dot4_q5_1, dot4_q4_k, dot4_q5_k, dot4_q6_k = (_make(fmt, 4) for fmt in (3, 4, 5, 6, 7))
+#: ``dot1(fmt, qs, qs_off, qh, qh_off, xq16, x_off, x_stride, scales, mins, sc_off, sub, sub_off, dx, dx_off,
+#: dx_stride, xs, xs_off, xs_stride, acc, acc_off)`` for one activation row and ``dot4(...)`` for four, the
+#: format given by its code (``quant_subblock``'s 3-7; a switch over the five compiled bodies): with
+#: ``idot_h[r]`` (int32) the sum over positions ``16 h .. 16 h + 15`` of weight row r's quant times
+#: activation row i's int16 values (the sub-block whose nibbles start at byte ``qs_off`` of ``qs`` and high
+#: bits at ``qh_off`` of ``qh``, unread for 4 bits; row i's pairs of int16 activations, as int32, at
+#: ``xq16[x_off + i x_stride ..][:16]``), adds ``d_i (a_0[r] idot_0[r] + a_1[r] idot_1[r]) + b_0[r] xs_i0 +
+#: b_1[r] xs_i1`` to ``acc[acc_off + 16 i + r]`` for r < 16, with ``d_i = dx[dx_off + i dx_stride]``,
+#: ``xs_ih = xs[xs_off + i xs_stride + h]`` and the coefficients (``quant_subblock._coeffs``) computed from
+#: the 16 weight rows' fp16 ``scales``/``mins`` at element ``sc_off`` and their sub-block bytes ``sub`` at
+#: byte ``sub_off``. The quants are expanded once for all the activation rows. No bounds checks.
+dot1 = _make(1)
+dot4 = _make(4)
 
 
 #: the activations' integer range: ``quantize_activation`` maps a block's largest |x| to this

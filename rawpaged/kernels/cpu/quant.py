@@ -52,6 +52,7 @@ from rawpaged.kernels.quantization import (
     QuantizedTensor,
     SubBlockPlanes,
     _pack_values,
+    runs_of_one_format,
     subblock_planes,
 )
 
@@ -107,11 +108,9 @@ class RepackedQuantized:
         rows, cols = q.shape
         nblk = cols // QK
         groups = -(-rows // R)
-        pad = ((0, groups * R - rows), (0, 0))
 
         def interleave(plane, inner):  # [rows, nblk * inner] -> [groups, nblk, inner, R]
-            p = np.pad(plane, pad).reshape(groups, R, nblk, inner)
-            return np.ascontiguousarray(p.transpose(0, 2, 3, 1))
+            return sb.interleave(plane.reshape(rows, nblk, inner), groups)
 
         qs = interleave(q.qs, q.qs.shape[1] // nblk)
         scales = interleave(q.scales, 1)[:, :, 0, :].copy()
@@ -172,13 +171,7 @@ class StackedQuantized:
     @classmethod
     def from_parts(cls, parts: list) -> StackedQuantized:
         """Adjacent parts of one format are concatenated first (one product each)."""
-        merged: list = []
-        for p in parts:
-            if merged and merged[-1][-1].qtype == p.qtype:
-                merged[-1].append(p)
-            else:
-                merged.append([p])
-        packed = tuple(repack(QuantizedTensor.concat(run)) for run in merged)
+        packed = tuple(repack(QuantizedTensor.concat(run)) for run in runs_of_one_format(parts))
         return cls(packed, (sum(p.shape[0] for p in packed), parts[0].shape[1]))
 
     @property

@@ -34,16 +34,8 @@ import numpy as np
 
 from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x3, _tile_4x6
 from rawpaged.kernels.cpu.int_dot import (
-    dot4_q4_k,
-    dot4_q5_0,
-    dot4_q5_1,
-    dot4_q5_k,
-    dot4_q6_k,
-    dot_q4_k,
-    dot_q5_0,
-    dot_q5_1,
-    dot_q5_k,
-    dot_q6_k,
+    dot1,
+    dot4,
     quantize_activation,
     sub_block_rows4,
     sub_block_rows5,
@@ -184,170 +176,6 @@ def _value(bits, qs, qh, g, s, j, r):
     return quant_bits(q, 4 * h, qh[g, s, c >> 2, col], 2 * (c & 3), 3)
 
 
-@nb.njit(inline="always")
-def _dot(
-    fmt,
-    nr,
-    qs,
-    off,
-    qh,
-    hoff,
-    xq16,
-    xo,
-    xstride,
-    scales,
-    mins,
-    so,
-    sub,
-    bo,
-    dx,
-    do,
-    dstride,
-    xs,
-    xso,
-    xsstride,
-    acc,
-    ao,
-):
-    """One sub-block of 16 weight rows against ``nr`` (1 or 4) activation rows (``int_dot``)."""
-    if nr == 1:
-        if fmt == 3:
-            dot_q5_0(
-                qs,
-                off,
-                qh,
-                hoff,
-                xq16,
-                xo,
-                xstride,
-                scales,
-                mins,
-                so,
-                sub,
-                bo,
-                dx,
-                do,
-                dstride,
-                xs,
-                xso,
-                xsstride,
-                acc,
-                ao,
-            )
-        elif fmt == 4:
-            dot_q5_1(
-                qs,
-                off,
-                qh,
-                hoff,
-                xq16,
-                xo,
-                xstride,
-                scales,
-                mins,
-                so,
-                sub,
-                bo,
-                dx,
-                do,
-                dstride,
-                xs,
-                xso,
-                xsstride,
-                acc,
-                ao,
-            )
-        elif fmt == 5:
-            dot_q4_k(
-                qs,
-                off,
-                qh,
-                hoff,
-                xq16,
-                xo,
-                xstride,
-                scales,
-                mins,
-                so,
-                sub,
-                bo,
-                dx,
-                do,
-                dstride,
-                xs,
-                xso,
-                xsstride,
-                acc,
-                ao,
-            )
-        elif fmt == 6:
-            dot_q5_k(
-                qs,
-                off,
-                qh,
-                hoff,
-                xq16,
-                xo,
-                xstride,
-                scales,
-                mins,
-                so,
-                sub,
-                bo,
-                dx,
-                do,
-                dstride,
-                xs,
-                xso,
-                xsstride,
-                acc,
-                ao,
-            )
-        else:
-            dot_q6_k(
-                qs,
-                off,
-                qh,
-                hoff,
-                xq16,
-                xo,
-                xstride,
-                scales,
-                mins,
-                so,
-                sub,
-                bo,
-                dx,
-                do,
-                dstride,
-                xs,
-                xso,
-                xsstride,
-                acc,
-                ao,
-            )
-    elif fmt == 3:
-        dot4_q5_0(
-            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
-        )
-    elif fmt == 4:
-        dot4_q5_1(
-            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
-        )
-    elif fmt == 5:
-        dot4_q4_k(
-            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
-        )
-    elif fmt == 6:
-        dot4_q5_k(
-            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
-        )
-    else:
-        dot4_q6_k(
-            qs, off, qh, hoff, xq16, xo, xstride, scales, mins, so, sub, bo, dx, do, dstride, xs, xso, xsstride, acc, ao
-        )
-
-
 #: up to this many x rows (a multiple of 4 from 4) the sub-block formats' products take int16 activations
 #: (``gemv``: the quants expanded once per sub-block for 4 rows at a time); above, dequantized tiles
 INT_MAX_ROWS = 8
@@ -391,11 +219,18 @@ def gemv(fmt, x, qs, qh, scales, mins, sub, out):
                 else:
                     so = (g * nscale + s // _SUBS_PER_SUPER) * R
                 bo = (g * nsub + s) * 2 * R
-                for m0 in range(0, M, nr):
-                    _dot(
-                        fmt, nr, qs, off, qh, hoff, xq16, m0 * xrow + s * 16, xrow, scales, mins, so, sub, bo,
-                        dxf, m0 * nsub + s, nsub, xsf, (m0 * nsub + s) * 2, nsub * 2, acc, m0 * R,
+                if nr == 1:
+                    dot1(
+                        fmt, qs, off, qh, hoff, xq16, s * 16, xrow, scales, mins, so, sub, bo, dxf, s, nsub, xsf,
+                        s * 2, 0, acc, 0,
                     )  # fmt: skip
+                else:
+                    for m0 in range(0, M, 4):
+                        xo, do, xso = m0 * xrow + s * 16, m0 * nsub + s, (m0 * nsub + s) * 2
+                        dot4(
+                            fmt, qs, off, qh, hoff, xq16, xo, xrow, scales, mins, so, sub, bo, dxf, do, nsub, xsf,
+                            xso, nsub * 2, acc, m0 * R,
+                        )  # fmt: skip
             for m in range(M):
                 for r in range(R):
                     n = g * R + r

@@ -12,7 +12,7 @@ import numpy as np
 from rawpaged.dtypes import FLOAT32, float_type, float_type_of
 from rawpaged.kernels.cuda.elementwise import convert
 from rawpaged.kernels.cuda.launch import MEMCPY_HOST_TO_DEVICE
-from rawpaged.kernels.quantization import QuantizedTensor
+from rawpaged.kernels.quantization import QuantizedTensor, runs_of_one_format
 
 
 @dataclass(frozen=True)
@@ -145,13 +145,7 @@ def load_linear(ctx, parts: list, dtype: str):
     different formats too (adjacent ones of a format concatenated, a :class:`DeviceStacked`); quantized
     parts beside float ones are dequantized."""
     if all(isinstance(p, QuantizedTensor) for p in parts):
-        runs: list = []
-        for p in parts:
-            if runs and runs[-1][-1].qtype == p.qtype:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        packed = tuple(upload_quantized(ctx, QuantizedTensor.concat(run), dtype) for run in runs)
+        packed = tuple(upload_quantized(ctx, QuantizedTensor.concat(run), dtype) for run in runs_of_one_format(parts))
         if len(packed) == 1:
             return packed[0]
         return DeviceStacked(packed, (sum(p.shape[0] for p in packed), parts[0].shape[1]), packed[0].dtype)
