@@ -24,7 +24,7 @@ LAYERS = {
     "weights": {"base", "face", "kernels", "model_executor"},  # the default model, above the loader
     "spec_decode": {"base", "face", "kernels", "core", "model_executor"},  # proposers, acceptance rule, draft model
     "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights", "spec_decode"},
-    "testing": {"base", "face"},
+    "testing": {"base", "face", "kernels"},  # random models, reference sampler, random quantized blocks
     "entrypoints": {
         "base",
         "face",

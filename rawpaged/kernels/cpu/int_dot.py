@@ -44,7 +44,7 @@ def _splatf(builder, value):
 
 def _host_has_avx2() -> bool:
     try:
-        import llvmlite.binding as llvm
+        import llvmlite.binding as llvm  # deferred: LLVM's host query, only to pick the AVX2 instruction
 
         return bool(llvm.get_host_cpu_features().get("avx2"))
     except Exception:  # no feature query on this platform: the portable form
