@@ -311,7 +311,8 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
         if isinstance(v, QuantizedTensor):
             kept[v.qtype] = kept.get(v.qtype, 0) + 1
     if kept:
-        logger.info("%s: computing on the blocks of %s", source, ", ".join(f"{n} {t}" for t, n in sorted(kept.items())))
+        counts = ", ".join(f"{n} {t}" for t, n in sorted(kept.items()))
+        logger.info("%s: weights kept in their GGUF blocks (no float32 copy): %s", source, counts)
     for qtype, (n, file_bytes, f32_bytes) in expanded.items():
         logger.warning(
             "%s: %d %s tensors are not computed natively (native: %s): dequantized to float32, %.1f MB in "
