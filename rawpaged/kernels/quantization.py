@@ -51,6 +51,8 @@ SUBBLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256
 NATIVE = tuple(FORMATS) + tuple(SUBBLOCK)
 #: bits per value of the sub-block formats
 SUBBLOCK_BITS = {"Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+#: the code each backend's kernels know a format by (CPU ``quant``, CUDA ``cuda/quant.cu``'s FMT)
+FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,18 @@ def _tile_4x1(x, w, out, m, n):
     out[m + 3, n] = a3
 
 
+@nb.njit(inline="always")
+def rows_tiles(x, w, out, col0):
+    """``out[:, col0 : col0 + n] = x [Mp, K] @ w [n, K].T`` (Mp a multiple of TILE_M, n of 6) in this host's
+    register tiles (``GEMM_TILE_N``): the quantized row products' step after dequantizing rows into ``w``."""
+    for m in range(0, x.shape[0], TILE_M):
+        for t in range(w.shape[0] // GEMM_TILE_N):
+            if GEMM_TILE_N == 6:
+                _tile_4x6(x, w, out, m, t * 6, col0 + t * 6)
+            else:
+                _tile_4x3(x, w, out, m, t * 3, col0 + t * 3)
+
+
 @nb.njit(parallel=True, **_JIT)
 def _gemm_nt(x, w, out):
     """out [Mp, N] = x [Mp, K] @ w [N, K].T, Mp a multiple of TILE_M; all C-contiguous float32."""

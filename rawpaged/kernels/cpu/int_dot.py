@@ -27,6 +27,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from rawpaged.kernels.cpu.jit import JIT
+from rawpaged.kernels.quantization import FORMAT_CODES, SUBBLOCK_BITS
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V32B = ir.VectorType(_I8, 32)
@@ -96,7 +97,8 @@ def _splat32(value: int):
     return ir.Constant(_V16I, [value] * 16)
 
 
-BITS = {3: 5, 4: 5, 5: 4, 6: 5, 7: 6}
+#: format code -> bits per quant, for the five formats these products take
+BITS = {FORMAT_CODES[name]: bits for name, bits in SUBBLOCK_BITS.items()}
 
 
 def _make(nr: int):

@@ -36,7 +36,7 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu import quant_subblock as sb
-from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x3, _tile_4x6, pad_rows
+from rawpaged.kernels.cpu.gemm import pad_rows, rows_tiles
 from rawpaged.kernels.cpu.intrinsics import (
     half_to_float,
     high_nibble,
@@ -46,7 +46,9 @@ from rawpaged.kernels.cpu.intrinsics import (
     q8_block_rows,
     signed_byte,
 )
+from rawpaged.kernels.cpu.quant_layout import CHUNKS, JIT, PREFETCH_BYTES, ROWS_PER_PASS, R, interleave
 from rawpaged.kernels.quantization import (
+    FORMAT_CODES,
     QK,
     SUBBLOCK,
     QuantizedTensor,
@@ -56,15 +58,7 @@ from rawpaged.kernels.quantization import (
     subblock_planes,
 )
 
-#: rows interleaved in a repacked weight: one 512-bit vector of float32
-R = 16
-#: fast-math without ``reassoc``: the kernels' vectors run across rows (no reductions to reassociate),
-#: and reassociation would let LLVM fold the independent running sums back into one dependency chain
-_FAST = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
-_JIT = dict(cache=True, nogil=True, fastmath=_FAST)
-#: the products' groups are split into this many chunks (or fewer), each with its own scratch, which
-#: numba's prange deals out to the threads: enough to balance dozens of threads.
-CHUNKS = 128
+_JIT = JIT
 #: up to this many x rows (from 2) a product dequantizes 48 weight rows at a time into a row-major
 #: scratch and multiplies them in ``gemm``'s register tiles (``_gemm_rows``); above, tiles go
 #: through SGEMM (and no OpenBLAS threads are left spinning against the Numba kernels around it, as
@@ -75,9 +69,7 @@ ROWS_MAX_BATCH = 256
 #: float32 bytes of one dequantized tile: whole weights of the default model's layers fit in one, so a
 #: product is one dequantization and one SGEMM (the 49152-row head takes 14).
 TILE_BYTES = 8 << 20
-#: how far ahead of the block being computed the GEMVs prefetch (bytes; 2-8 KiB measured alike)
-PREFETCH_BYTES = 4096
-_FMT = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, **sb.CODES}
+_FMT = FORMAT_CODES
 
 
 @dataclass(frozen=True)
@@ -109,12 +101,12 @@ class RepackedQuantized:
         nblk = cols // QK
         groups = -(-rows // R)
 
-        def interleave(plane, inner):  # [rows, nblk * inner] -> [groups, nblk, inner, R]
-            return sb.interleave(plane.reshape(rows, nblk, inner), groups)
+        def by_block(plane, inner):  # [rows, nblk * inner] -> [groups, nblk, inner, R]
+            return interleave(plane.reshape(rows, nblk, inner), groups)
 
-        qs = interleave(q.qs, q.qs.shape[1] // nblk)
-        scales = interleave(q.scales, 1)[:, :, 0, :].copy()
-        mins = interleave(q.mins, 1)[:, :, 0, :].copy() if q.mins is not None else None
+        qs = by_block(q.qs, q.qs.shape[1] // nblk)
+        scales = by_block(q.scales, 1)[:, :, 0, :].copy()
+        mins = by_block(q.mins, 1)[:, :, 0, :].copy() if q.mins is not None else None
         return cls(q.qtype, (rows, cols), qs, scales, mins)
 
     @property
@@ -306,10 +298,6 @@ def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
                 w[16 + j, col + r] = dm[0, r] * high_nibble(q) + dm[1, r]
 
 
-#: weight rows one tile pass of ``_gemm_rows`` dequantizes: 3 groups, 8 of ``gemm``'s 4 x 6 tiles
-ROWS_PER_PASS = 3 * R
-
-
 @nb.njit(parallel=True, **_JIT)
 def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
@@ -318,7 +306,6 @@ def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
     ``gemm``'s 4 x 6 tiles (rows past the weight's groups are zero). ``max_chunks``: passes are split
     into at most this many chunks, each with its own 110 KB scratch (at K = 576), so it is sized to the
     threads, not to CHUNKS."""
-    Mp = x.shape[0]
     groups, nblk, L = qs.shape[0], qs.shape[1], qs.shape[2]
     K = nblk * QK
     gpp = ROWS_PER_PASS // R
@@ -341,12 +328,7 @@ def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
                         q8_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
                     else:
                         q4_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
-            for m in range(0, Mp, TILE_M):
-                for t in range(ROWS_PER_PASS // GEMM_TILE_N):
-                    if GEMM_TILE_N == 6:
-                        _tile_4x6(x, w, out, m, t * 6, p * ROWS_PER_PASS + t * 6)
-                    else:
-                        _tile_4x3(x, w, out, m, t * 3, p * ROWS_PER_PASS + t * 3)
+            rows_tiles(x, w, out, p * ROWS_PER_PASS)
 
 
 @nb.njit(**_JIT)  # serial: a parallel region right after SGEMM fights OpenBLAS's spinning threads (~7 ms)

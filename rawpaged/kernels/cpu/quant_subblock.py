@@ -1,9 +1,10 @@
 """CPU (Numba) products with the 5-bit formats and the K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), computed
 on their 32-value sub-blocks (``quantization.SubBlockPlanes``) without a float32 copy of the weight.
 
-Layout: as ``quant``'s other formats, ``R`` = 16 rows interleaved (``repack_subblock``): for group g of 16
-rows and sub-block s, ``qs[g, s, p, 2 r + e]`` holds nibble byte ``2 p + e`` of row r (positions ``2 p + e``
-and ``16 + 2 p + e``: adjacent positions of a row are adjacent bytes, for ``int_dot``'s pairwise products),
+Layout: as ``quant``'s other formats, ``quant_layout.R`` = 16 rows interleaved (``repack_subblock``): for
+group g of 16 rows and sub-block s, ``qs[g, s, p, 2 r + e]`` holds nibble byte ``2 p + e`` of row r
+(positions ``2 p + e`` and ``16 + 2 p + e``: adjacent positions of a row are adjacent bytes, for
+``int_dot``'s pairwise products),
 ``qh[g, s]`` their high bits (``int_dot`` spells out the bit order), ``sub[g, s, :, :]`` their 6-bit
 (Q4_K, Q5_K) or int8 (Q6_K) sub-block scales, and ``scales``/``mins`` their fp16 d and m (per sub-block) or
 d and dmin (per 256-value super-block). Decoding the packed 6-bit scales of Q4_K/Q5_K into one byte each
@@ -24,7 +25,7 @@ four coefficients of 16 rows at once), so the products are:
 - many rows (prefill): the transposed weight dequantized a tile at a time into float32, then SGEMM
   (``quant.quant_linear`` drives the tiles).
 
-Format codes (``quant._FMT``): 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K.
+Format codes (``quantization.FORMAT_CODES``): 3 Q5_0, 4 Q5_1, 5 Q4_K, 6 Q5_K, 7 Q6_K.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x3, _tile_4x6
+from rawpaged.kernels.cpu.gemm import rows_tiles
 from rawpaged.kernels.cpu.int_dot import (
     dot1,
     dot4,
@@ -42,24 +43,11 @@ from rawpaged.kernels.cpu.int_dot import (
     sub_block_rows6,
 )
 from rawpaged.kernels.cpu.intrinsics import half_to_float, prefetch, quant_bits, signed_byte
+from rawpaged.kernels.cpu.quant_layout import CHUNKS, JIT, PREFETCH_BYTES, ROWS_PER_PASS, R, interleave
 from rawpaged.kernels.quantization import QK, QK_K, SUBBLOCK_BITS, SubBlockPlanes
 
-R = 16
-_FAST = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}
-_JIT = dict(cache=True, nogil=True, fastmath=_FAST)
-CHUNKS = 128
-PREFETCH_BYTES = 4096
-ROWS_PER_PASS = 3 * R
-#: format name -> code; the codes continue ``quant``'s 0-2
-CODES = {"Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+_JIT = JIT
 _SUBS_PER_SUPER = QK_K // QK
-
-
-def interleave(plane: np.ndarray, groups: int) -> np.ndarray:
-    """``[rows, n, inner]`` -> ``[groups, n, inner, R]`` (rows padded with zeros to ``groups * R``)."""
-    rows = plane.shape[0]
-    p = np.pad(plane, ((0, groups * R - rows),) + ((0, 0),) * (plane.ndim - 1))
-    return np.ascontiguousarray(p.reshape(groups, R, *plane.shape[1:]).transpose(0, 2, 3, 1))
 
 
 def repack_subblock(planes: SubBlockPlanes) -> dict:
@@ -80,7 +68,7 @@ def repack_subblock(planes: SubBlockPlanes) -> dict:
         )
 
     qs = pairs(planes.qs.reshape(rows, nsub, 8, 2))
-    bits = planes.qh.shape[2] * 8 // QK + 4
+    bits = SUBBLOCK_BITS[planes.qtype]
     if bits == 4:
         qh = np.zeros((groups, nsub, 0, 2 * R), np.uint8)
     else:
@@ -122,9 +110,10 @@ def unpack_values(qs: np.ndarray, qh: np.ndarray, rows: int) -> np.ndarray:
     return np.ascontiguousarray(v.reshape(rows, nsub, QK), dtype=np.uint8)
 
 
-def bits_of(code: int) -> int:
-    """Bits per quant of a format code."""
-    return SUBBLOCK_BITS[{v: k for k, v in CODES.items()}[code]]
+@nb.njit(inline="always")
+def _bits(fmt):
+    """Bits per quant of a format code (``int_dot.BITS``, as compiled code reads it)."""
+    return 4 if fmt == 5 else (6 if fmt == 7 else 5)
 
 
 @nb.njit(inline="always")
@@ -242,12 +231,11 @@ def gemv(fmt, x, qs, qh, scales, mins, sub, out):
 def _dequant_sub_t(bits, fmt, qs, qh, scales, mins, sub, g, s, cf, w, col):
     """``w[0:32, col + r]`` = sub-block s of row r of group g (float32), rows innermost (vectorized)."""
     _coeffs(fmt, scales, mins, sub, g, s, cf)
-    nr = R
     for j in range(16):
-        for r in range(nr):
+        for r in range(R):
             w[j, col + r] = cf[0, r] * _value(bits, qs, qh, g, s, j, r) + cf[2, r]
     for j in range(16, 32):
-        for r in range(nr):
+        for r in range(R):
             w[j, col + r] = cf[1, r] * _value(bits, qs, qh, g, s, j, r) + cf[3, r]
 
 
@@ -256,9 +244,8 @@ def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS, as ``quant._gemm_rows``: 48 rows at a time dequantized into a row-major
     scratch (a sub-block of 16 rows in vector registers, ``int_dot.sub_block_rowsN``) and multiplied by
-    ``gemm``'s 4 x 6 tiles."""
-    bits = 4 if fmt == 5 else (6 if fmt == 7 else 5)
-    Mp = x.shape[0]
+    ``gemm.rows_tiles``."""
+    bits = _bits(fmt)
     groups, nsub = qs.shape[0], qs.shape[1]
     K = nsub * QK
     gpp = ROWS_PER_PASS // R
@@ -286,18 +273,13 @@ def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
                         sub_block_rows5(qs, off, qh, hoff, cf, w, gi * R, s * QK)
                     else:
                         sub_block_rows6(qs, off, qh, hoff, cf, w, gi * R, s * QK)
-            for m in range(0, Mp, TILE_M):
-                for tt in range(ROWS_PER_PASS // GEMM_TILE_N):
-                    if GEMM_TILE_N == 6:
-                        _tile_4x6(x, w, out, m, tt * 6, p * ROWS_PER_PASS + tt * 6)
-                    else:
-                        _tile_4x3(x, w, out, m, tt * 3, p * ROWS_PER_PASS + tt * 3)
+            rows_tiles(x, w, out, p * ROWS_PER_PASS)
 
 
 @nb.njit(**_JIT)
 def dequant_tile_t(fmt, qs, qh, scales, mins, sub, g0, out):
     """``out [K, n]`` = rows ``g0 * R ..`` of the weight dequantized and transposed (n a multiple of R)."""
-    bits = 4 if fmt == 5 else (6 if fmt == 7 else 5)
+    bits = _bits(fmt)
     nsub = qs.shape[1]
     cf = np.empty((4, R), np.float32)
     for gi in range(out.shape[1] // R):
@@ -308,7 +290,7 @@ def dequant_tile_t(fmt, qs, qh, scales, mins, sub, g0, out):
 @nb.njit(**_JIT)
 def dequant_rows(fmt, qs, qh, scales, mins, sub, rows, out):
     """``out[i]`` = row ``rows[i]``, dequantized (float32)."""
-    bits = 4 if fmt == 5 else (6 if fmt == 7 else 5)
+    bits = _bits(fmt)
     nsub = qs.shape[1]
     cf = np.empty((4, R), np.float32)
     for i in range(rows.shape[0]):

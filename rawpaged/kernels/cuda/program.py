@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rawpaged.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT_TYPES, kv_cache_type
+from rawpaged.kernels.quantization import FORMAT_CODES
 
 # --------------------------------------------------------------------------- sources
 HEADER = "common.cuh"
@@ -59,7 +60,7 @@ DECODE_GMAX = (1, 2, 4, 8, 16)
 COPY_WORD_BYTES = (16, 8, 4, 2)
 
 #: GGUF block formats of cuda/quant.cu (its FMT template argument) and its kernels.
-QUANT_FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+QUANT_FORMATS = FORMAT_CODES
 QUANT_KERNELS = ("quant_gemv_kernel", "quant_gemm_kernel", "quant_embedding_kernel")
 
 
