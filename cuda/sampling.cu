@@ -247,3 +247,45 @@ __global__ void apply_token_bitmask_kernel(T* __restrict__ logits, long long log
     const bool allowed = w < words && ((((unsigned)bitmask[(rp::i64)m * words + w]) >> (t & 31)) & 1u);
     if (!allowed) logits[(rp::i64)rows[m] * logits_stride + t] = rp::from_float<T>(__uint_as_float(0xff800000u));
 }
+
+// Sampling parameters' sparse logits edits (rawpaged/model_executor/logits_processors.py), in vLLM v1's
+// order, on float32 values: per edited row i, first x_t += add_values[e] for its additive entries (-inf
+// forbids t: allowed-ids aside, bad words, min_tokens, logit_bias), then the repetition penalty
+// (x / r if x > 0 else x * r) on its repetition entries, then x_t -= frequency * c_t and x_t -= presence on
+// its count entries. A row's token ids are unique within each of its three segments, so each thread owns
+// its entries; the block syncs between segments.
+//
+// grid: (num_edited_rows), block: any multiple of 32.
+// logits: [num_rows, vocab] of T, row stride logits_stride (elements). rows: int32 [R].
+// *_start: int32 [R + 1] (CSR offsets into the segment's entries); *_ids: int32 token ids; add_values,
+// counts: float32 per entry; repetition, frequency, presence: float32 [R].
+template <typename T>
+__global__ void apply_logits_edits_kernel(T* __restrict__ logits, long long logits_stride,
+                                          const int* __restrict__ rows, const int* __restrict__ add_start,
+                                          const int* __restrict__ add_ids, const float* __restrict__ add_values,
+                                          const int* __restrict__ rep_start, const int* __restrict__ rep_ids,
+                                          const float* __restrict__ repetition,
+                                          const int* __restrict__ count_start, const int* __restrict__ count_ids,
+                                          const float* __restrict__ counts, const float* __restrict__ frequency,
+                                          const float* __restrict__ presence) {
+    const int i = blockIdx.x;
+    T* row = logits + (rp::i64)rows[i] * logits_stride;
+    for (int e = add_start[i] + threadIdx.x; e < add_start[i + 1]; e += blockDim.x) {
+        const int t = add_ids[e];
+        row[t] = rp::from_float<T>(rp::to_float(row[t]) + add_values[e]);
+    }
+    __syncthreads();
+    const float r = repetition[i];
+    for (int e = rep_start[i] + threadIdx.x; e < rep_start[i + 1]; e += blockDim.x) {
+        const int t = rep_ids[e];
+        const float x = rp::to_float(row[t]);
+        row[t] = rp::from_float<T>(x > 0.0f ? x / r : x * r);
+    }
+    __syncthreads();
+    const float f = frequency[i];
+    const float p = presence[i];
+    for (int e = count_start[i] + threadIdx.x; e < count_start[i + 1]; e += blockDim.x) {
+        const int t = count_ids[e];
+        row[t] = rp::from_float<T>((rp::to_float(row[t]) - f * counts[e]) - p);
+    }
+}

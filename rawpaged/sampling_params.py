@@ -41,6 +41,24 @@ class SamplingParams:
             generated_length ** length_penalty, as in HF transformers; any finite length_penalty).
         structured_outputs: a ``StructuredOutputsParams`` (or the dict of its fields): the output follows
             a JSON Schema, regex, choice or grammar (``rawpaged.structured_output``); not with beam search.
+        presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's ranges); each token id ``t`` already
+            generated ``c_t > 0`` times has ``frequency_penalty * c_t + presence_penalty`` subtracted from
+            its logit (OpenAI's definition; vLLM ``model_executor/layers/utils.py`` ``apply_penalties``).
+        repetition_penalty: > 0 (1 is off); each token id in the prompt or the output so far has a positive
+            logit divided by it and a negative one multiplied by it (Keskar et al. 2019, CTRL eq. 1 as
+            transformers' ``RepetitionPenaltyLogitsProcessor`` and vLLM apply it).
+        logit_bias: ``{token id: bias}``, bias in [-100, 100], added to those logits (OpenAI's parameter).
+        min_tokens: EOS and ``stop_token_ids`` are forbidden, and stop strings not looked for, until this
+            many tokens were generated (<= ``max_tokens``).
+        bad_words: words never generated: each is tokenized with and without a leading space, and the last
+            token of such a sequence is forbidden wherever the output so far ends with the others (vLLM's
+            ``bad_words``).
+        allowed_token_ids: only these token ids may be generated (a non-empty list).
+        prompt_logprobs: number of top logprobs to return per prompt token (0..20, plus the prompt token's
+            own), or None; the first prompt token has none. Such a request reads no prefix cache.
+        The order on the logits is vLLM's: allowed_token_ids, bad_words, min_tokens, logit_bias, then the
+        repetition, frequency and presence penalties, then temperature and the filters above. Logprobs are
+        of the raw logits, before any of them.
     Raises:
         InvalidRequestError (a ValueError) on any invalid value; its message starts with the field's name
         and its ``param`` is that name.
@@ -63,6 +81,14 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | dict | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = None
+    min_tokens: int = 0
+    bad_words: list | None = None
+    allowed_token_ids: list | None = None
+    prompt_logprobs: int | None = None
     stop_strings: list = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
@@ -128,6 +154,7 @@ class SamplingParams:
                 bad("n", f"must be <= beam_width ({self.beam_width}) with beam search")
         if not is_num(self.length_penalty):
             bad("length_penalty", "must be a finite number")
+        self._check_logits_rules(bad, is_int, is_num)
         if isinstance(self.structured_outputs, dict):
             known = {f.name for f in fields(StructuredOutputsParams)}
             unknown = sorted(set(self.structured_outputs) - known, key=str)
@@ -143,6 +170,60 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "structured_outputs cannot be combined with beam search", "structured_outputs"
                 )
+
+    def _check_logits_rules(self, bad, is_int, is_num) -> None:
+        """The penalties, logit_bias, min_tokens, bad_words, allowed_token_ids and prompt_logprobs (token ids
+        are checked against the vocabulary when the request is queued)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be a number in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be a number > 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a dict of token id -> bias")
+            for token, bias in self.logit_bias.items():
+                if not is_int(token) or token < 0:
+                    raise InvalidRequestError(f"logit_bias key {token!r} is not a token id", "logit_bias")
+                if not is_num(bias) or not -100.0 <= bias <= 100.0:
+                    raise InvalidRequestError(
+                        f"logit_bias value for token {token} must be a number in [-100, 100], got {bias!r}",
+                        "logit_bias",
+                    )
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})]")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, (list, tuple))
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words", "must be a list of non-empty strings")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, (list, tuple))
+            or not self.allowed_token_ids
+            or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.use_beam_search and self.prompt_logprobs is not None:
+            bad("prompt_logprobs", "cannot be combined with beam search")
+
+    @property
+    def has_logits_rules(self) -> bool:
+        """Whether any of the penalties, logit_bias, min_tokens, bad_words or allowed_token_ids apply."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.bad_words
+            or self.allowed_token_ids is not None
+        )
 
     @property
     def greedy(self) -> bool:

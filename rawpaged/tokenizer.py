@@ -141,6 +141,11 @@ class Tokenizer:
         any BOS itself), so nothing is added but ``add_bos_token``'s BOS where the template has none."""
         return self._with_bos(_ids(self._tok, text, add_special_tokens=False))
 
+    def encode_without_special_tokens(self, text: str) -> list:
+        """Token ids of ``text`` as HF's ``encode(text, add_special_tokens=False)``: special-token text
+        parsed as the special token, nothing added (no BOS)."""
+        return _ids(self._tok, text, add_special_tokens=False)
+
     def encode_literal(self, text: str) -> list:
         """Token ids of ``text`` with any special-token text encoded as plain characters (no BOS)."""
         return _ids(self._literal, text, add_special_tokens=False)

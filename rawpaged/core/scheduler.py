@@ -386,10 +386,15 @@ class Scheduler:
         return finished
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        """ "stop" at EOS (unless ``ignore_eos``) or a stop token id once ``min_tokens`` tokens exist (as
+        vLLM v1's ``check_stop``), else "length" at ``max_tokens`` or ``max_model_len``."""
         params = seq.sampling_params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.min_tokens and (
+            (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        ):
             return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -31,6 +31,7 @@ from rawpaged.engine.request import Request
 from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
+from rawpaged.model_executor.logits_processors import logits_rules
 from rawpaged.model_executor.model_loader import load_model, release_free_heap
 from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
 from rawpaged.model_executor.models.llama import LlamaModel
@@ -168,7 +169,8 @@ class LLMEngine:
     @property
     def default_sampling_params(self) -> dict:
         """``SamplingParams`` defaults from the model's ``generation_config.json`` (temperature, top_p,
-        top_k, min_p where it sets them), applied where a request leaves a field unset."""
+        top_k, min_p, repetition_penalty where it sets them), applied where a request leaves a field unset
+        (vLLM's ``--generation-config auto``)."""
         return dict(self.generation_config.sampling_defaults)
 
     @property
@@ -198,17 +200,19 @@ class LLMEngine:
         compiles it here.
 
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
-        token ids outside the vocabulary, a prompt that leaves no room in ``max_model_len``, one that
-        cannot fit even in the empty pool, a ``request_id`` in use, or a constraint that does not compile.
+        token ids outside the vocabulary (in the prompt, ``logit_bias``, ``allowed_token_ids`` or
+        ``bad_words``), a prompt that leaves no room in ``max_model_len``, one that cannot fit even in the
+        empty pool, a ``request_id`` in use, or a constraint that does not compile.
         """
         params = params or SamplingParams()
         text, ids = self.input_processor.process(prompt, params)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        rules = logits_rules(params, ids, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured_output_manager.compile(params.structured_outputs)
-        req = Request(request_id, text, ids, params, time.monotonic())
+        req = Request(request_id, text, ids, params, time.monotonic(), logits_rules=rules)
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
         seq.grammar = grammar if params.structured_outputs is not None else None
         req.seqs.append(seq)

@@ -64,7 +64,12 @@ class OutputProcessor:
                     self.detokenizer.flush(seq)
                 continue
             new_text = self.detokenizer.step(seq, end)
-            if params.stop_strings and new_text and truncate_at_stop_string(seq, len(new_text)):
+            if (
+                params.stop_strings
+                and new_text
+                and end > params.min_tokens
+                and truncate_at_stop_string(seq, len(new_text))
+            ):
                 done.add(seq)
                 if not last:
                     self.num_dropped_tokens += left[seq]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rawpaged.engine.beam_search import BeamState
+from rawpaged.model_executor.logits_processors import LogitsRules
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -15,6 +16,8 @@ class Request:
     seqs: every sequence the request made, first one first.
     forked: whether the first sequence forked its ``best_of - 1`` siblings yet.
     beam, beams: beam search only: the search state, and the beams still running.
+    logits_rules: the penalties, bias and bans its parameters put on the logits
+        (``model_executor.logits_processors.LogitsRules``), or None.
     """
 
     request_id: str
@@ -26,6 +29,7 @@ class Request:
     forked: bool = False
     beam: BeamState | None = None
     beams: list = field(default_factory=list)
+    logits_rules: LogitsRules | None = None
 
     @property
     def finished(self) -> bool:

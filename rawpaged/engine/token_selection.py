@@ -1,7 +1,8 @@
 """Token selection for one step: from the logits of the sequences that sample to each one's next token.
 
-In order, once per step: grammar masks on the constrained rows (``structured_output``), the host rows
-that need the whole distribution (logprobs, beam search, best_of), beams advanced by
+In order, once per step: the host rows of raw logits that logprobs and best_of need, the sampling
+parameters' logits edits (penalties, logit bias, bans: ``model_executor.logits_processors``), the rows beam
+search needs (edited), grammar masks on the constrained rows (``structured_output``), beams advanced by
 ``beam_search.step_beams``, ``n > 1`` samples forked on their first token (``parallel_sampling``), one
 seeded uniform per sample (``model_executor.sampler.draw_uniform``), every draw sampled in one backend
 call through the ``ModelRunner``, and each grammar advanced by its token. A failure in one request's
@@ -15,8 +16,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rawpaged.engine import beam_search, parallel_sampling
 from rawpaged.errors import EngineError
+from rawpaged.model_executor.logits_processors import build_edits
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.spec_decode.rejection_sampler import accepted_tokens
@@ -75,14 +79,20 @@ class TokenSelector:
         spec = spec_token_ids or {}
         num_rows = [1 + len(spec.get(seq.seq_id, ())) for seq in sampling]
         first_rows = list(itertools.accumulate(num_rows, initial=0))[:-1]
-        rows = self.runner.fetch_rows(
+        rows = self.runner.fetch_rows(  # logprobs are of the raw logits, as vLLM's default
             logits,
             [
                 r
                 for first, n, seq in zip(first_rows, num_rows, sampling)
-                if needs_distribution(seq.sampling_params)
+                if parallel_sampling.needs_logprobs(seq.sampling_params) and not seq.sampling_params.use_beam_search
                 for r in range(first, first + n)
             ],
+        )
+        self._apply_logits_rules(logits, sampling, first_rows, requests, spec, out.failed)
+        rows.update(  # beams choose by the edited logits (penalties apply, as in transformers)
+            self.runner.fetch_rows(
+                logits, [f for f, seq in zip(first_rows, sampling) if seq.sampling_params.use_beam_search]
+            )
         )
         self._apply_grammars(logits, sampling, first_rows)
         draws, samples = [], []  # per draw: its (row, params, uniform); per sample: (sequence, logprob row)
@@ -157,6 +167,33 @@ class TokenSelector:
         if req.beam.done:
             out.beams_done.append(req)
             out.touched[req.request_id] = req
+
+    def _apply_logits_rules(self, logits, sampling: list, first_rows: list, requests: dict, spec: dict, failed: dict):
+        """Penalties, logit bias, min_tokens, bad_words and allowed_token_ids on the rows of the requests that
+        set them (``model_executor.logits_processors``): a row's history is its sequence's output plus the
+        drafts before it. Costs nothing when no request sets them; a request whose edits cannot be built
+        fails alone."""
+        entries, masks, mask_rows = [], [], []
+        for first, seq in zip(first_rows, sampling):
+            req = requests.get(seq.request_id)
+            rules = req.logits_rules if req is not None else None
+            if rules is None:
+                continue
+            try:
+                drafts = list(spec.get(seq.seq_id, ()))
+                for j in range(len(drafts) + 1):
+                    history = seq.output_token_ids + drafts[:j] if j else seq.output_token_ids
+                    entries.append((first + j, rules, history))
+                    if rules.allowed_bitmask is not None:
+                        mask_rows.append(first + j)
+                        masks.append(rules.allowed_bitmask)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                failed[seq.request_id] = e
+        if masks:
+            self.runner.apply_token_bitmask(logits, np.stack(masks), mask_rows)
+        edits = build_edits(entries) if entries else None
+        if edits is not None:
+            self.runner.apply_logits_edits(logits, edits)
 
     def _apply_grammars(self, logits, sampling: list, first_rows: list) -> None:
         """Structured outputs: forbid, in each constrained sequence's logits row, the tokens its grammar

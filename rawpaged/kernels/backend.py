@@ -167,3 +167,7 @@ class Backend(Protocol):
     def apply_token_bitmask(self, logits, bitmask, rows) -> None:
         """Structured outputs: set to ``-inf``, in place, the logits of ``rows[i]`` whose token bit is clear
         in row ``i`` of the packed int32 ``bitmask`` (host arrays; bit ``t % 32`` of word ``t // 32``)."""
+
+    def apply_logits_edits(self, logits, edits) -> None:
+        """Sampling parameters' sparse edits of logits rows, in place (``LogitsEdits``, host arrays):
+        additive entries, then repetition-penalty entries, then frequency/presence entries."""

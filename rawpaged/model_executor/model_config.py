@@ -145,7 +145,7 @@ def _sliding_window(cfg: dict, arch: str, source: str) -> int | None:
 
 
 #: generation_config.json fields applied as sampling defaults (as vLLM's ``--generation-config auto``).
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p")
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class GenerationConfig:
     eos_token_ids: its ``eos_token_id`` (an id or a list; Llama 3 and Qwen3 list several).
     sampling_defaults: ``SamplingParams`` keyword -> value for the fields in ``GENERATION_DEFAULTS`` the
         file sets; the server and ``LLM`` apply them where a request leaves the field unset.
-    ignored: fields the file sets that this engine does not apply (e.g. ``repetition_penalty``).
+    ignored: fields the file sets that this engine does not apply (``max_new_tokens``).
     """
 
     eos_token_ids: tuple = ()

@@ -127,7 +127,7 @@ def load_generation_config(model_dir: Path) -> GenerationConfig:
         SamplingParams(**defaults)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    ignored = tuple(k for k in ("repetition_penalty", "max_new_tokens") if cfg.get(k) not in (None, 1, 1.0))
+    ignored = tuple(k for k in ("max_new_tokens",) if cfg.get(k) is not None)
     return GenerationConfig(eos_ids, defaults, ignored)
 
 

@@ -188,6 +188,11 @@ class ModelRunner:
         (``bitmask [len(rows), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32``), on the backend."""
         self.backend.apply_token_bitmask(logits, bitmask, np.array(rows, dtype=np.int64))
 
+    def apply_logits_edits(self, logits, edits) -> None:
+        """Apply a step's ``logits_processors.LogitsEdits`` (penalties, logit bias, banned tokens) to the
+        logits rows, in place, on the backend."""
+        self.backend.apply_logits_edits(logits, edits)
+
     def fetch_rows(self, logits, rows: list) -> dict:
         """float32 host copies of the logits ``rows`` that need the whole distribution (logprobs, beam
         search, best_of): ``{row: float32 [vocab]}``."""

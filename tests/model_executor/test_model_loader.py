@@ -114,18 +114,29 @@ def test_generation_config_defaults_and_eos_ids(tmp_path, tiny_dir):
 
     d = _copy_model(tiny_dir, tmp_path / "m")
     (d / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05})
+        json.dumps(
+            {
+                "eos_token_id": [2, 5],
+                "temperature": 0.6,
+                "top_p": 0.9,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "max_new_tokens": 64,
+            }
+        )
     )
     llm = _engine(d)
     assert llm.engine.eos_token_ids == {2, 5}
-    assert llm.engine.generation_config.ignored == ("repetition_penalty",)
+    assert llm.engine.generation_config.ignored == ("max_new_tokens",)
     p = llm.get_default_sampling_params()
-    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.9, 20, 0.0)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.9, 20, 0.0, 1.05)
     defaults = llm.engine.default_sampling_params
     unset = CompletionRequest(prompt="x").sampling_params(4, defaults)
-    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
-    explicit = CompletionRequest(prompt="x", temperature=0, top_p=1.0).sampling_params(4, defaults)
-    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (0.0, 1.0, 20)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.6, 0.9, 20, 1.05)
+    explicit = CompletionRequest(prompt="x", temperature=0, top_p=1.0, repetition_penalty=1.0).sampling_params(
+        4, defaults
+    )
+    assert (explicit.temperature, explicit.top_p, explicit.top_k, explicit.repetition_penalty) == (0.0, 1.0, 20, 1.0)
     assert CompletionRequest(prompt="x").sampling_params(4).temperature == 1.0, "no generation config: 1.0"
 
     (d / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))

@@ -16,7 +16,7 @@ from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_em
 from rawpaged.kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.quant import RepackedQuantized, StackedQuantized, quant_embedding, quant_linear, repack
-from rawpaged.kernels.cpu.sampling import apply_token_bitmask, sample
+from rawpaged.kernels.cpu.sampling import apply_logits_edits, apply_token_bitmask, sample
 from rawpaged.kernels.kv_cache import allocate_kv_cache
 from rawpaged.kernels.quantization import QuantizedTensor
 
@@ -62,6 +62,7 @@ class CPUBackend:
     silu_and_mul = staticmethod(silu_and_mul)
     sample = staticmethod(sample)  # ``rawpaged.testing.reference_sampler.sample`` is its reference
     apply_token_bitmask = staticmethod(apply_token_bitmask)
+    apply_logits_edits = staticmethod(apply_logits_edits)
 
     @staticmethod
     def zeros(shape, dtype):

@@ -1,4 +1,5 @@
 """The CPU backend's token selection: structured outputs' bitmask on the logits (``apply_token_bitmask``),
+the sampling parameters' sparse logits edits (``apply_logits_edits``: penalties, logit bias, banned tokens),
 then the sampler: ``rawpaged.testing.reference_sampler.sample``'s semantics (temperature, top-k, top-p,
 min-p, then an inverse-CDF draw in token-id order) compiled with Numba, one sample per task.
 
@@ -145,6 +146,64 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     )
     out[hot] = drawn
     return out
+
+
+@nb.njit(cache=True, nogil=True)  # no fastmath: -inf and the float32 order of operations as written
+def _apply_logits_edits(
+    logits, rows, add_start, add_ids, add_values, rep_start, rep_ids, repetition, count_start, count_ids, counts,
+    frequency, presence,
+):  # fmt: skip
+    for i in range(rows.shape[0]):
+        row = logits[rows[i]]
+        for e in range(add_start[i], add_start[i + 1]):
+            row[add_ids[e]] += add_values[e]
+        r = repetition[i]
+        for e in range(rep_start[i], rep_start[i + 1]):
+            x = row[rep_ids[e]]
+            row[rep_ids[e]] = x / r if x > 0 else x * r
+        f = frequency[i]
+        p = presence[i]
+        for e in range(count_start[i], count_start[i + 1]):
+            t = count_ids[e]
+            row[t] = (row[t] - f * counts[e]) - p
+
+
+def apply_logits_edits(logits, edits):
+    """Sampling parameters' logits edits (``rawpaged.model_executor.logits_processors.LogitsEdits``), in
+    place: per row, ``x_t += v`` for its additive entries (``-inf`` forbids), then the repetition penalty
+    (``x / r`` if ``x > 0`` else ``x * r``) on its repetition entries, then ``x_t -= f * c_t`` and
+    ``x_t -= p`` on its count entries, in float32.
+
+    Args:
+        logits: float32 ``[num_rows, vocab]``, modified.
+        edits: a ``LogitsEdits`` whose rows index ``logits`` and whose token ids are ``< vocab``.
+    Raises:
+        ValueError on a dtype, row or token id that does not fit.
+    """
+    if logits.dtype != np.float32 or logits.ndim != 2:
+        raise ValueError(f"logits must be float32 [rows, vocab], got {logits.dtype} {logits.shape}")
+    rows = np.asarray(edits.rows, dtype=np.int64)
+    if rows.size and (rows.min() < 0 or rows.max() >= logits.shape[0]):
+        raise ValueError(f"edits.rows must index the {logits.shape[0]} logits rows")
+    for name in ("add_ids", "rep_ids", "count_ids"):
+        ids = getattr(edits, name)
+        if ids.size and (ids.min() < 0 or ids.max() >= logits.shape[1]):
+            raise ValueError(f"edits.{name} must be token ids below the vocabulary size {logits.shape[1]}")
+    _apply_logits_edits(
+        logits,
+        rows,
+        edits.add_start,
+        edits.add_ids,
+        edits.add_values,
+        edits.rep_start,
+        edits.rep_ids,
+        edits.repetition,
+        edits.count_start,
+        edits.count_ids,
+        edits.counts,
+        edits.frequency,
+        edits.presence,
+    )
 
 
 @nb.njit(cache=True, nogil=True)  # no fastmath: it writes -inf

@@ -146,6 +146,7 @@ class CudaBackend:
     convert = _forward(elementwise, "convert")
     sample = _forward(sampling, "sample")
     apply_token_bitmask = _forward(sampling, "apply_token_bitmask")
+    apply_logits_edits = _forward(sampling, "apply_logits_edits")
     linear = _forward(products, "linear")
     embedding = _forward(products, "embedding")
     load_weight = _forward(weights, "load_weight")

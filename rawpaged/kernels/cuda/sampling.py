@@ -1,6 +1,6 @@
-"""The CUDA backend's token selection (``cuda/sampling.cu``): structured outputs' bitmask on the logits, and
-the sampler (temperature, top-k, top-p, min-p, one inverse-CDF draw per sample; the semantics of
-``rawpaged.testing.reference_sampler.sample``)."""
+"""The CUDA backend's token selection (``cuda/sampling.cu``): structured outputs' bitmask on the logits, the
+sampling parameters' sparse logits edits, and the sampler (temperature, top-k, top-p, min-p, one
+inverse-CDF draw per sample; the semantics of ``rawpaged.testing.reference_sampler.sample``)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,55 @@ def apply_token_bitmask(ctx, logits, bitmask, rows):
             i32(bitmask.shape[1]),
             ctx.to_device(rows, np.int32),
             i32(vocab),
+        ),
+    )
+
+
+def apply_logits_edits(ctx, logits, edits):
+    """Sampling parameters' sparse logits edits (``LogitsEdits``: penalties, logit bias, banned tokens),
+    in place, on the device, one block per edited row (see ``rawpaged.kernels.cpu.sampling.apply_logits_edits``
+    for the semantics; ``cuda/sampling.cu`` for the kernel). The edits are host arrays, uploaded.
+
+    Raises:
+        ValueError on a row or token id that does not fit.
+    """
+    act = ctype(logits, "logits")
+    num_rows, vocab = logits.shape
+    rows = np.asarray(edits.rows, dtype=np.int64)
+    if rows.size == 0:
+        return
+    if rows.min() < 0 or rows.max() >= num_rows:
+        raise ValueError(f"edits.rows must index the {num_rows} logits rows")
+    for name in ("add_ids", "rep_ids", "count_ids"):
+        ids = getattr(edits, name)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"edits.{name} must be token ids below the vocabulary size {vocab}")
+
+    def up(a, dtype):  # the kernel never reads an empty segment, but every pointer must be valid
+        a = np.asarray(a, dtype=dtype)
+        return ctx.to_device(a if a.size else np.zeros(1, dtype), dtype)
+
+    ctx.kernel(
+        act,
+        act,
+        f"apply_logits_edits_kernel<{act}>",
+        (rows.shape[0], 1, 1),
+        (128, 1, 1),
+        (
+            logits,
+            i64(row_stride(logits, "logits", 1)),
+            up(rows, np.int32),
+            up(edits.add_start, np.int32),
+            up(edits.add_ids, np.int32),
+            up(edits.add_values, np.float32),
+            up(edits.rep_start, np.int32),
+            up(edits.rep_ids, np.int32),
+            up(edits.repetition, np.float32),
+            up(edits.count_start, np.int32),
+            up(edits.count_ids, np.int32),
+            up(edits.counts, np.float32),
+            up(edits.frequency, np.float32),
+            up(edits.presence, np.float32),
         ),
     )
 

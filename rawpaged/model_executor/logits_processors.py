@@ -1,0 +1,223 @@
+"""The sampling parameters that edit logits before the sampler: ``allowed_token_ids``, ``bad_words``,
+``min_tokens``, ``logit_bias``, then the repetition, frequency and presence penalties, in vLLM v1's order
+(``vllm/v1/sample/sampler.py``, ``Sampler.apply_logits_processors``). For a logits row ``x`` of a sequence
+whose prompt is ``P`` and whose output so far is ``O`` (with ``c_t`` the count of token ``t`` in ``O``):
+
+1. ``allowed_token_ids``: ``x_t = -inf`` for every ``t`` not listed.
+2. ``bad_words``: ``x_w = -inf`` for the last token ``w`` of each banned token sequence whose other tokens
+   end ``O`` (``vllm/v1/sample/ops/bad_words.py``).
+3. ``min_tokens``: while ``len(O) < min_tokens``, ``x_t = -inf`` for EOS and ``stop_token_ids``.
+4. ``logit_bias``: ``x_t += bias_t``.
+5. ``repetition_penalty`` ``r``, for ``t`` in ``P`` or ``O``: ``x_t / r`` if ``x_t > 0`` else ``x_t * r``
+   (CTRL, Keskar et al. 2019, eq. 1, as transformers' ``RepetitionPenaltyLogitsProcessor`` and
+   vLLM's ``apply_repetition_penalties_torch`` in ``vllm/_custom_ops.py``).
+6. ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p``, for ``t`` in ``O``: ``x_t -= f * c_t``,
+   then ``x_t -= p`` (OpenAI's definition; vLLM ``model_executor/layers/utils.py`` ``apply_penalties``).
+
+A row of a sequence verifying drafts counts the drafts before it as output (vLLM's
+``_combine_outputs_with_spec_tokens``). Masks commute with the other steps (``-inf`` stays ``-inf``), so the
+backends apply 1 as a packed bitmask (``apply_token_bitmask``, the structured outputs' kernel) and 2-6 as
+one sparse ``apply_logits_edits`` call: per row, additive entries (4, with 2-3 as ``-inf``), then
+repetition entries (5), then count entries (6). Only listed tokens are touched, so a step costs what its
+histories hold, and nothing when no request uses these parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rawpaged.errors import InvalidRequestError
+from rawpaged.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, eq=False)
+class LogitsRules:
+    """One request's logits parameters as token-id arrays, built once when it is queued.
+
+    Attributes:
+        repetition_penalty, frequency_penalty, presence_penalty: as in ``SamplingParams``.
+        prompt_ids: int32 sorted unique prompt token ids (empty unless ``repetition_penalty != 1``).
+        bias_ids, bias_values: int32 / float32 ``[k]``: ``logit_bias`` sorted by token id.
+        min_tokens: as in ``SamplingParams``.
+        stop_ids: int32 sorted unique: EOS ids and ``stop_token_ids`` (forbidden before ``min_tokens``).
+        bad_words: token-id tuples banned at their last token.
+        allowed_bitmask: int32 ``[ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32``) or None.
+    """
+
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    prompt_ids: np.ndarray
+    bias_ids: np.ndarray
+    bias_values: np.ndarray
+    min_tokens: int
+    stop_ids: np.ndarray
+    bad_words: tuple
+    allowed_bitmask: np.ndarray | None
+
+    @property
+    def counts_output(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def bad_words_token_ids(words, tokenizer) -> tuple:
+    """vLLM's ``SamplingParams.update_from_tokenizer``: each word, stripped of leading spaces, is encoded
+    without special tokens, then again after one space; the spaced form is banned too when it differs in
+    its first token and has as many tokens (a word that begins a text and one inside it). Returns a tuple of
+    token-id tuples, in that order. Raises InvalidRequestError ("bad_words") for a word with no tokens."""
+    out = []
+    for word in words:
+        plain = tuple(tokenizer.encode_without_special_tokens(word.lstrip()))
+        if not plain:
+            raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens", "bad_words")
+        out.append(plain)
+        spaced = tuple(tokenizer.encode_without_special_tokens(" " + word.lstrip()))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+def _token_ids(ids, vocab_size: int, field: str) -> np.ndarray:
+    ids = np.asarray(sorted(set(ids)), dtype=np.int64)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise InvalidRequestError(
+            f"{field} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5].tolist()}", field
+        )
+    return ids.astype(np.int32)
+
+
+def logits_rules(
+    params: SamplingParams, prompt_ids: list, tokenizer, vocab_size: int, eos_token_ids
+) -> LogitsRules | None:
+    """The ``LogitsRules`` of a request, or None when ``params`` edits no logits.
+
+    Raises:
+        InvalidRequestError naming the field: token ids of ``logit_bias`` or ``allowed_token_ids`` outside
+        ``[0, vocab_size)``, or a bad word that encodes to no token or to ids outside the vocabulary.
+    """
+    if not params.has_logits_rules:
+        return None
+    bias = params.logit_bias or {}
+    bias_ids = _token_ids(bias, vocab_size, "logit_bias")
+    allowed = None
+    if params.allowed_token_ids is not None:
+        ids = _token_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
+        words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+        np.bitwise_or.at(words, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
+        allowed = words.view(np.int32)
+    bad_words = bad_words_token_ids(params.bad_words or (), tokenizer)
+    _token_ids([t for w in bad_words for t in w], vocab_size, "bad_words")
+    repeat = params.repetition_penalty != 1.0
+    return LogitsRules(
+        repetition_penalty=float(params.repetition_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        presence_penalty=float(params.presence_penalty),
+        prompt_ids=np.unique(np.asarray(prompt_ids, dtype=np.int32)) if repeat else np.zeros(0, np.int32),
+        bias_ids=bias_ids,
+        bias_values=np.array([bias[int(t)] for t in bias_ids], dtype=np.float32),
+        min_tokens=params.min_tokens,
+        stop_ids=np.array(sorted(set(eos_token_ids) | set(params.stop_token_ids)), dtype=np.int32),
+        bad_words=bad_words,
+        allowed_bitmask=allowed,
+    )
+
+
+@dataclass
+class LogitsEdits:
+    """A step's sparse logits edits for ``apply_logits_edits``; ``R`` rows, each with three segments of
+    entries (CSR: entries ``start[i]:start[i + 1]`` belong to ``rows[i]``). Token ids are unique within a
+    segment of a row.
+
+    rows: int64 ``[R]``, the logits rows.
+    add_start int32 ``[R + 1]``, add_ids int32, add_values float32: ``x_t += v`` (``-inf`` forbids ``t``).
+    rep_start, rep_ids, repetition float32 ``[R]``: the repetition penalty of each row's listed tokens.
+    count_start, count_ids, counts float32, frequency, presence float32 ``[R]``:
+        ``x_t -= frequency * c_t``, then ``x_t -= presence``.
+    """
+
+    rows: np.ndarray
+    add_start: np.ndarray
+    add_ids: np.ndarray
+    add_values: np.ndarray
+    rep_start: np.ndarray
+    rep_ids: np.ndarray
+    repetition: np.ndarray
+    count_start: np.ndarray
+    count_ids: np.ndarray
+    counts: np.ndarray
+    frequency: np.ndarray
+    presence: np.ndarray
+
+
+def _banned(rules: LogitsRules, history: list) -> list:
+    """Token ids forbidden after ``history``: EOS and stop ids before ``min_tokens``, and each bad word's
+    last token where its other tokens end ``history``."""
+    banned = list(rules.stop_ids) if len(history) < rules.min_tokens else []
+    for word in rules.bad_words:
+        k = len(word) - 1
+        if k == 0 or (k <= len(history) and tuple(history[-k:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
+def _cat(parts: list, dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def build_edits(rows: list) -> LogitsEdits | None:
+    """The ``LogitsEdits`` of ``rows`` = [(logits row, LogitsRules, output token ids so far)], or None when
+    they edit nothing (rows without rules may be left out)."""
+    rows_out, add_ids, add_vals, rep_ids, count_ids, counts = [], [], [], [], [], []
+    repetition, frequency, presence = [], [], []
+    for row, rules, history in rows:
+        banned = _banned(rules, history)
+        if banned:
+            ids = np.unique(np.asarray(banned, dtype=np.int32))
+            keep = ~np.isin(rules.bias_ids, ids, assume_unique=True)
+            add_ids.append(np.concatenate([ids, rules.bias_ids[keep]]))
+            add_vals.append(np.concatenate([np.full(ids.size, -np.inf, np.float32), rules.bias_values[keep]]))
+        else:
+            add_ids.append(rules.bias_ids)
+            add_vals.append(rules.bias_values)
+        if rules.repetition_penalty != 1.0 or rules.counts_output:
+            out, c = np.unique(np.asarray(history, dtype=np.int32), return_counts=True)
+        if rules.repetition_penalty != 1.0:
+            prompt = rules.prompt_ids
+            where = np.minimum(np.searchsorted(prompt, out), max(prompt.size - 1, 0))
+            new = out if prompt.size == 0 else out[prompt[where] != out]
+            rep_ids.append(np.concatenate([prompt, new]))
+        else:
+            rep_ids.append(np.zeros(0, np.int32))
+        if rules.counts_output:
+            count_ids.append(out)
+            counts.append(c.astype(np.float32))
+        else:
+            count_ids.append(np.zeros(0, np.int32))
+            counts.append(np.zeros(0, np.float32))
+        rows_out.append(row)
+        repetition.append(rules.repetition_penalty)
+        frequency.append(rules.frequency_penalty)
+        presence.append(rules.presence_penalty)
+    if not any(a.size for a in add_ids + rep_ids + count_ids):
+        return None
+
+    def starts(parts):
+        return np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int32)
+
+    return LogitsEdits(
+        rows=np.asarray(rows_out, dtype=np.int64),
+        add_start=starts(add_ids),
+        add_ids=_cat(add_ids, np.int32),
+        add_values=_cat(add_vals, np.float32),
+        rep_start=starts(rep_ids),
+        rep_ids=_cat(rep_ids, np.int32),
+        repetition=np.asarray(repetition, dtype=np.float32),
+        count_start=starts(count_ids),
+        count_ids=_cat(count_ids, np.int32),
+        counts=_cat(counts, np.float32),
+        frequency=np.asarray(frequency, dtype=np.float32),
+        presence=np.asarray(presence, dtype=np.float32),
+    )
