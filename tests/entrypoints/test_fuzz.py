@@ -28,7 +28,8 @@ FIELDS = (
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "n", "best_of", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream",
     "stream_options", "echo", "use_beam_search", "length_penalty", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "suffix", "user", "response_format", "tools",
+    "repetition_penalty", "logit_bias", "suffix", "user", "response_format", "tools", "min_tokens", "bad_words",
+    "allowed_token_ids", "prompt_logprobs",
 )  # fmt: skip
 EXTREME = st.sampled_from([
     0, 1, -1, 2, 16, 17, 64, 65, 2**31, 2**63, 2**63 + 5, 2**64, -(2**63) - 1, 5e-324, 1e-308, 1e-6, 1e-5,

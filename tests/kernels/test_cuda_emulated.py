@@ -645,6 +645,44 @@ def test_apply_token_bitmask_kernel_matches_the_cpu_kernel(emu, act):
     np.testing.assert_array_equal(padded[:, vocab:].view(np.uint8), before[:, vocab:].view(np.uint8))
 
 
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_apply_logits_edits_kernel_matches_the_cpu_kernel(emu, act):
+    """Penalties, bias and bans (``LogitsEdits`` from random rules and histories, long enough segments that
+    threads stride) on a padded logits view: the CPU kernel's values (float32: equal to rounding; half
+    types: as float32 then rounded), unedited rows and the padding untouched."""
+    from rawpaged.model_executor.logits_processors import build_edits, logits_rules
+    from rawpaged.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(21)
+    vocab = 1000
+    padded = rng.normal(0, 3, size=(5, vocab + 24)).astype(np.float32).astype(act)
+    logits = padded[:, :vocab]
+    entries = []
+    for row, kw in ((0, dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.25)),
+                    (3, dict(logit_bias={int(t): 1.5 for t in rng.choice(vocab, 300, replace=False)},
+                             min_tokens=400, max_tokens=512, repetition_penalty=0.8)),
+                    (4, dict(presence_penalty=1.0))):  # fmt: skip
+        params = SamplingParams(**kw)
+        rules = logits_rules(params, rng.integers(0, vocab, 400).tolist(), None, vocab, {0, 1})
+        entries.append((row, rules, rng.integers(0, 600, 300).tolist()))
+    edits = build_edits(entries)
+    before = padded.copy()
+    backend(emu).apply_logits_edits(dev(logits), edits)
+    expected = before[:, :vocab].astype(np.float32)
+    cpu_sampling.apply_logits_edits(expected, edits)
+    got = padded[:, :vocab].astype(np.float32)
+    if act != np.float32:  # the device rounds each edit to the activation type
+        expected = expected.astype(act).astype(np.float32)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    # half types round after each of the three segments: an ulp of the intermediate value (|x| < 16)
+    atol = {np.dtype(np.float32): 1e-5, F16: 1e-2, BF16: 1e-1}[np.dtype(act)]
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6 if act == np.float32 else 1e-2, atol=atol)
+    np.testing.assert_array_equal(got[[1, 2]], before[[1, 2], :vocab].astype(np.float32))
+    np.testing.assert_array_equal(padded[:, vocab:].view(np.uint8), before[:, vocab:].view(np.uint8))
+    assert np.isneginf(got[3, [0, 1]]).all() and not np.isneginf(got[[0, 4]]).any()
+
+
 def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
     """Stratified uniforms through the kernel: each kept token is drawn for n * p of them (within one),
     a dropped token never."""
@@ -866,16 +904,22 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
     sampled = SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=40, seed=5, max_tokens=4, ignore_eos=True)
 
     constrained = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=8, structured_outputs={"regex": "[a-c]{2,5}"})
+    penalized = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.4, frequency_penalty=1.0,
+        logit_bias={40: 0.05, 41: -100.0}, min_tokens=3, bad_words=["b"],
+    )  # fmt: skip
 
     def run(llm):
         g = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         smp = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[1:], sampled)]
         again = llm.generate(prompts[2:], greedy)[0].outputs[0].token_ids  # prefix-cache hit
         regex = [c for o in llm.generate(prompts[:2], constrained) for c in o.outputs]  # masked logits
+        pen = [o.outputs[0].token_ids for o in llm.generate(prompts, penalized)]  # logits edits
+        assert not any(41 in t for t in pen)
         assert all(re.fullmatch("[a-c]{2,5}", c.text) for c in regex if c.finish_reason == "stop"), regex
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
-        return g, smp, again, [c.token_ids for c in regex]
+        return g, smp, again, [c.token_ids for c in regex], pen
 
     cpu_llm = LLM(device="cpu", **kw)
     ref = run(cpu_llm)
@@ -895,6 +939,7 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
         "silu_and_mul_kernel",
         "sample_kernel",
         "apply_token_bitmask_kernel",
+        "apply_logits_edits_kernel",
     } <= launched
     assert f32.stats()["prefix_cache_hits"] > 0
 

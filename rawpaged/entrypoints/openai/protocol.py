@@ -98,8 +98,10 @@ class NamedToolChoice(OpenAIBaseModel):
 
 class GenerationRequest(OpenAIBaseModel):
     """Fields shared by completions, chat and websocket ``generate`` (OpenAI's, plus vLLM's extras
-    ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
-    ``use_beam_search``, ``length_penalty``, ``structured_outputs``).
+    ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
+    ``prompt_logprobs``, ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``,
+    ``use_beam_search``, ``length_penalty``, ``structured_outputs``). ``logit_bias`` keys are token ids
+    as strings, as OpenAI sends them.
 
     Structured outputs: OpenAI's ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
     "json_schema": {"name", "schema", "strict"}}``) or vLLM's ``structured_outputs`` (a dict of
@@ -125,11 +127,14 @@ class GenerationRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    # Accepted only at their neutral values.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict | None = None
+    logit_bias: dict[str, int | float] | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     suffix: str | None = None
     tools: list | None = None
     tool_choice: Any = None
@@ -181,6 +186,17 @@ class GenerationRequest(OpenAIBaseModel):
         """The engine's ``SamplingParams`` for this request (``sampling.to_sampling_params``; ``defaults``:
         the model's generation config). Raises ProtocolError naming the field as the client sent it."""
         return to_sampling_params(self, max_tokens, defaults)
+
+    def token_logit_bias(self) -> dict | None:
+        """``logit_bias`` with integer token ids. Raises ProtocolError naming a key that is not one."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ProtocolError(f"logit_bias key {key!r} is not a token id (an integer as a string)", "logit_bias")
+            out[int(key)] = float(bias)
+        return out
 
     def client_error(self, e: InvalidRequestError) -> ProtocolError:
         """An engine refusal as the client sees it: its field (and the message's leading field name) as
@@ -248,12 +264,7 @@ class GenerationRequest(OpenAIBaseModel):
             raise ProtocolError(
                 "length_penalty applies to beam search only (use_beam_search: true)", param="length_penalty"
             )
-        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ProtocolError(f"{name} is not supported by this server (only {neutral})", param=name)
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported by this server", param="logit_bias")
+        self.token_logit_bias()
         if self.suffix:
             raise ProtocolError("suffix is not supported by this server", param="suffix")
         if self.functions:

@@ -17,13 +17,21 @@ _PLAIN_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "include_stop_str_in_output",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "prompt_logprobs",
 )
 
 
 def sampling_kwargs(req, defaults: dict | None = None) -> dict:
     """``SamplingParams`` keyword arguments of ``req`` (a ``protocol.GenerationRequest``) except
-    ``max_tokens``; ``defaults`` (the model's generation config: temperature, top_p, top_k, min_p) fill the
-    fields the request leaves unset. Raises ProtocolError for a malformed ``response_format``."""
+    ``max_tokens``; ``defaults`` (the model's generation config: temperature, top_p, top_k, min_p,
+    repetition_penalty) fill the fields the request leaves unset. Raises ProtocolError for a malformed
+    ``response_format`` or ``logit_bias`` key."""
     kw = dict(defaults or {})
     kw.update(n=req.num_choices, temperature=kw.get("temperature", 1.0))
     for name in _PLAIN_FIELDS:
@@ -33,6 +41,8 @@ def sampling_kwargs(req, defaults: dict | None = None) -> dict:
         kw["seed"] = req.seed % (1 << 64)  # negative seeds (valid in OpenAI's API) map to unsigned
     if req.num_logprobs is not None:
         kw["logprobs"] = req.num_logprobs
+    if req.logit_bias is not None:
+        kw["logit_bias"] = req.token_logit_bias()
     best_of = getattr(req, "best_of", None)
     if best_of is not None:
         kw["best_of"] = best_of
