@@ -88,8 +88,10 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix cache
     def get_computed_blocks(self, seq) -> list:
         """Block ids of the longest cached prefix of ``seq``'s tokens (full blocks). The last token is
-        never taken from the cache, so the step that computes it has a logit to sample from."""
-        if not self.enable_prefix_caching:
+        never taken from the cache, so the step that computes it has a logit to sample from. A sequence
+        that asks for ``prompt_logprobs`` takes nothing (the cached tokens' logprobs would be missing; as
+        vLLM, it computes its whole prompt and still fills the cache)."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         token_ids = seq.token_ids
         found, queries = find_longest_cache_hit(
@@ -122,7 +124,7 @@ class KVCacheManager:
         """After ``num_computed_blocks`` pool hits: the next full blocks of ``seq``'s prefix found in the
         second tier, as ``(block_hash, token_ids, slot)``, stopping at the first miss (the last token is
         never taken, as in ``get_computed_blocks``). Empty without a tier or prefix caching."""
-        if self.offload is None or not self.enable_prefix_caching:
+        if self.offload is None or not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         token_ids, bs = seq.token_ids, self.block_size
         parent = self.root_hash

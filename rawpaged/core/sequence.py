@@ -41,6 +41,8 @@ class Sequence:
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)  # per generated token: {token_id: logprob}
+    # prompt_logprobs requested: per prompt token so far, None for the first, then {token_id: logprob}
+    prompt_logprobs: list = field(default_factory=list)
     # Incremental detokenizer state (``rawpaged.engine.detokenizer``).
     output_text: str = ""
     prefix_offset: int = 0

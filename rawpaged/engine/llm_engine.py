@@ -283,7 +283,12 @@ class LLMEngine:
             self.runner.run_kv_transfers(sched_out.kv_transfers)
             self.kv_cache_manager.end_transfers()
             return []
-        logits, sampling = self.runner.execute_model(sched_out)
+        logits, sampling, scored = self.runner.execute_model(sched_out)
+        for seq, (first, entries) in scored.items():
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            if first == len(seq.prompt_logprobs):
+                seq.prompt_logprobs += entries
         now = time.monotonic()
         selected = self.token_selector.select(logits, sampling, self.requests, now, sched_out.spec_token_ids)
         self._update_sequences(sched_out, selected, now)

@@ -109,6 +109,14 @@ class OutputProcessor:
         metrics = {"arrival_time": req.arrival_time, "first_token_time": first}
         if finished:
             metrics["finished_time"] = time.monotonic()
+        prompt_lps = req.seqs[0].prompt_logprobs if params.prompt_logprobs is not None else None
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.seqs[0].num_cached_tokens, metrics
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outputs,
+            finished,
+            req.seqs[0].num_cached_tokens,
+            metrics,
+            prompt_logprobs=list(prompt_lps) if prompt_lps else None,
         )

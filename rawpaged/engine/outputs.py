@@ -27,7 +27,9 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after a step. ``metrics``: ``arrival_time``, ``first_token_time`` and, once
     finished, ``finished_time`` (``time.monotonic()`` seconds). ``error``: why the engine ended the request
-    (``finished`` then, no outputs), when computing it failed inside a step."""
+    (``finished`` then, no outputs), when computing it failed inside a step. ``prompt_logprobs``: with
+    ``SamplingParams.prompt_logprobs``, one entry per prompt token once the prompt ran: None for the first,
+    then ``{token_id: logprob}`` (the prompt token first, then the most likely ones), as vLLM's."""
 
     request_id: str
     prompt: str | None
@@ -37,6 +39,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)

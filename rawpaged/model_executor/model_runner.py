@@ -14,6 +14,7 @@ from rawpaged.kernels.backend import split_block_mapping
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
+from rawpaged.model_executor.prompt_logprobs import prompt_logprobs
 from rawpaged.model_executor.sampler import sampling_arrays
 
 logger = logging.getLogger(__name__)
@@ -99,11 +100,13 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
 
-        Copies the copy-on-write blocks (``blocks_to_copy``) first. Returns ``(logits, sampling_seqs)``:
-        logits on the backend (see ``sample``, ``fetch_rows``) for the sequences whose scheduled tokens
-        reach their last token (they sample next), in ``scheduled`` order: one row each, except that a
-        sequence verifying drafts (``spec_token_ids``: it computes its last token and its k drafts, as k + 1
-        decode rows) has k + 1 consecutive rows, one per position.
+        Copies the copy-on-write blocks (``blocks_to_copy``) first. Returns ``(logits, sampling_seqs,
+        prompt_logprobs)``: logits on the backend (see ``sample``, ``fetch_rows``) for the sequences whose
+        scheduled tokens reach their last token (they sample next), in ``scheduled`` order: one row each,
+        except that a sequence verifying drafts (``spec_token_ids``: it computes its last token and its k
+        drafts, as k + 1 decode rows) has k + 1 consecutive rows, one per position; and, for each sequence
+        whose ``prompt_logprobs`` is set and whose prompt positions ran, ``{sequence: (index of the first
+        prompt token scored, [its logprobs entry, ...])}`` (``prompt_logprobs.prompt_logprobs``).
         """
         be = self.backend
         scheduled = scheduler_output.scheduled
@@ -118,7 +121,7 @@ class ModelRunner:
         graph = self.cuda_graph
         if graph is not None and not prefills and not spec and 0 < len(decodes) <= graph.max_batch_size:
             seqs = [s for s, _ in decodes]  # every decode samples, in scheduled order
-            return graph.run(seqs), seqs
+            return graph.run(seqs), seqs, {}
         ordered = decodes + prefills
         ids, positions, slots = [], [], []
         for seq, n in ordered:
@@ -169,14 +172,34 @@ class ModelRunner:
         for seq, n in ordered:
             row += n
             last_row[id(seq)] = row - 1
+        scored = self._prompt_logprobs(hidden, ordered)
         sampling = [s for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens + len(spec.get(s.seq_id, ()))]
         if not sampling:
-            return np.zeros((0, self.model.config.vocab_size), np.float32), []
+            return np.zeros((0, self.model.config.vocab_size), np.float32), [], scored
         rows = []
         for s in sampling:
             last = last_row[id(s)]
             rows.extend(range(last - len(spec.get(s.seq_id, ())), last + 1))
-        return self.model.compute_logits(hidden[be.asarray(np.array(rows, dtype=np.int64))]), sampling
+        return self.model.compute_logits(hidden[be.asarray(np.array(rows, dtype=np.int64))]), sampling, scored
+
+    def _prompt_logprobs(self, hidden, ordered: list) -> dict:
+        """Prompt logprobs of this step's prompt positions, for the sequences that ask (see
+        ``execute_model``): the hidden state at position ``p`` scores prompt token ``p + 1``. Tokens a
+        sequence already has (recomputed after preemption) are not scored again."""
+        scored, row = {}, 0
+        for seq, n in ordered:
+            k = seq.sampling_params.prompt_logprobs
+            start = seq.num_computed_tokens
+            if k is not None:
+                first = max(start + 1, len(seq.prompt_logprobs), 1)  # prompt token indices first..last
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first <= last:
+                    rows = hidden[row + first - 1 - start : row + last - start]
+                    targets = seq.prompt_token_ids[first : last + 1]
+                    entries = prompt_logprobs(self.model.compute_logits, self.backend.to_numpy, rows, targets, k)
+                    scored[seq] = (first, entries)
+            row += n
+        return scored
 
     def sample(self, logits, draws: list):
         """Token ids for ``draws`` = [(logits row, SamplingParams, uniform)], drawn on the backend (only

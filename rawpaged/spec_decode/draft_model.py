@@ -128,7 +128,7 @@ class DraftModelProposer:
     def _forward(self, scheduled: list) -> list:
         """One forward pass of the draft model over ``scheduled`` = [(mirror, new tokens)]; each mirror's
         greedy next token. The mirrors' computed counts advance."""
-        logits, sampling = self.runner.execute_model(SchedulerOutput(scheduled=list(scheduled)))
+        logits, sampling, _ = self.runner.execute_model(SchedulerOutput(scheduled=list(scheduled)))
         assert len(sampling) == len(scheduled)  # every mirror's new tokens reach its end
         for mirror, n in scheduled:
             mirror.num_computed_tokens += n

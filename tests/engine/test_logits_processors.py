@@ -148,9 +148,9 @@ def _record_raw_logits(llm):
     steps = []
 
     def recording(out):
-        logits, sampling = execute(out)
+        logits, sampling, scored = execute(out)
         steps.append([[(s, list(s.output_token_ids)) for s in sampling], np.array(logits, dtype=np.float64), None])
-        return logits, sampling
+        return logits, sampling, scored
 
     def sampling(logits, draws):
         steps[-1][2] = np.array(logits, dtype=np.float64)

@@ -1,0 +1,71 @@
+"""Prompt logprobs (vLLM's ``prompt_logprobs``, OpenAI's ``echo`` with ``logprobs``): for each prompt token
+after the first, its logprob under the model given the tokens before it, and the ``k`` most likely tokens
+there, from the hidden states a prefill step computes anyway.
+
+The LM head runs over ``CHUNK_ROWS`` positions at a time and each chunk is reduced to a few numbers per
+position before the next, so a long prompt never holds its ``[positions, vocab]`` logits at once (a
+2K-token prompt with a 49k vocabulary would take 400 MB). Per position ``i`` with logits ``x`` and next
+prompt token ``t``: ``logprob = x_t - (max x + log sum exp(x - max x))`` (log-softmax of the raw logits,
+no temperature, as vLLM), and the top ``k`` ids by ``x`` (equal values by lower id).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+#: positions per LM-head chunk: 128 x 49152 float32 logits are 25 MB
+CHUNK_ROWS = 128
+
+
+@nb.njit(cache=True, nogil=True, parallel=True)
+def _top_k_rows(x, k, out):  # the k largest of each row, descending, equal values by lower id
+    for r in nb.prange(x.shape[0]):
+        row = x[r]
+        ids = out[r]
+        vals = np.full(k, -np.inf, dtype=np.float32)
+        ids[:] = -1
+        for t in range(row.shape[0]):
+            v = row[t]
+            if v > vals[k - 1] or (ids[k - 1] < 0 and v == vals[k - 1]):
+                j = k - 1
+                while j > 0 and (v > vals[j - 1] or ids[j - 1] < 0):
+                    vals[j] = vals[j - 1]
+                    ids[j] = ids[j - 1]
+                    j -= 1
+                vals[j] = v
+                ids[j] = t
+
+
+def chunk_logprobs(logits: np.ndarray, targets: np.ndarray, k: int) -> list:
+    """Per row of float32 ``logits [m, vocab]``: ``{target: logprob, then the k most likely ids: logprob}``
+    (the target first, not repeated; the format of generated tokens' logprobs)."""
+    x = np.asarray(logits, dtype=np.float32)
+    peak = x.max(axis=1, keepdims=True)
+    lse = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64))
+    rows = np.arange(x.shape[0])
+    target_lp = x[rows, targets].astype(np.float64) - lse
+    top = np.empty((x.shape[0], k), dtype=np.int64)
+    if k:
+        _top_k_rows(x, k, top)
+    out = []
+    for r in range(x.shape[0]):
+        entry = {int(targets[r]): float(target_lp[r])}
+        for t in top[r]:
+            entry.setdefault(int(t), float(x[r, t] - lse[r]))
+        out.append(entry)
+    return out
+
+
+def prompt_logprobs(compute_logits, to_numpy, hidden, targets: list, k: int) -> list:
+    """Logprob entries of ``targets`` (``len(targets)`` next-token ids) given ``hidden`` rows (the same
+    count, on the backend): the LM head ``compute_logits`` chunk by chunk, each chunk brought to the host
+    (``to_numpy``) and reduced by ``chunk_logprobs``."""
+    out = []
+    targets = np.asarray(targets, dtype=np.int64)
+    for a in range(0, len(targets), CHUNK_ROWS):
+        b = min(a + CHUNK_ROWS, len(targets))
+        logits = to_numpy(compute_logits(hidden[a:b]))
+        out += chunk_logprobs(logits, targets[a:b], k)
+        del logits
+    return out
