@@ -25,6 +25,7 @@ from rawpaged.core.sequence import Sequence
 from rawpaged.engine import beam_search
 from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.kv_offload import KVOffload
+from rawpaged.engine.logprobs import prompt_logprob_entries
 from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
@@ -288,7 +289,7 @@ class LLMEngine:
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)  # the first prompt token has no context
             if first == len(seq.prompt_logprobs):
-                seq.prompt_logprobs += entries
+                seq.prompt_logprobs += prompt_logprob_entries(entries, self.tokenizer)
         now = time.monotonic()
         selected = self.token_selector.select(logits, sampling, self.requests, now, sched_out.spec_token_ids)
         self._update_sequences(sched_out, selected, now)

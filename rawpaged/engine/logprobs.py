@@ -4,7 +4,27 @@ most likely ones'."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One prompt token's (or top candidate's) logprob as vLLM's ``Logprob``: ``rank`` 1 for the most likely
+    id; ``decoded_token`` its text (special tokens included)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+def prompt_logprob_entries(scored: list, tokenizer) -> list:
+    """The runner's ``{token_id: (logprob, rank)}`` entries as ``{token_id: Logprob}`` with their texts."""
+    return [
+        {t: Logprob(lp, rank, tokenizer.decode([t], skip_special_tokens=False)) for t, (lp, rank) in e.items()}
+        for e in scored
+    ]
 
 
 def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:

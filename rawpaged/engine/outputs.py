@@ -29,7 +29,8 @@ class RequestOutput:
     finished, ``finished_time`` (``time.monotonic()`` seconds). ``error``: why the engine ended the request
     (``finished`` then, no outputs), when computing it failed inside a step. ``prompt_logprobs``: with
     ``SamplingParams.prompt_logprobs``, one entry per prompt token once the prompt ran: None for the first,
-    then ``{token_id: logprob}`` (the prompt token first, then the most likely ones), as vLLM's."""
+    then ``{token_id: Logprob}`` (``engine.logprobs.Logprob``: the prompt token first, then the most likely
+    ones), as vLLM's."""
 
     request_id: str
     prompt: str | None

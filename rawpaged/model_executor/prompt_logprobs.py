@@ -38,21 +38,24 @@ def _top_k_rows(x, k, out):  # the k largest of each row, descending, equal valu
 
 
 def chunk_logprobs(logits: np.ndarray, targets: np.ndarray, k: int) -> list:
-    """Per row of float32 ``logits [m, vocab]``: ``{target: logprob, then the k most likely ids: logprob}``
-    (the target first, not repeated; the format of generated tokens' logprobs)."""
+    """Per row of float32 ``logits [m, vocab]``: ``{target: (logprob, rank), then the k most likely ids:
+    (logprob, rank)}`` (the target first, not repeated). A top id's rank is its place (1..k); the target's
+    is how many ids have a logit at least its own (vLLM's ``batched_count_greater_than``)."""
     x = np.asarray(logits, dtype=np.float32)
     peak = x.max(axis=1, keepdims=True)
     lse = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64))
     rows = np.arange(x.shape[0])
-    target_lp = x[rows, targets].astype(np.float64) - lse
+    target_x = x[rows, targets]
+    target_lp = target_x.astype(np.float64) - lse
+    ranks = (x >= target_x[:, None]).sum(axis=1)
     top = np.empty((x.shape[0], k), dtype=np.int64)
     if k:
         _top_k_rows(x, k, top)
     out = []
     for r in range(x.shape[0]):
-        entry = {int(targets[r]): float(target_lp[r])}
-        for t in top[r]:
-            entry.setdefault(int(t), float(x[r, t] - lse[r]))
+        entry = {int(targets[r]): (float(target_lp[r]), int(ranks[r]))}
+        for place, t in enumerate(top[r]):
+            entry.setdefault(int(t), (float(x[r, t] - lse[r]), place + 1))
         out.append(entry)
     return out
 

@@ -37,6 +37,9 @@ def check_against_reference(entries, prompt, ref, k):
     for i in range(1, len(prompt)):
         entry, row = entries[i], ref[i - 1]
         assert next(iter(entry)) == prompt[i]
+        x = row[prompt[i]]  # its rank: 1 + the ids above it, up to near-ties
+        assert (row > x + TOL).sum() + 1 <= entry[prompt[i]].rank <= (row >= x - TOL).sum()
+        entry = {t: lp.logprob for t, lp in entry.items()}
         for t, v in entry.items():
             assert abs(v - row[t]) < TOL, (i, t, v, row[t])
         top = [t for t in entry if t != prompt[i]] if len(entry) == k + 1 else list(entry)
