@@ -118,5 +118,5 @@ class OutputProcessor:
             finished,
             req.seqs[0].num_cached_tokens,
             metrics,
-            prompt_logprobs=list(prompt_lps) if prompt_lps else None,
+            prompt_logprobs=None if prompt_lps is None else (list(prompt_lps) or [None]),  # [None]: 1 token
         )

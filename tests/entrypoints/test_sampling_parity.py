@@ -125,3 +125,79 @@ def test_bad_values_are_400s_naming_the_field(server, client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=extra.pop("max_tokens", 4), extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
+
+
+# ------------------------------------------------------------------------------------------ prompt logprobs
+SCORED = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def engine_prompt_logprobs(model_dir, tokenizer):
+    """The engine's own prompt logprobs of SCORED (``LLM``-level, checked against the float64 reference in
+    tests/engine/test_prompt_logprobs.py)."""
+    from rawpaged import LLM, SamplingParams
+
+    ids = tokenizer.encode(SCORED)
+    llm = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64, max_model_len=1024)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    return ids, out[0].prompt_logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client, tokenizer, engine_prompt_logprobs):
+    """lm-eval's loglikelihood request (token-id prompt, max_tokens 1, logprobs 1, echo): the prompt's tokens
+    and logprobs come first, the first one null, top_logprobs for each other, text offsets running through
+    the prompt's token texts; then the generated token."""
+    ids, want = engine_prompt_logprobs
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.tokens[: len(ids)] == texts and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - want[i][ids[i]].logprob) < 1e-4
+        assert texts[i] in lp.top_logprobs[i] and 1 <= len(lp.top_logprobs[i]) <= 2
+    offsets = [0]
+    for t in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp.text_offset == offsets
+    assert out.choices[0].text.startswith(SCORED) and out.usage.completion_tokens == 1
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(server, client, engine_prompt_logprobs):
+    ids, want = engine_prompt_logprobs
+    out = client.completions.create(model=MODEL, prompt=SCORED, max_tokens=0, logprobs=0, echo=True)
+    choice = out.choices[0]
+    assert choice.text == SCORED and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+        [want[i][ids[i]].logprob for i in range(1, len(ids))], abs=1e-4
+    )
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=SCORED, max_tokens=0, logprobs=0, echo=True, stream=True)
+    )
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert text == SCORED and len(tokens) == len(ids)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=SCORED, max_tokens=0)
+
+
+def test_prompt_logprobs_on_both_endpoints(server, client, tokenizer, engine_prompt_logprobs):
+    """vLLM's prompt_logprobs: per choice on completions, top-level on chat; {id: {logprob, rank,
+    decoded_token}}; refused with stream."""
+    ids, want = engine_prompt_logprobs
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        entry = got[i][str(ids[i])]
+        assert abs(entry["logprob"] - want[i][ids[i]].logprob) < 1e-4 and entry["rank"] == want[i][ids[i]].rank
+        assert entry["decoded_token"] == tokenizer.decode([ids[i]], skip_special_tokens=False)
+        assert 2 <= len(got[i]) <= 3
+    chat = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    lps = chat.model_extra["prompt_logprobs"]
+    assert lps[0] is None and all(len(e) == 1 for e in lps[1:]) and len(lps) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", stream=True, extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    wait_pool_empty(server)

@@ -22,12 +22,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 @dataclass
 class PreparedPrompt:
-    """One prompt ready for the engine: its text (None when sent as token ids), token ids and parameters."""
+    """One prompt ready for the engine: its text (None when sent as token ids), token ids and parameters;
+    ``prompt_logprobs`` are the engine's (``RequestOutput.prompt_logprobs``) once its outputs bring them."""
 
     text: str | None
     ids: list
     params: SamplingParams
     tokenizer: object
+    prompt_logprobs: list | None = None
 
     @functools.cached_property
     def echo_text(self) -> str:

@@ -167,6 +167,16 @@ class GenerationRequest(OpenAIBaseModel):
         return None
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token (vLLM's ``prompt_logprobs``), or None for none."""
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """Whether the answer is the prompt alone (completions' ``echo`` with ``max_tokens`` 0)."""
+        return False
+
+    @property
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
@@ -260,6 +270,8 @@ class GenerationRequest(OpenAIBaseModel):
             raise ProtocolError("best_of > n cannot be streamed", param="best_of")
         if self.use_beam_search and self.stream:
             raise ProtocolError("beam search cannot be streamed (beams are chosen at the end)", param="use_beam_search")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ProtocolError("prompt_logprobs cannot be streamed (as in vLLM)", param="prompt_logprobs")
         if self.length_penalty is not None and not self.use_beam_search:
             raise ProtocolError(
                 "length_penalty applies to beam search only (use_beam_search: true)", param="length_penalty"
@@ -308,6 +320,24 @@ class CompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, else with ``echo`` the ``logprobs`` count (the echoed tokens get theirs, as
+        in OpenAI's legacy API and vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens``; 0 with ``echo`` returns the prompt alone, from a one-token generation (vLLM's way),
+        so 1 here."""
+        return 1 if self.echo_only else self.max_tokens
 
     def prompts(self, limits: Limits) -> list:
         return _prompt_list(self.prompt, limits)

@@ -123,22 +123,44 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: int = 0) -> dict:
-    """OpenAI's completions ``logprobs`` object for generated tokens; ``entries[i]`` is the engine's
-    ``{token_id: logprob}`` for token i (the chosen token first, then the top ones by rank). Tokens whose
-    texts collide (byte pieces of one character) share a ``top_logprobs`` key: the chosen token's value
-    wins, then the best-ranked."""
+    """OpenAI's completions ``logprobs`` object for tokens; ``entries[i]`` is the engine's ``{token_id:
+    logprob}`` (or ``{token_id: Logprob}``: prompt tokens) for token i (the token itself first, then the top
+    ones by rank), or None (the first prompt token: ``token_logprobs`` and ``top_logprobs`` null there, as
+    in OpenAI's legacy API and vLLM). ``text_offset``: each token's first character in the text, counted
+    from ``text_offset`` by the tokens' texts. Tokens whose texts collide (byte pieces of one character)
+    share a ``top_logprobs`` key: the token's own value wins, then the best-ranked."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         s = token_text(tokenizer, tid)
         tokens.append(s)
+        offsets.append(text_offset)
+        text_offset += len(s)
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        entry = {t: getattr(lp, "logprob", lp) for t, lp in entry.items()}
         lps.append(entry.get(tid))
-        top: dict = {}  # entry: the chosen token first, then by rank: where texts collide, the first stays
+        top: dict = {}  # entry: the token first, then by rank: where texts collide, the first stays
         for t, lp in entry.items():
             top.setdefault(token_text(tokenizer, t), lp)
         tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` (JSON object keys: the ids as strings)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if e is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
 def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict:
@@ -186,9 +208,14 @@ class ResponseFormat(Protocol):
     def logprobs(self, req, prompt, token_ids: list, entries: list, text_offset: int) -> dict | None:
         """This route's ``logprobs`` object for ``token_ids`` (None unless asked for)."""
 
+    def add_prompt_logprobs(self, req, response: dict, prompts: list) -> None:
+        """vLLM's ``prompt_logprobs`` field(s) in a full response, when the request asked for them."""
+
 
 class CompletionFormat:
-    """``/v1/completions``' shapes: the prompt echoed with ``echo``, integer ``logprobs``."""
+    """``/v1/completions``' shapes: the prompt echoed with ``echo`` (with ``logprobs``, the prompt tokens'
+    logprobs first, the first one null; with ``max_tokens`` 0, the prompt alone), integer ``logprobs``,
+    and each choice's ``prompt_logprobs`` (vLLM's field) when asked for."""
 
     response = staticmethod(completion_response)
     chunk = staticmethod(completion_chunk)
@@ -200,14 +227,43 @@ class CompletionFormat:
             return None
         return completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
 
-    def choice(self, req, index, prompt, output):
-        prefix = prompt.echo_text if req.echo else ""
-        return completion_choice(
-            index,
-            prefix + output.text,
-            output.finish_reason,
-            self.logprobs(req, prompt, output.token_ids, output.logprobs, len(prefix)),
+    @staticmethod
+    def _echo_offset(req, prompt) -> int:
+        """Where generated text starts in a choice's text offsets: after the echoed prompt, counted as the
+        prompt tokens' texts when their logprobs come first (one run of offsets, as vLLM), else as the
+        echoed text."""
+        if not req.echo:
+            return 0
+        if req.num_logprobs is not None and prompt.prompt_logprobs is not None:
+            return sum(len(token_text(prompt.tokenizer, t)) for t in prompt.ids)
+        return len(prompt.echo_text)
+
+    def _with_echo(self, req, prompt, token_ids, entries, text_offset):
+        """The logprobs of a choice's first piece: the echoed prompt's tokens, then ``token_ids``."""
+        if req.num_logprobs is None or prompt.prompt_logprobs is None:
+            return self.logprobs(req, prompt, token_ids, entries, text_offset + self._echo_offset(req, prompt))
+        return completion_logprobs(
+            prompt.tokenizer, prompt.ids + list(token_ids), list(prompt.prompt_logprobs) + list(entries or []), 0
         )
+
+    def choice(self, req, index, prompt, output):
+        token_ids, entries, text = output.token_ids, output.logprobs, output.text
+        if req.echo_only:
+            token_ids, entries, text = [], [], ""
+        if req.echo:
+            lp = self._with_echo(req, prompt, token_ids, entries, 0)
+            out = completion_choice(index, prompt.echo_text + text, output.finish_reason, lp)
+        else:
+            out = completion_choice(
+                index, text, output.finish_reason, self.logprobs(req, prompt, token_ids, entries, 0)
+            )
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(prompt.prompt_logprobs)
+        return out
+
+    @staticmethod
+    def add_prompt_logprobs(req, response, prompts):
+        return None  # per choice, in ``choice``
 
     @staticmethod
     def opening_choices(req, num_choices):
@@ -215,13 +271,16 @@ class CompletionFormat:
 
     def chunk_choices(self, req, index, prompt, delta):
         echo = req.echo and delta.first
-        lp = self.logprobs(
-            req, prompt, delta.token_ids, delta.logprobs, delta.text_offset + (len(prompt.echo_text) if req.echo else 0)
-        )
+        token_ids, entries, text = delta.token_ids, delta.logprobs, delta.text
+        if req.echo_only:
+            token_ids, entries, text = [], [], ""
+        if echo:
+            lp = self._with_echo(req, prompt, token_ids, entries, 0)
+        else:
+            lp = self.logprobs(req, prompt, token_ids, entries, delta.text_offset + self._echo_offset(req, prompt))
         choices = []
-        if delta.text or lp is not None or echo:
-            text = prompt.echo_text + delta.text if echo else delta.text
-            choices.append(completion_choice(index, text, None, lp))
+        if text or lp is not None or echo:
+            choices.append(completion_choice(index, prompt.echo_text + text if echo else text, None, lp))
         if delta.finish_reason is not None:
             choices.append(completion_choice(index, "", delta.finish_reason))
         return choices
@@ -244,6 +303,12 @@ class ChatFormat:
         if req.num_logprobs is None or not token_ids:
             return None
         return chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
+
+    @staticmethod
+    def add_prompt_logprobs(req, response, prompts):
+        """vLLM's top-level ``prompt_logprobs`` of a chat response (one conversation: one prompt)."""
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(prompts[0].prompt_logprobs)
 
     def choice(self, req, index, prompt, output):
         lp = self.logprobs(req, prompt, output.token_ids, output.logprobs)

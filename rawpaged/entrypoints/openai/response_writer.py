@@ -73,6 +73,7 @@ async def _full_response(state: AppState, req, fmt: ResponseFormat, rid, prompts
     final = {}
     async for i, out in merge_streams(streams):
         final[i] = out
+        prompts[i].prompt_logprobs = out.prompt_logprobs
     check_complete(streams)
     n = req.num_choices
     created = now()
@@ -81,10 +82,12 @@ async def _full_response(state: AppState, req, fmt: ResponseFormat, rid, prompts
         choices, completion_tokens = [], 0
         for i, p in enumerate(prompts):
             for c in sorted(final[i].outputs, key=lambda c: c.index):
-                completion_tokens += len(c.token_ids)
+                completion_tokens += 0 if req.echo_only else len(c.token_ids)
                 choices.append(fmt.choice(req, i * n + c.index, p, c))
         totals = usage(sum(len(p.ids) for p in prompts), completion_tokens)
-        return dumps_by_part(fmt.response(rid, created, state.model_name, choices, totals), "choices")
+        response = fmt.response(rid, created, state.model_name, choices, totals)
+        fmt.add_prompt_logprobs(req, response, prompts)
+        return dumps_by_part(response, "choices")
 
     return web.Response(text=await asyncio.to_thread(render), content_type="application/json")
 
@@ -132,10 +135,11 @@ async def _stream_response(request, state: AppState, req, fmt: ResponseFormat, r
         for choice in fmt.opening_choices(req, len(prompts) * n):
             await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage))
         async for i, out in merge_streams(streams):
+            prompts[i].prompt_logprobs = out.prompt_logprobs
             for d in trackers[i].deltas(out):
                 for choice in fmt.chunk_choices(req, i * n + d.index, prompts[i], d):
                     await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage))
-            if out.finished:
+            if out.finished and not req.echo_only:
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         check_complete(streams)
         if req.include_usage:

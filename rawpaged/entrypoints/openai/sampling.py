@@ -23,7 +23,6 @@ _PLAIN_FIELDS = (
     "min_tokens",
     "bad_words",
     "allowed_token_ids",
-    "prompt_logprobs",
 )
 
 
@@ -41,6 +40,8 @@ def sampling_kwargs(req, defaults: dict | None = None) -> dict:
         kw["seed"] = req.seed % (1 << 64)  # negative seeds (valid in OpenAI's API) map to unsigned
     if req.num_logprobs is not None:
         kw["logprobs"] = req.num_logprobs
+    if req.num_prompt_logprobs is not None:
+        kw["prompt_logprobs"] = req.num_prompt_logprobs
     if req.logit_bias is not None:
         kw["logit_bias"] = req.token_logit_bias()
     best_of = getattr(req, "best_of", None)
