@@ -30,7 +30,7 @@ from rawpaged.entrypoints.openai.engine_requests import add_requests
 from rawpaged.entrypoints.openai.preprocessing import PreparedPrompt, prepare_prompts
 from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
 from rawpaged.entrypoints.openai.request_body import decode_json, parse_request
-from rawpaged.entrypoints.openai.response_builders import ChatFormat, CompletionFormat, new_id
+from rawpaged.entrypoints.openai.response_builders import ChatFormat, CompletionFormat, new_id, prompt_logprobs_json
 from rawpaged.entrypoints.websocket_messages import (
     NOT_PARAMETERS,
     Job,
@@ -280,14 +280,17 @@ class WebSocketSession:
             self._ended(job)
 
     async def _stream(self, job: Job, req: WebSocketGenerateRequest, prompt: PreparedPrompt, stream) -> None:
-        """A ``delta`` per new text of a choice (logprobs in the matching HTTP API's shape), a ``done`` when
-        it finishes."""
+        """A ``delta`` per new text of a choice (logprobs in the matching HTTP API's shape; the first one
+        with ``prompt_logprobs`` when asked for), a ``done`` when it finishes."""
         fmt = ChatFormat() if req.kind == "chat" else CompletionFormat()
         async for out in stream:
             for d in job.tracker.deltas(out):
                 if d.text or d.token_ids:
                     lp = fmt.logprobs(req, prompt, d.token_ids, d.logprobs, d.text_offset)
-                    await self.send(job.delta_message(d, lp))
+                    msg = job.delta_message(d, lp)
+                    if d.first and req.prompt_logprobs is not None:
+                        msg["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                    await self.send(msg)
                 if d.finish_reason:
                     await self.send(job.done_message(d.index, d.finish_reason))
 

@@ -108,6 +108,26 @@ def test_websocket_takes_the_parameters(server, token_of):
 
     assert run(main({"logit_bias": {str(banana): 100}})) == " banana" * 3
     assert run(main({"allowed_token_ids": [banana], "repetition_penalty": 1.5, "min_tokens": 3})) == " banana" * 3
+    assert run(main({"bad_words": ["four"], "frequency_penalty": 1.0, "presence_penalty": 0.5})) != ""
+
+
+def test_websocket_prompt_logprobs_come_with_the_first_delta(server, engine_prompt_logprobs):
+    ids, want = engine_prompt_logprobs
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(server.url + "/v1/ws") as ws:
+                await ws.send_json({"type": "generate", "id": 1, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 1})
+                msgs = []
+                while not msgs or msgs[-1]["type"] not in ("done", "error"):
+                    msgs.append(json.loads((await ws.receive(timeout=60)).data))
+                return msgs
+
+    msgs = run(main())
+    deltas = [m for m in msgs if m["type"] == "delta"]
+    got = deltas[0]["prompt_logprobs"]
+    assert all("prompt_logprobs" not in m for m in deltas[1:]) and got[0] is None and len(got) == len(ids)
+    assert all(abs(got[i][str(ids[i])]["logprob"] - want[i][ids[i]].logprob) < 1e-4 for i in range(1, len(ids)))
 
 
 @pytest.mark.parametrize(
