@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Logprob:
     """One prompt token's (or top candidate's) logprob as vLLM's ``Logprob``: ``rank`` 1 for the most likely
     id; ``decoded_token`` its text (special tokens included)."""

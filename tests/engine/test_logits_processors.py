@@ -270,3 +270,31 @@ def test_default_model_repetition_penalty_from_generation_config(model_dir, tmp_
     p = dataclasses.replace(p, temperature=0.0, max_tokens=16)
     outs = _check_greedy_steps(llm, [prompt, prompt], [p, dataclasses.replace(p, repetition_penalty=1.0)])
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def test_speculative_decoding_keeps_penalized_outputs_the_same(tiny_dir):
+    """n-gram drafts on a repetitive prompt, verified with penalties on every row: each row counts the
+    drafts before it as output, so the tokens are those of plain decoding."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8] * 12}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.3,
+        presence_penalty=-1.0, bad_words=None, logit_bias={6: 0.05},
+    )  # fmt: skip
+    plain = tiny_engine(tiny_dir).generate([prompt], params)[0].outputs[0].token_ids
+    spec = tiny_engine(tiny_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = spec.generate([prompt], params)[0].outputs[0].token_ids
+    assert got == plain
+    assert spec.stats()["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_beam_search_ranks_by_the_edited_logits(tiny_dir):
+    """Beams under a logit bias that bans a token never take it; every block comes back."""
+    llm = tiny_engine(tiny_dir)
+    prompt = {"prompt_token_ids": [10, 11, 12, 13]}
+    base = SamplingParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    top = llm.generate([prompt], base)[0].outputs[0].token_ids
+    banned = SamplingParams(beam_width=3, max_tokens=6, ignore_eos=True, logit_bias={top[0]: -100.0, top[1]: -100.0})
+    out = llm.generate([prompt], banned)[0].outputs
+    assert all(top[0] not in c.token_ids and top[1] not in c.token_ids for c in out)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
