@@ -46,7 +46,7 @@ def _first_logits(llm, prompt_ids):
 
     eng = llm.engine
     kv = eng.kv_cache_manager
-    seq = Sequence(0, "check", 0, list(prompt_ids), None, None, 0.0)
+    seq = Sequence(0, "check", 0, list(prompt_ids), SamplingParams(), None, 0.0)
     assert kv.allocate_slots(seq, len(prompt_ids))
     logits, _, _ = eng.runner.execute_model(SchedulerOutput(scheduled=[(seq, len(prompt_ids))]))
     kv.free(seq)

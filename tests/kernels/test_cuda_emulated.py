@@ -942,6 +942,12 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
         "apply_logits_edits_kernel",
     } <= launched
     assert f32.stats()["prefix_cache_hits"] > 0
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)  # the LM head over every position
+    for want, got in zip(cpu_llm.generate(prompts, scored), f32.generate(prompts, scored)):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) and got.prompt_logprobs[0] is None
+        for w, g in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:]):
+            assert list(g)[0] == list(w)[0] and set(g) == set(w)
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in w)
 
     bf16 = LLM(device="cuda", **kw)
     assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")
