@@ -52,6 +52,23 @@ def _ids(tok: HFTokenizer, text: str, add_special_tokens: bool) -> list:
     return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+def _up_to_final_content(text: str, final: str) -> str:
+    """``text`` cut where its last occurrence of ``final`` (the last message's content) ends, as HF's
+    ``continue_final_message`` cuts it: with the content's trailing whitespace where the template kept it.
+
+    Raises:
+        ValueError: ``text`` does not hold ``final`` (stripped).
+    """
+    core = final.strip()
+    if core not in text:
+        raise ValueError(
+            "continue_final_message is set, but the chat template does not write the last message's content as given"
+        )
+    at = text.rindex(core)
+    keep = len(final.lstrip())
+    return text[: at + keep] if text[at : at + keep] == final else text[: at + len(core)]
+
+
 class Tokenizer:
     """``tokenizer.json`` + ``tokenizer_config.json`` of a model directory.
 
@@ -81,6 +98,7 @@ class Tokenizer:
 
     def _setup(self, tok: HFTokenizer, cfg: dict) -> None:
         self._tok = tok
+        self.config = dict(cfg)  # tokenizer_config.json as read (``pad_token``, ``model_max_length``, ...)
         self.chat_template = cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
             self.chat_template = next(
@@ -105,20 +123,45 @@ class Tokenizer:
         return self._tok.to_str()
 
     def to_config(self) -> dict:
-        """The ``tokenizer_config.json`` fields this class reads: with ``to_json``, what
-        ``from_objects`` rebuilds it from (e.g. in another process)."""
+        """``tokenizer_config.json`` (``config``) with the fields this class reads as it reads them: with
+        ``to_json``, what ``from_objects`` rebuilds it from (e.g. in another process)."""
         return {
+            **self.config,
             "chat_template": self.chat_template,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "add_bos_token": self.add_bos_token,
         }
 
-    def encode(self, text: str) -> list:
-        """Token ids of a raw prompt as HF's ``tokenizer(text)`` and vLLM give them: special-token text
-        parsed as the special token, and the tokens ``tokenizer.json``'s post-processor adds (Llama 3's
-        BOS), or BOS first where ``tokenizer_config.json`` sets ``add_bos_token`` (never twice)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list:
+        """Token ids of a raw prompt as HF's ``tokenizer(text, add_special_tokens=...)`` and vLLM give
+        them: special-token text parsed as the special token; with ``add_special_tokens``, also the tokens
+        ``tokenizer.json``'s post-processor adds (Llama 3's BOS), or BOS first where
+        ``tokenizer_config.json`` sets ``add_bos_token`` (never twice)."""
+        if not add_special_tokens:
+            return _ids(self._tok, text, add_special_tokens=False)
         return self._with_bos(_ids(self._tok, text, add_special_tokens=True))
+
+    @functools.cached_property
+    def _special_affixes(self) -> tuple:
+        """``(prefix, suffix)``: the ids ``tokenizer.json``'s post-processor puts before and after a text
+        (Llama 3: ``([BOS], [])``), found by encoding one character with and without them."""
+        core = _ids(self._tok, "a", add_special_tokens=False)
+        full = _ids(self._tok, "a", add_special_tokens=True)
+        for i in range(len(full) - len(core) + 1):
+            if core and full[i : i + len(core)] == core:
+                return full[:i], full[i + len(core) :]
+        return full, []
+
+    def convert_ids_to_tokens(self, ids) -> list:
+        """Each id's vocabulary entry as ``tokenizer.json`` spells it (HF's ``convert_ids_to_tokens``:
+        byte-level ``"Ġthe"``, SentencePiece ``"▁the"``, ``"<|im_end|>"``); None for an id that names no
+        token (negative, past the vocabulary, or a gap in it)."""
+        return [self._tok.id_to_token(int(i)) if 0 <= int(i) < 1 << 32 else None for i in ids]
+
+    def added_tokens(self) -> dict:
+        """``{id: content}`` of the added tokens (special or not), as HF's ``added_tokens_decoder``."""
+        return {i: t.content for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
 
     def get_vocab(self) -> dict:
         """Token string -> id, added tokens included (as HF's ``get_vocab``)."""
@@ -136,16 +179,6 @@ class Tokenizer:
         per_token = self.max_token_chars * (4 if self._tok.normalizer is not None else 1)
         return -(-len(text) // per_token)
 
-    def _encode_rendered(self, text: str) -> list:
-        """Token ids of a rendered chat template: its special tokens are the template's own (it writes
-        any BOS itself), so nothing is added but ``add_bos_token``'s BOS where the template has none."""
-        return self._with_bos(_ids(self._tok, text, add_special_tokens=False))
-
-    def encode_without_special_tokens(self, text: str) -> list:
-        """Token ids of ``text`` as HF's ``encode(text, add_special_tokens=False)``: special-token text
-        parsed as the special token, nothing added (no BOS)."""
-        return _ids(self._tok, text, add_special_tokens=False)
-
     def encode_literal(self, text: str) -> list:
         """Token ids of ``text`` with any special-token text encoded as plain characters (no BOS)."""
         return _ids(self._literal, text, add_special_tokens=False)
@@ -161,23 +194,45 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         template_kwargs: dict | None = None,
         tools: list | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> tuple:
         """``(prompt text, token ids)`` of a conversation rendered with the chat template, every message's
         content encoded as literal text: only the template's own markers are special tokens.
 
-        Contents without special-token text take the plain path (``encode`` of the rendered text). Others
-        are rendered as placeholders, and the template's pieces and the literal contents are encoded
-        apart. Raises ValueError (see ``apply_chat_template``), also when a template rewrites a content
-        that spells a special token, since then it cannot be kept literal.
+        The template writes its special tokens (any BOS too), so nothing is added but ``add_bos_token``'s
+        BOS where the template has none. Contents without special-token text take the plain path (the
+        rendered text encoded as a whole). Others are rendered as placeholders, and the template's pieces
+        and the literal contents are encoded apart. ``continue_final_message``: see
+        ``apply_chat_template``. ``add_special_tokens``: also the tokens the post-processor puts around a
+        text (vLLM's ``/tokenize`` option: a Llama 3 chat then starts with two BOS, the template's and the
+        post-processor's, as HF's ``tokenizer(text)`` of the rendered text gives).
+
+        Raises:
+            ValueError: see ``apply_chat_template``; also when a template rewrites a content that spells a
+                special token, since then it cannot be kept literal.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
+        render = functools.partial(
+            self.apply_chat_template,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=template_kwargs,
+            tools=tools,
+            continue_final_message=continue_final_message,
+        )
+        text = render(messages)
+        ids = self._encode_conversation(text, messages, render)
+        if add_special_tokens:
+            prefix, suffix = self._special_affixes
+            ids = prefix + ids + suffix
+        return text, self._with_bos(ids)
+
+    def _encode_conversation(self, text: str, messages: list, render) -> list:
+        """The ids of ``text`` (``messages`` rendered by ``render``), the contents literal (``encode_chat``)."""
         contents = [m["content"] for m in messages]
         if not any(s in c for c in contents for s in self.special_tokens):
-            return text, self._encode_rendered(text)
+            return _ids(self._tok, text, add_special_tokens=False)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        marked = self.apply_chat_template(
-            [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt, template_kwargs, tools
-        )
+        marked = render([{**m, "content": k} for m, k in zip(messages, marks)])
         pieces = re.split("(\ue000\\d+\ue001)", marked)
         is_content = [p in marks for p in pieces]
         if "".join(contents[marks.index(p)] if c else p for p, c in zip(pieces, is_content)) != text:
@@ -187,7 +242,7 @@ class Tokenizer:
         ids = []
         for p, c in zip(pieces, is_content):
             ids += self.encode_literal(contents[marks.index(p)]) if c else _ids(self._tok, p, add_special_tokens=False)
-        return text, self._with_bos(ids)
+        return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -221,18 +276,25 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         template_kwargs: dict | None = None,
         tools: list | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """Render ``messages`` ([{"role", "content", ...}]: HF transformers' message dicts, with
         ``tool_calls`` and ``tool_call_id`` where they have them) with the model's Jinja chat template;
         ``template_kwargs`` are extra template variables (vLLM's ``chat_template_kwargs``, e.g. Qwen3's
         ``enable_thinking``), ``tools`` OpenAI's tool dicts (for templates that render them: see
-        ``supports_tools``).
+        ``supports_tools``). ``continue_final_message`` ends the text where the last message's content
+        ends, leaving that message open for the model to go on (HF's option of that name; not with
+        ``add_generation_prompt``).
 
         Raises:
-            ValueError: the model has no chat template, a message is malformed, or the template raises.
+            ValueError: the model has no chat template, a message is malformed, the template raises, or
+                ``continue_final_message`` is set with ``add_generation_prompt`` or the template does not
+                write the last content as given.
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json: chat_template)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if template_kwargs is not None:
             if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
                 raise ValueError("chat_template_kwargs must be a mapping of names to values")
@@ -247,7 +309,7 @@ class Tokenizer:
         try:
             if self._template is None:
                 self._template = self._environment().from_string(self.chat_template)
-            return self._template.render(
+            text = self._template.render(
                 **(template_kwargs or {}),
                 messages=messages,
                 tools=tools,
@@ -257,6 +319,7 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None
+        return _up_to_final_content(text, messages[-1]["content"]) if continue_final_message else text
 
     @staticmethod
     def _environment() -> jinja2.Environment:

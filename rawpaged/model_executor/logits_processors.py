@@ -69,11 +69,11 @@ def bad_words_token_ids(words, tokenizer) -> tuple:
     token-id tuples, in that order. Raises InvalidRequestError ("bad_words") for a word with no tokens."""
     out = []
     for word in words:
-        plain = tuple(tokenizer.encode_without_special_tokens(word.lstrip()))
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not plain:
             raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens", "bad_words")
         out.append(plain)
-        spaced = tuple(tokenizer.encode_without_special_tokens(" " + word.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
     return tuple(out)

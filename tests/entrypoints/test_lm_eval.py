@@ -27,7 +27,6 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 pytest.importorskip("lm_eval")  # the `test` extra installs it; absent on some hosts
 pytest.importorskip("yaml")  # lm_eval's dependency (through datasets)
 
-import dataclasses
 from pathlib import Path
 
 import aiohttp
@@ -50,44 +49,22 @@ LOGPROB_TOL = 1e-3  # float32 engine, the same weights on both sides: only the b
 
 
 # ------------------------------------------------------------------------------------------ offline scores
-# HOOK: the main engineer finishes this with the engine's prompt logprobs (SamplingParams.prompt_logprobs).
-# Written for vLLM's shape: RequestOutput.prompt_logprobs is a list as long as the prompt, None first, then
-# {token_id: Logprob(logprob, rank, decoded_token)} holding at least the prompt's own token (rank 1 = the
-# most likely token there). Adjust the two marked lines if rawpaged's shape differs (e.g. plain floats).
+# RequestOutput.prompt_logprobs (vLLM's shape) is a list as long as the prompt, None first, then
+# {token_id: Logprob(logprob, rank, decoded_token)} holding at least the prompt's own token (rank 1: the most
+# likely token there); tests/engine/test_prompt_logprobs.py ties it to the float64 reference model.
 def offline_loglikelihood(llm, context_ids: list, continuation_ids: list) -> tuple:
     """(sum of log P(token | all before it) over ``continuation_ids``, whether each of them is the most
     likely token) for the prompt ``context_ids + continuation_ids``, from the offline engine ``llm``."""
     ids = list(context_ids) + list(continuation_ids)
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
-    prompt_logprobs = out.prompt_logprobs  # HOOK: vLLM's field name
+    prompt_logprobs = out.prompt_logprobs
     assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
     total, greedy = 0.0, True
     for pos in range(len(context_ids), len(ids)):
         entry = prompt_logprobs[pos][ids[pos]]
-        total += entry.logprob  # HOOK: Logprob.logprob and Logprob.rank as in vLLM
+        total += entry.logprob
         greedy = greedy and entry.rank == 1
     return total, greedy
-
-
-# TEMPORARY, until prompt logprobs (echo + logprobs on /v1/completions) and the /tokenize, /detokenize,
-# /tokenizer_info routes land: skip while they are missing. Delete both checks (here and in `evaluation`)
-# once they are merged, so that losing either feature fails this test instead of skipping it.
-pytestmark.append(
-    pytest.mark.skipif(
-        "prompt_logprobs" not in {f.name for f in dataclasses.fields(SamplingParams)},
-        reason="SamplingParams has no prompt_logprobs yet",
-    )
-)
-
-
-def tokenizer_routes_missing(url: str) -> bool:
-    """TEMPORARY (see above): whether the server answers 404 on /tokenizer_info."""
-
-    async def status():
-        async with aiohttp.ClientSession() as s, s.get(url + "/tokenizer_info") as r:
-            return r.status
-
-    return run(status()) == 404
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -121,8 +98,6 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def evaluation(server, task_dir):
     """lm_eval's results with ``samples`` (per document: arguments, responses), both tasks in one run."""
-    if tokenizer_routes_missing(server.url):  # TEMPORARY (see above)
-        pytest.skip("the server has no /tokenizer_info route yet")
     with pytest.MonkeyPatch.context() as mp:
         # read when `datasets` is first imported (by lm_eval.evaluator below): no hub lookups
         mp.setenv("HF_DATASETS_OFFLINE", "1")

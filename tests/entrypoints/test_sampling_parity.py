@@ -43,7 +43,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def token_of(tokenizer):
     def token_of(text):
-        ids = tokenizer.encode_without_special_tokens(text)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         assert len(ids) == 1, (text, ids)
         return ids[0]
 

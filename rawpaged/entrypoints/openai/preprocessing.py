@@ -75,16 +75,27 @@ def pick_max_tokens(req, limits: Limits, num_prompt_tokens: int, max_len: int) -
     return requested
 
 
+def encode_conversation(tok, req, max_len: int | None = None, **options) -> tuple:
+    """``(text, token ids)`` of ``req``'s conversation (its ``template_messages()``, ``template_tools()``
+    and ``chat_template_kwargs``): tools written into the messages where the template does not render
+    them (``chat_utils.template_conversation``), then rendered and tokenized by ``Tokenizer.encode_chat``
+    (``options``: its keyword options, e.g. ``add_generation_prompt``). With ``max_len``, a conversation
+    whose text cannot fit the context is refused before the tokenizer's work. Raises ProtocolError
+    naming ``messages`` (``_check_length``'s names the request's prompt field)."""
+    try:
+        messages, tools = template_conversation(req.template_messages(), req.template_tools(), tok.supports_tools)
+        if max_len is not None:
+            text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+            _check_length(tok, text, req, max_len)
+        return tok.encode_chat(messages, template_kwargs=req.chat_template_kwargs, tools=tools, **options)
+    except ValueError as e:
+        raise ProtocolError(str(e), param="messages") from None
+
+
 def _tokenize(tok, req, limits: Limits, max_len: int) -> list:
     """``[(text or None, token ids)]``, one per prompt; chat: the one rendered conversation."""
     if req.kind == "chat":
-        try:
-            messages, tools = template_conversation(req.template_messages(), req.template_tools(), tok.supports_tools)
-            text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
-            _check_length(tok, text, req, max_len)
-            return [tok.encode_chat(messages, True, req.chat_template_kwargs, tools)]
-        except ValueError as e:
-            raise ProtocolError(str(e), param="messages") from None
+        return [encode_conversation(tok, req, max_len)]
     prompts = req.prompts(limits)
     for p in prompts:
         if isinstance(p, str):

@@ -78,9 +78,11 @@ def unknown_fields(model: type[BaseModel], body) -> list:
 
 
 def parse_request(model: type[GenerationRequest], data, limits: Limits) -> GenerationRequest:
-    """A request body (bytes/str of JSON, or an already decoded object) as ``model``, checked
-    (``GenerationRequest.check``). Fields the API does not define are ignored and logged, or refused
-    with ``limits.reject_unknown_fields``. Raises ProtocolError naming the field at fault."""
+    """A request body (bytes/str of JSON, or an already decoded object) as ``model`` (a
+    ``GenerationRequest`` or another request model with ``check(limits)``, such as
+    ``protocol_tokenization``'s), checked (``check``). Fields the API does not define are ignored and
+    logged, or refused with ``limits.reject_unknown_fields``. Raises ProtocolError naming the field at
+    fault; the model's ``expected_types`` (field -> what it must be) word a wrong type's message."""
     body = decode_json(data) if isinstance(data, (bytes, str)) else data
     unknown = unknown_fields(model, body)
     if unknown and limits.reject_unknown_fields:
@@ -91,14 +93,14 @@ def parse_request(model: type[GenerationRequest], data, limits: Limits) -> Gener
     try:
         req = model.model_validate(body)
     except ValidationError as e:
-        raise _validation_error(e, body) from None
+        raise _validation_error(e, body, getattr(model, "expected_types", {})) from None
     if unknown:
         logger.warning("request fields %s are not part of the API and were ignored", ", ".join(map(repr, unknown)))
     req.check(limits)
     return req
 
 
-def _validation_error(e: ValidationError, data) -> ProtocolError:
+def _validation_error(e: ValidationError, data, expected_types: dict) -> ProtocolError:
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         return ProtocolError(f"request body is not valid JSON: {err['msg']}")
@@ -110,6 +112,7 @@ def _validation_error(e: ValidationError, data) -> ProtocolError:
     if err["type"] == "missing":
         return ProtocolError(f"{'.'.join(loc)} is required", param=param)
     got = json.dumps(err.get("input"), default=str)[:100]
-    if param in _EXPECTED and len(loc) == 1:
-        return ProtocolError(f"{param} must be {_EXPECTED[param]}, got {got}", param=param)
+    expected = expected_types.get(param) or _EXPECTED.get(param)
+    if expected and len(loc) == 1:
+        return ProtocolError(f"{param} must be {expected}, got {got}", param=param)
     return ProtocolError(f"{'.'.join(loc)}: {err['msg']}, got {got}", param=param)
