@@ -4,10 +4,11 @@
    for greedy, temperature-only and top-p sampling at a few batch sizes.
 2. ``params``: a batch of decodes with no logits parameters against the same batch where every request
    sets all of them (repetition, frequency and presence penalties, 10 logit biases, min_tokens, two bad
-   words; and allowed_token_ids alone): median step time, alternated runs, and the time the edits
-   themselves took per step (the sparse edits' host build and kernel, measured around them).
+   words; and allowed_token_ids alone), greedy and with top-p: median step time, alternated runs, the
+   time the edits themselves took per step (the sparse edits' host build and kernel, measured around
+   them) and the sampler's (a flatter distribution makes top-p's candidate set larger).
 3. ``prompt-logprobs``: a long prompt's prefill (max_tokens 1) with and without ``prompt_logprobs``:
-   time, and the peak of Python-tracked allocations (NumPy's included) above the plain prefill's.
+   time, and the peak RSS of a fresh process running it once above the plain prefill's.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/sampling.py [--sections ...]
 """
@@ -47,7 +48,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/out/sampling.json")
+    p.add_argument("--child-peak", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child_peak is not None:
+        return child_peak(args.child_peak, args.prompt_len)
 
     from rawpaged.config import EngineConfig
     from rawpaged.engine.llm_engine import LLMEngine
@@ -119,93 +123,126 @@ def logits_params(engine, args) -> list:
     the edits' own time per step."""
     from rawpaged.sampling_params import SamplingParams
 
-    selector = engine.token_selector
-    apply_rules = selector._apply_logits_rules
-    spent = []
+    selector, runner = engine.token_selector, engine.runner
+    apply_rules, sample = selector._apply_logits_rules, runner.sample
+    spent = {"edits": [], "sampler": []}
 
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        apply_rules(*a, **kw)
-        spent.append((time.perf_counter() - t0) * 1e3)
+    def timed(fn, key):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            result = fn(*a, **kw)
+            spent[key].append((time.perf_counter() - t0) * 1e3)
+            return result
 
-    selector._apply_logits_rules = timed
+        return wrapper
+
+    selector._apply_logits_rules = timed(apply_rules, "edits")
+    runner.sample = timed(sample, "sampler")
     prompts = _prompts(args.params_batch, args.input_len)
-    base = dict(temperature=0.7, top_p=0.9, seed=1, max_tokens=args.params_output_len, ignore_eos=True)
-    settings = {
-        "none": SamplingParams(**base),
-        "all but allowed_token_ids": SamplingParams(**base, **PARAMS_ALL),
-        "allowed_token_ids (1000 ids)": SamplingParams(**base, allowed_token_ids=list(range(2000, 3000))),
-    }
-    steps = {name: [] for name in settings}
-    edits = {name: [] for name in settings}
-    for _ in range(args.repeats):
-        for name, params in settings.items():
-            spent.clear()
-            steps[name] += _decode_steps_ms(engine, prompts, params)
-            edits[name] += spent[2:]
-    selector._apply_logits_rules = apply_rules
-    plain = statistics.median(steps["none"])
     rows = []
-    for name in settings:
-        step = statistics.median(steps[name])
-        edit = statistics.median(edits[name]) if edits[name] else 0.0
-        rows.append(
-            {
-                "batch": args.params_batch,
-                "parameters": name,
-                "step_ms": round(step, 2),
-                "vs_none": round(step / plain, 3),
-                "edits_ms": round(edit, 3),
-                "edits_share": round(edit / step, 4),
-            }
-        )
-    print_table(rows, ["batch", "parameters", "step_ms", "vs_none", "edits_ms", "edits_share"])
+    for sampling, kw in (("greedy", dict(temperature=0.0)), ("T 0.7, top_p 0.9", dict(temperature=0.7, top_p=0.9))):
+        base = dict(seed=1, max_tokens=args.params_output_len, ignore_eos=True, **kw)
+        settings = {
+            "none": SamplingParams(**base),
+            "all but allowed_token_ids": SamplingParams(**base, **PARAMS_ALL),
+            "allowed_token_ids (1000 ids)": SamplingParams(**base, allowed_token_ids=list(range(2000, 3000))),
+        }
+        measured = {name: {"step": [], "edits": [], "sampler": []} for name in settings}
+        for _ in range(args.repeats):  # alternated, so drift hits every setting alike
+            for name, params in settings.items():
+                for v in spent.values():
+                    v.clear()
+                measured[name]["step"] += _decode_steps_ms(engine, prompts, params)
+                measured[name]["edits"] += spent["edits"][2:]
+                measured[name]["sampler"] += spent["sampler"][2:]
+        plain = statistics.median(measured["none"]["step"])
+        for name in settings:
+            m = {k: statistics.median(v) if v else 0.0 for k, v in measured[name].items()}
+            rows.append(
+                {
+                    "batch": args.params_batch,
+                    "sampling": sampling,
+                    "parameters": name,
+                    "step_ms": round(m["step"], 2),
+                    "vs_none": round(m["step"] / plain, 3),
+                    "edits_ms": round(m["edits"], 3),
+                    "edits_share": round(m["edits"] / m["step"], 4),
+                    "sampler_ms": round(m["sampler"], 2),
+                }
+            )
+    selector._apply_logits_rules, runner.sample = apply_rules, sample
+    print_table(
+        rows, ["batch", "sampling", "parameters", "step_ms", "vs_none", "edits_ms", "edits_share", "sampler_ms"]
+    )
     return rows
 
 
-def prompt_logprobs(engine, args) -> list:
-    """One ``prompt_len``-token prefill (max_tokens 1) with prompt_logprobs 0 and 5 against none:
-    time (best of ``repeats``, alternated) and the peak tracked allocations above the plain run's."""
-    import tracemalloc
-
+def _prefill(engine, ids, k) -> float:
+    """Seconds to run one prompt to its first token with ``prompt_logprobs=k`` (None: off)."""
     from rawpaged.sampling_params import SamplingParams
 
+    engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=k))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def _peak_rss_mb(prompt_len: int, k) -> float:
+    """The peak RSS (MB) of a fresh process that loads the engine, warms up, and runs the prompt once."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--child-peak", str(-1 if k is None else k), "--prompt-len", str(prompt_len)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def prompt_logprobs(engine, args) -> list:
+    """One ``prompt_len``-token prefill (max_tokens 1) with prompt_logprobs 0 and 5 against none: time
+    (best of ``repeats``, alternated), and each run's peak RSS in a fresh process against the plain one's
+    (what prompt logprobs add at their peak: the LM head's chunks)."""
     ids = _prompts(1, args.prompt_len)[0]
-
-    def run(k):
-        engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=k))
-        tracemalloc.start()
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        seconds = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1] - base
-        tracemalloc.stop()
-        return seconds, peak
-
-    times = {None: [], 0: [], 5: []}
-    peaks = {None: [], 0: [], 5: []}
+    ks = (None, 0, 5)
+    times = {k: [] for k in ks}
     for _ in range(args.repeats):
-        for k in times:
-            s, peak = run(k)
-            times[k].append(s)
-            peaks[k].append(peak)
+        for k in ks:
+            times[k].append(_prefill(engine, ids, k))
+    peaks = {k: _peak_rss_mb(args.prompt_len, k) for k in ks}
     rows = []
-    for k in times:
+    for k in ks:
         rows.append(
             {
                 "prompt_len": args.prompt_len,
                 "prompt_logprobs": "none" if k is None else k,
                 "seconds": round(min(times[k]), 3),
                 "vs_prefill": round(min(times[k]) / min(times[None]), 3),
-                "peak_mb": round(max(peaks[k]) / 2**20, 1),
-                "extra_peak_mb": round((max(peaks[k]) - max(peaks[None])) / 2**20, 1),
+                "peak_rss_mb": round(peaks[k], 1),
+                "extra_peak_mb": round(peaks[k] - peaks[None], 1),
             }
         )
-    print_table(rows, ["prompt_len", "prompt_logprobs", "seconds", "vs_prefill", "peak_mb", "extra_peak_mb"])
+    print_table(rows, ["prompt_len", "prompt_logprobs", "seconds", "vs_prefill", "peak_rss_mb", "extra_peak_mb"])
     return rows
+
+
+def child_peak(k: int, prompt_len: int) -> int:
+    """``_peak_rss_mb``'s child: prints its peak RSS in MB after one run (``k`` -1: no prompt logprobs)."""
+    import resource
+
+    from rawpaged.config import EngineConfig
+    from rawpaged.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            device="cpu",
+            max_num_batched_tokens=max(2048, prompt_len),
+            max_model_len=max(2048, prompt_len + 16),
+            enable_prefix_caching=False,
+        )
+    )
+    engine.warmup()
+    _prefill(engine, _prompts(1, prompt_len)[0], None if k < 0 else k)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return 0
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ histories hold, and nothing when no request uses these parameters.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numba as nb
 import numpy as np
 
 from rawpaged.errors import InvalidRequestError
@@ -167,57 +169,114 @@ def _cat(parts: list, dtype) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
+def _starts(sizes) -> np.ndarray:
+    out = np.zeros(len(sizes) + 1, dtype=np.int32)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _penalty_entries(history, history_start, prompt, prompt_start, repeat, count):
+    """Per row ``i``: repetition entries (its sorted unique prompt ids, then its history's distinct ids not
+    among them) when ``repeat[i]``, count entries (the history's distinct ids and counts) when ``count[i]``."""
+    num_rows = history_start.shape[0] - 1
+    sorted_history = history.copy()
+    for i in range(num_rows):
+        sorted_history[history_start[i] : history_start[i + 1]].sort()
+    rep_sizes = np.zeros(num_rows, np.int64)
+    count_sizes = np.zeros(num_rows, np.int64)
+    for step in range(2):  # 0: sizes, 1: fill
+        if step == 1:
+            rep_start = np.zeros(num_rows + 1, np.int32)
+            count_start = np.zeros(num_rows + 1, np.int32)
+            for i in range(num_rows):
+                rep_start[i + 1] = rep_start[i] + rep_sizes[i]
+                count_start[i + 1] = count_start[i] + count_sizes[i]
+            rep_ids = np.empty(rep_start[num_rows], np.int32)
+            count_ids = np.empty(count_start[num_rows], np.int32)
+            counts = np.empty(count_start[num_rows], np.float32)
+        for i in range(num_rows):
+            p = prompt[prompt_start[i] : prompt_start[i + 1]]
+            r = 0
+            c = 0
+            if repeat[i]:
+                if step == 1:
+                    rep_ids[rep_start[i] : rep_start[i] + p.shape[0]] = p
+                r = p.shape[0]
+            j = history_start[i]
+            end = history_start[i + 1]
+            while j < end:
+                t = sorted_history[j]
+                k = j
+                while k < end and sorted_history[k] == t:
+                    k += 1
+                if repeat[i]:
+                    at = np.searchsorted(p, t)
+                    if at == p.shape[0] or p[at] != t:
+                        if step == 1:
+                            rep_ids[rep_start[i] + r] = t
+                        r += 1
+                if count[i]:
+                    if step == 1:
+                        count_ids[count_start[i] + c] = t
+                        counts[count_start[i] + c] = k - j
+                    c += 1
+                j = k
+            rep_sizes[i] = r
+            count_sizes[i] = c
+    return rep_start, rep_ids, count_start, count_ids, counts
+
+
 def build_edits(rows: list) -> LogitsEdits | None:
     """The ``LogitsEdits`` of ``rows`` = [(logits row, LogitsRules, output token ids so far)], or None when
-    they edit nothing (rows without rules may be left out)."""
-    rows_out, add_ids, add_vals, rep_ids, count_ids, counts = [], [], [], [], [], []
-    repetition, frequency, presence = [], [], []
+    they edit nothing (rows without rules may be left out). The additive entries are gathered here (bans
+    are rare: a dict merge only on rows that have one); the penalties' entries in one compiled pass over
+    every row's history (``_penalty_entries``)."""
+    rows_out, add_ids, add_vals, prompts, histories = [], [], [], [], []
+    repeat, count, repetition, frequency, presence = [], [], [], [], []
     for row, rules, history in rows:
         banned = _banned(rules, history)
         if banned:
-            ids = np.unique(np.asarray(banned, dtype=np.int32))
-            keep = ~np.isin(rules.bias_ids, ids, assume_unique=True)
-            add_ids.append(np.concatenate([ids, rules.bias_ids[keep]]))
-            add_vals.append(np.concatenate([np.full(ids.size, -np.inf, np.float32), rules.bias_values[keep]]))
+            merged = dict(zip(rules.bias_ids.tolist(), rules.bias_values.tolist()))
+            merged.update(dict.fromkeys(banned, -np.inf))
+            add_ids.append(np.fromiter(merged.keys(), np.int32, len(merged)))
+            add_vals.append(np.fromiter(merged.values(), np.float32, len(merged)))
         else:
             add_ids.append(rules.bias_ids)
             add_vals.append(rules.bias_values)
-        if rules.repetition_penalty != 1.0 or rules.counts_output:
-            out, c = np.unique(np.asarray(history, dtype=np.int32), return_counts=True)
-        if rules.repetition_penalty != 1.0:
-            prompt = rules.prompt_ids
-            where = np.minimum(np.searchsorted(prompt, out), max(prompt.size - 1, 0))
-            new = out if prompt.size == 0 else out[prompt[where] != out]
-            rep_ids.append(np.concatenate([prompt, new]))
-        else:
-            rep_ids.append(np.zeros(0, np.int32))
-        if rules.counts_output:
-            count_ids.append(out)
-            counts.append(c.astype(np.float32))
-        else:
-            count_ids.append(np.zeros(0, np.int32))
-            counts.append(np.zeros(0, np.float32))
+        repeats, counts = rules.repetition_penalty != 1.0, rules.counts_output
+        prompts.append(rules.prompt_ids if repeats else rules.prompt_ids[:0])
+        histories.append(history if repeats or counts else ())
         rows_out.append(row)
+        repeat.append(repeats)
+        count.append(counts)
         repetition.append(rules.repetition_penalty)
         frequency.append(rules.frequency_penalty)
         presence.append(rules.presence_penalty)
-    if not any(a.size for a in add_ids + rep_ids + count_ids):
+    sizes = [len(h) for h in histories]
+    history = np.fromiter(itertools.chain.from_iterable(histories), np.int32, sum(sizes))
+    rep_start, rep_ids, count_start, count_ids, counts = _penalty_entries(
+        history,
+        _starts(sizes),
+        _cat(prompts, np.int32),
+        _starts([p.size for p in prompts]),
+        np.array(repeat, dtype=np.bool_),
+        np.array(count, dtype=np.bool_),
+    )
+    add_start = _starts([a.size for a in add_ids])
+    if add_start[-1] == 0 and rep_ids.size == 0 and count_ids.size == 0:
         return None
-
-    def starts(parts):
-        return np.concatenate([[0], np.cumsum([p.size for p in parts])]).astype(np.int32)
-
     return LogitsEdits(
         rows=np.asarray(rows_out, dtype=np.int64),
-        add_start=starts(add_ids),
+        add_start=add_start,
         add_ids=_cat(add_ids, np.int32),
         add_values=_cat(add_vals, np.float32),
-        rep_start=starts(rep_ids),
-        rep_ids=_cat(rep_ids, np.int32),
+        rep_start=rep_start,
+        rep_ids=rep_ids,
         repetition=np.asarray(repetition, dtype=np.float32),
-        count_start=starts(count_ids),
-        count_ids=_cat(count_ids, np.int32),
-        counts=_cat(counts, np.float32),
+        count_start=count_start,
+        count_ids=count_ids,
+        counts=counts,
         frequency=np.asarray(frequency, dtype=np.float32),
         presence=np.asarray(presence, dtype=np.float32),
     )

@@ -4,9 +4,10 @@ there, from the hidden states a prefill step computes anyway.
 
 The LM head runs over ``CHUNK_ROWS`` positions at a time and each chunk is reduced to a few numbers per
 position before the next, so a long prompt never holds its ``[positions, vocab]`` logits at once (a
-2K-token prompt with a 49k vocabulary would take 400 MB). Per position ``i`` with logits ``x`` and next
-prompt token ``t``: ``logprob = x_t - (max x + log sum exp(x - max x))`` (log-softmax of the raw logits,
-no temperature, as vLLM), and the top ``k`` ids by ``x`` (equal values by lower id).
+2K-token prompt with a 49k vocabulary would take 400 MB; a chunk takes 25 MB and a 6 MB mask). Per position
+``i`` with logits ``x`` and next prompt token ``t``: ``logprob = x_t - (max x + log sum exp(x - max x))``
+(log-softmax of the raw logits, no temperature, as vLLM), and the top ``k`` ids by ``x`` (equal values by
+lower id).
 """
 
 from __future__ import annotations
@@ -38,24 +39,29 @@ def _top_k_rows(x, k, out):  # the k largest of each row, descending, equal valu
 
 
 def chunk_logprobs(logits: np.ndarray, targets: np.ndarray, k: int) -> list:
-    """Per row of float32 ``logits [m, vocab]``: ``{target: (logprob, rank), then the k most likely ids:
+    """Per row of float32 ``logits [m, vocab]`` (overwritten: the exponentials are computed in place, so a
+    chunk costs its logits and one byte per logit more): ``{target: (logprob, rank), then the k most likely ids:
     (logprob, rank)}`` (the target first, not repeated). A top id's rank is its place (1..k); the target's
     is how many ids have a logit at least its own (vLLM's ``batched_count_greater_than``)."""
-    x = np.asarray(logits, dtype=np.float32)
-    peak = x.max(axis=1, keepdims=True)
-    lse = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64))
+    x = np.asarray(logits, dtype=np.float32)  # overwritten below: the caller's chunk, not kept
     rows = np.arange(x.shape[0])
     target_x = x[rows, targets]
-    target_lp = target_x.astype(np.float64) - lse
     ranks = (x >= target_x[:, None]).sum(axis=1)
     top = np.empty((x.shape[0], k), dtype=np.int64)
     if k:
         _top_k_rows(x, k, top)
+    top_x = np.take_along_axis(x, top, axis=1)
+    peak = x.max(axis=1, keepdims=True)
+    np.subtract(x, peak, out=x)  # in place: no second [m, vocab] buffer
+    np.exp(x, out=x)
+    lse = peak[:, 0].astype(np.float64) + np.log(x.sum(axis=1, dtype=np.float64))
+    target_lp = target_x.astype(np.float64) - lse
+    top_lp = top_x.astype(np.float64) - lse[:, None]
     out = []
     for r in range(x.shape[0]):
         entry = {int(targets[r]): (float(target_lp[r]), int(ranks[r]))}
         for place, t in enumerate(top[r]):
-            entry.setdefault(int(t), (float(x[r, t] - lse[r]), place + 1))
+            entry.setdefault(int(t), (float(top_lp[r, place]), place + 1))
         out.append(entry)
     return out
 
