@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
 
 import aiohttp
 
+from rawpaged.entrypoints.app import create_app
 from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.launcher import serve
 
@@ -66,6 +68,16 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
         return self.exit_code
+
+
+@contextlib.contextmanager
+def served(config, **app_options):
+    """A healthy ``ServerThread`` of ``create_app(config, **app_options)`` for the ``with`` body; stopped
+    after it, and its exit code checked (0)."""
+    srv = ServerThread(create_app(config, **app_options)).start()
+    srv.wait_healthy()
+    yield srv
+    assert srv.stop() == 0
 
 
 def run(coro):

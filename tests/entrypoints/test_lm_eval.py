@@ -34,8 +34,7 @@ import yaml
 
 from rawpaged import SamplingParams
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
-from tests.entrypoints.server_thread import ServerThread, run
+from tests.entrypoints.server_thread import run, served
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -89,10 +88,8 @@ def server(model_dir):
     config = EngineConfig(
         model=str(model_dir), device="cpu", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, max_num_seqs=8
     )
-    srv = ServerThread(create_app(config)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ import aiohttp
 import openai
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
-from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
+from tests.entrypoints.server_thread import run, served, wait_pool_empty
 
 pytestmark = pytest.mark.model
 
@@ -29,10 +28,8 @@ LIST = "Write the numbers from one to ten in words: one, two,"
 @pytest.fixture(scope="module")
 def server(model_dir):
     config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256, max_model_len=1024, max_num_seqs=16)
-    srv = ServerThread(create_app(config)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

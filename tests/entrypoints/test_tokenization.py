@@ -22,7 +22,7 @@ from tokenizers import processors
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
 from rawpaged.testing.random_model import write_random_model
-from tests.entrypoints.server_thread import ServerThread, run
+from tests.entrypoints.server_thread import ServerThread, run, served
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -50,10 +50,8 @@ def model(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model):
     config = EngineConfig(model=str(model), device="cpu", num_kv_blocks=128, max_model_len=MAX_MODEL_LEN)
-    srv = ServerThread(create_app(config, api_key=KEY)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config, api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
