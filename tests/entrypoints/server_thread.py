@@ -80,6 +80,21 @@ def served(config, **app_options):
     assert srv.stop() == 0
 
 
+async def ws_generate(url: str, message: dict) -> tuple:
+    """Send one websocket ``generate`` message to the server at ``url``; ``(its text, its last message)``
+    once a choice is done (an ``error`` fails the assertion)."""
+    async with aiohttp.ClientSession() as s, s.ws_connect(url + "/v1/ws") as ws:
+        await ws.send_json({"type": "generate", **message})
+        text = ""
+        while True:
+            msg = json.loads((await ws.receive(timeout=60)).data)
+            assert msg["type"] != "error", msg
+            if msg["type"] == "delta":
+                text += msg.get("text", "")
+            if msg.get("finish_reason") or msg["type"] == "done":
+                return text, msg
+
+
 def run(coro):
     return asyncio.run(coro)
 

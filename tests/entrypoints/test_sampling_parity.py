@@ -16,7 +16,7 @@ import aiohttp
 import openai
 
 from rawpaged.config import EngineConfig
-from tests.entrypoints.server_thread import run, served, wait_pool_empty
+from tests.entrypoints.server_thread import run, served, wait_pool_empty, ws_generate
 
 pytestmark = pytest.mark.model
 
@@ -88,24 +88,12 @@ def test_chat_min_tokens_bad_words_and_logit_bias(server, client, token_of):
 def test_websocket_takes_the_parameters(server, token_of):
     banana = token_of(" banana")
 
-    async def main(extra):
-        async with aiohttp.ClientSession() as s:
-            async with s.ws_connect(server.url + "/v1/ws") as ws:
-                await ws.send_json(
-                    {"type": "generate", "id": "a", "prompt": LIST, "max_tokens": 3, "temperature": 0, **extra}
-                )
-                text = ""
-                while True:
-                    msg = json.loads((await ws.receive(timeout=60)).data)
-                    assert msg["type"] != "error", msg
-                    if msg["type"] == "delta":
-                        text += msg.get("text", "")
-                    if msg.get("finish_reason") or msg["type"] == "done":
-                        return text
+    def generate(extra):
+        return run(ws_generate(server.url, {"id": "a", "prompt": LIST, "max_tokens": 3, "temperature": 0, **extra}))[0]
 
-    assert run(main({"logit_bias": {str(banana): 100}})) == " banana" * 3
-    assert run(main({"allowed_token_ids": [banana], "repetition_penalty": 1.5, "min_tokens": 3})) == " banana" * 3
-    assert run(main({"bad_words": ["four"], "frequency_penalty": 1.0, "presence_penalty": 0.5})) != ""
+    assert generate({"logit_bias": {str(banana): 100}}) == " banana" * 3
+    assert generate({"allowed_token_ids": [banana], "repetition_penalty": 1.5, "min_tokens": 3}) == " banana" * 3
+    assert generate({"bad_words": ["four"], "frequency_penalty": 1.0, "presence_penalty": 0.5}) != ""
 
 
 def test_websocket_prompt_logprobs_come_with_the_first_delta(server, engine_prompt_logprobs):

@@ -26,7 +26,7 @@ from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
 from rawpaged.entrypoints.chat_utils import tools_system_prompt
 from tests.conftest import FIXTURES
-from tests.entrypoints.server_thread import ServerThread, get_json, run, sse, stats, wait_pool_empty
+from tests.entrypoints.server_thread import ServerThread, get_json, run, sse, stats, wait_pool_empty, ws_generate
 
 model = pytest.mark.model  # tests that run the real default model
 
@@ -593,28 +593,13 @@ def test_a_constraint_that_does_not_compile_is_a_400(server, client, kwargs, par
 
 @model
 def test_websocket_structured_outputs(server):
-    async def main():
-        async with aiohttp.ClientSession() as s:
-            async with s.ws_connect(server.url + "/v1/ws") as ws:
-                await ws.send_json(
-                    {
-                        "type": "generate",
-                        "id": "a",
-                        "messages": [{"role": "user", "content": "Pick a colour."}],
-                        "max_tokens": 8,
-                        "structured_outputs": {"choice": ["red", "green", "blue"]},
-                    }
-                )
-                text = ""
-                while True:
-                    msg = json.loads((await ws.receive(timeout=60)).data)
-                    assert msg["type"] != "error", msg
-                    if msg["type"] == "delta":
-                        text += msg.get("text", "")
-                    if msg.get("finish_reason") or msg["type"] == "done":
-                        return text, msg
-
-    text, last = run(main())
+    message = {
+        "id": "a",
+        "messages": [{"role": "user", "content": "Pick a colour."}],
+        "max_tokens": 8,
+        "structured_outputs": {"choice": ["red", "green", "blue"]},
+    }
+    text, last = run(ws_generate(server.url, message))
     assert text in ("red", "green", "blue"), (text, last)
 
 
