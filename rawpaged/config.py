@@ -176,6 +176,11 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     """seconds a structured-output request waits for its grammar to compile (several compile at once);
     past it the request is refused with a 400 and the compile's result is kept for the next one"""
+    disable_additional_properties: bool = True
+    """JSON Schemas (json_schema response formats, structured_outputs.json, tool parameters) compile
+    strict: an object that lists its properties admits no other key unless it says additionalProperties
+    (as xgrammar, vLLM's default backend, and OpenAI's strict mode); --no-disable-additional-properties
+    follows the letter of JSON Schema, where such an object admits any other key"""
     kv_offloading_size: float | None = None
     """GiB for a second KV tier (also --swap-space, vLLM's older name): page-locked host memory on CUDA, a
     memory-mapped file on the CPU. Blocks evicted from the pool and preempted requests' blocks go there

@@ -188,6 +188,7 @@ class LLMEngine:
                 self.model_config.vocab_size,
                 self.eos_token_ids,
                 compile_timeout_s=self.config.grammar_compile_timeout,
+                disable_additional_properties=self.config.disable_additional_properties,
             )
         return self._structured_output_manager
 

@@ -13,7 +13,7 @@ import llguidance
 import numpy as np
 
 from rawpaged.errors import InvalidRequestError
-from rawpaged.structured_output.json_schema import hoist_deep_subschemas
+from rawpaged.structured_output.json_schema import hoist_deep_subschemas, no_additional_properties
 from rawpaged.structured_output.params import StructuredOutputsParams
 
 #: llguidance's JSON options when free whitespace is disabled: fixed separators, as ``json.dumps``
@@ -58,9 +58,15 @@ class GuidanceBackend:
             ids past the tokenizer's are never allowed.
         eos_token_ids: the ids that end generation (default: the tokenizer's EOS); a complete output
             allows exactly these.
+        disable_additional_properties: JSON Schemas compile strict
+            (``json_schema.no_additional_properties``: an object that lists its properties admits no
+            other key unless it says so); False: by the letter of JSON Schema.
     """
 
-    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=None):
+    def __init__(
+        self, tokenizer, vocab_size: int | None = None, eos_token_ids=None, disable_additional_properties: bool = True
+    ):
+        self.disable_additional_properties = disable_additional_properties
         eos = sorted(eos_token_ids) if eos_token_ids else tokenizer.eos_token_id
         self.llg_tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = self.llg_tokenizer.vocab_size
@@ -85,6 +91,8 @@ class GuidanceBackend:
                     except (ValueError, RecursionError):
                         pass  # llguidance says what is wrong with it
                 if not isinstance(schema, str):
+                    if kind == "json" and self.disable_additional_properties:
+                        schema = no_additional_properties(schema)
                     schema = hoist_deep_subschemas(schema)  # deeper than llguidance's JSON reader goes
                 text = schema if isinstance(schema, str) else json.dumps(schema)
                 spec = llguidance.LLMatcher.grammar_from_json_schema(

@@ -1,7 +1,14 @@
-"""JSON Schemas made fit for the grammar engine: a schema nested deeper than its JSON reader takes
-(llguidance reads with serde_json, which stops at 128 levels of arrays and objects) has its deep
-subschemas moved into ``$defs`` and referenced from where they were. The schema means the same: JSON
-Schema's ``$ref`` to a ``$defs`` entry is that entry's schema (2020-12, section 8.2.4)."""
+"""JSON Schemas made fit for the grammar engine.
+
+- A schema nested deeper than its JSON reader takes (llguidance reads with serde_json, which stops at 128
+  levels of arrays and objects) has its deep subschemas moved into ``$defs`` and referenced from where
+  they were. The schema means the same: JSON Schema's ``$ref`` to a ``$defs`` entry is that entry's schema
+  (2020-12, section 8.2.4).
+- Strict objects (``no_additional_properties``): an object schema that lists its ``properties`` and says
+  nothing of other keys admits only those, as xgrammar (vLLM's default backend) compiles schemas and as
+  OpenAI's strict structured outputs require; by the letter of JSON Schema it would admit any other key,
+  and a small model invents keys until ``max_tokens``.
+"""
 
 from __future__ import annotations
 
@@ -112,3 +119,34 @@ def hoist_deep_subschemas(schema, max_depth: int = MAX_DEPTH):
         defs[name] = rewrite(node, 2)  # a $defs entry sits 2 levels down
     root["$defs"] = {**root.get("$defs", {}), **defs}
     return root
+
+
+def no_additional_properties(schema):
+    """A copy of ``schema`` in which every object schema with a ``properties`` map and neither
+    ``additionalProperties`` nor ``unevaluatedProperties`` gets ``"additionalProperties": false``. Only
+    subschema positions are visited (``enum``, ``const``, ``default`` and ``examples`` values are data),
+    and the direct members of an ``allOf`` are left as written: each would forbid the keys the others
+    list. A schema that says ``additionalProperties`` (true, false or a schema) keeps it."""
+
+    def strict(node, in_all_of: bool = False):
+        if isinstance(node, list):
+            return [strict(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                out[key] = {name: strict(v) for name, v in node[key].items()}
+        for key in SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                out[key] = [strict(v, in_all_of=key == "allOf") for v in node[key]]
+        for key in SCHEMA_VALUES:
+            if key in node:
+                out[key] = strict(node[key])
+        lists_properties = isinstance(node.get("properties"), dict)
+        says = "additionalProperties" in node or "unevaluatedProperties" in node
+        if lists_properties and not says and not in_all_of:
+            out["additionalProperties"] = False
+        return out
+
+    return strict(schema)

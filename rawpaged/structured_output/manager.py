@@ -30,6 +30,7 @@ class StructuredOutputManager:
         compile_workers: compiles that run at once; different constraints never wait for each other
             beyond that, and one constraint is compiled once however many requests ask for it.
         compile_timeout_s: how long ``compile_await`` waits for a grammar.
+        disable_additional_properties: JSON Schemas compile strict (``GuidanceBackend``'s argument).
 
     The tokenizer is wrapped for llguidance on first use (about 0.3 s for a 49k vocabulary), in a
     compile thread like every compilation, so that neither engine start-up nor the step loop waits.
@@ -43,7 +44,9 @@ class StructuredOutputManager:
         cache_size: int = 256,
         compile_workers: int = COMPILE_WORKERS,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        disable_additional_properties: bool = True,
     ):
+        self.disable_additional_properties = disable_additional_properties
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
@@ -69,7 +72,9 @@ class StructuredOutputManager:
                 import_optional("llguidance", "structured outputs", param="structured_outputs")
                 from rawpaged.structured_output.backend_guidance import GuidanceBackend  # deferred: llguidance
 
-                self._backend = GuidanceBackend(self._tokenizer, self._vocab_size, self._eos_token_ids)
+                self._backend = GuidanceBackend(
+                    self._tokenizer, self._vocab_size, self._eos_token_ids, self.disable_additional_properties
+                )
             return self._backend
 
     def compile(self, params: StructuredOutputsParams):

@@ -639,7 +639,14 @@ TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL
 def check_call(name, arguments):
     jsonschema = pytest.importorskip("jsonschema")
     assert name in TOOL_SCHEMAS
-    jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[name])
+    jsonschema.validate(json.loads(arguments), strict_schema(TOOL_SCHEMAS[name]))
+
+
+def strict_schema(schema: dict) -> dict:
+    """What the server enforces by default: objects admit only the properties they list."""
+    from rawpaged.structured_output.json_schema import no_additional_properties
+
+    return no_additional_properties(schema)
 
 
 def streamed_tool_calls(stream):
@@ -674,6 +681,73 @@ def test_named_tool_choice_gives_a_valid_call_streamed_or_not(server, client):
     content, calls, finish = streamed_tool_calls(stream)
     assert content == "" and finish == "tool_calls"
     assert [(name, args) for _, name, args in calls.values()] == [("get_weather", call.function.arguments)]
+    wait_pool_empty(server)
+
+
+CITY_TOOL = [  # the schema a new user writes: no additionalProperties
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+@model
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_schema_without_additional_properties_ends_its_call(server, client, choice):
+    """A parameters schema that does not say additionalProperties compiles strict: the call ends with
+    valid arguments well within 60 tokens, greedy and sampled (by the letter of JSON Schema the model
+    invented keys until max_tokens)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = CITY_TOOL[0]["function"]["parameters"]
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    for kw in (dict(temperature=0), dict(n=3, seed=7)):
+        out = client.chat.completions.create(
+            model=MODEL, messages=WEATHER_ASK, tools=CITY_TOOL, tool_choice=tool_choice, max_tokens=60, **kw
+        )
+        assert out.usage.completion_tokens < 50 * len(out.choices), out.usage  # the limit is 60 each
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls", c
+            for call in c.message.tool_calls:
+                args = json.loads(call.function.arguments)
+                jsonschema.validate(args, strict_schema(schema))
+                assert set(args) == {"city"}
+    wait_pool_empty(server)
+
+
+NESTED = {  # nested objects, arrays of objects and anyOf branches, none saying additionalProperties
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "location": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+        "days": {
+            "type": "array",
+            "maxItems": 2,
+            "items": {"type": "object", "properties": {"day": {"type": "string", "maxLength": 10}}},
+        },
+        "unit": {"anyOf": [{"type": "object", "properties": {"name": {"enum": ["C", "F"]}}}, {"type": "null"}]},
+    },
+    "required": ["city", "location", "days", "unit"],
+}
+
+
+@model
+def test_nested_json_schema_output_validates_strict(server, client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "forecast", "schema": NESTED}},
+        n=3,
+        seed=11,
+        max_tokens=120,
+    )
+    for c in out.choices:
+        assert c.finish_reason == "stop", c
+        value = json.loads(c.message.content)
+        pytest.importorskip("jsonschema").validate(value, strict_schema(NESTED))
     wait_pool_empty(server)
 
 

@@ -311,3 +311,23 @@ def test_a_150_level_nested_schema_compiles_and_takes_its_deep_value(manager, to
     assert grammar.is_accepting()
     wrong = manager.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
     assert not all(wrong.accept_token(t) for t in tokenizer.encode_literal('{"a": ' * 149 + '"x"}'))
+
+
+def test_schemas_compile_strict_unless_the_engine_says_otherwise(manager, tokenizer):
+    """An object that lists its properties refuses an unlisted key by default (xgrammar's and OpenAI's
+    strict mode); with disable_additional_properties=False the letter of JSON Schema admits it."""
+    from rawpaged.structured_output import StructuredOutputManager
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    text = json.dumps({"city": "Paris", "type": "weather"})  # the compact JSON's spacing
+
+    def accepts(m):
+        grammar = m.compile(StructuredOutputsParams(json=schema))
+        return all(grammar.accept_token(t) for t in tokenizer.encode_literal(text))
+
+    assert manager.disable_additional_properties and not accepts(manager)
+    loose = StructuredOutputManager(tokenizer, disable_additional_properties=False)
+    try:
+        assert accepts(loose)
+    finally:
+        loose.shutdown()

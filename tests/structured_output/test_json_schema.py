@@ -97,3 +97,75 @@ def test_data_keywords_are_not_rewritten():
         elif isinstance(node, list):
             stack.extend(node)
     assert found == [{"enum": [value], "default": value}]
+
+
+# ------------------------------------------------------------------------------------------ strict objects
+STRICT_CASES = [  # (schema, instance with an unlisted key, instance without)
+    (
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        {"city": "P", "x": 1},
+        {"city": "P"},
+    ),
+    (
+        {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}},
+        {"a": {"b": 1, "c": 2}},
+        {"a": {"b": 1}},
+    ),
+    (
+        {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+        [{"n": 1}, {"n": 2, "m": 3}],
+        [{"n": 1}, {"n": 2}],
+    ),
+    (
+        {"anyOf": [{"type": "object", "properties": {"p": {"type": "string"}}}, {"type": "integer"}]},
+        {"p": "x", "q": "y"},
+        {"p": "x"},
+    ),
+    (
+        {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "number"}}}}, "$ref": "#/$defs/pt"},
+        {"x": 1, "y": 2},
+        {"x": 1},
+    ),
+    ({"type": "object", "properties": {"t": {"type": "array", "prefixItems": [{"type": "object", "properties": {}}]}}},
+     {"t": [{"k": 1}]}, {"t": [{}]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, extra, plain", STRICT_CASES)
+def test_strict_objects_refuse_unlisted_keys_and_keep_listed_ones(schema, extra, plain):
+    from rawpaged.structured_output.json_schema import no_additional_properties
+
+    strict = no_additional_properties(schema)
+    jsonschema.validate(extra, schema)  # by the letter of JSON Schema, any other key is fine
+    jsonschema.validate(plain, strict)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(extra, strict)
+    assert "additionalProperties" not in json.dumps(schema)  # the input is not changed
+
+
+def test_strict_objects_keep_what_a_schema_says_and_leave_data_alone():
+    from rawpaged.structured_output.json_schema import no_additional_properties
+
+    said = {
+        "type": "object",
+        "properties": {
+            "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+            "typed": {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+            "data": {"const": {"type": "object", "properties": {}}, "default": {"properties": {}}},
+            "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+            "unevaluated": {"properties": {"a": {}}, "unevaluatedProperties": False},
+        },
+    }
+    strict = no_additional_properties(said)
+    props = strict["properties"]
+    assert strict["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True and props["typed"]["additionalProperties"] == {
+        "type": "integer"
+    }
+    assert props["data"] == said["properties"]["data"]  # enum / const / default values are data
+    assert props["both"] == said["properties"]["both"]  # allOf members would forbid each other's keys
+    assert "additionalProperties" not in props["unevaluated"]
+    jsonschema.validate({"both": {"a": 1, "b": 2}}, strict)
+    jsonschema.validate({"open": {"a": 1, "z": 2}, "typed": {"a": 1, "z": 2}}, strict)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"typed": {"z": "not an integer"}}, strict)

@@ -6,8 +6,10 @@ them).
 - ``"required"``: the output is a JSON array of ``{"name", "arguments"}`` objects, one or more (one
   with ``parallel_tool_calls: false``), each name from the list with arguments valid against its schema.
 
-Arguments follow JSON Schema: an object schema without ``"additionalProperties": false`` admits keys it
-does not list, which a small model may go on inventing.
+Arguments follow the parameters schema as the structured outputs compile it: strict by default (an object
+that lists its properties admits no other key unless it says ``additionalProperties``;
+``rawpaged.structured_output.json_schema.no_additional_properties``), so a small model cannot go on
+inventing keys; ``--no-disable-additional-properties`` follows the letter of JSON Schema.
 """
 
 from __future__ import annotations
