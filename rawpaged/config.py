@@ -128,8 +128,14 @@ class EngineConfig:
     """How to build an ``LLMEngine``. Raises ValueError naming the field for an invalid value."""
 
     model: str | None = None
-    """HF-style model directory (config.json, safetensors, tokenizer.json) or a .gguf file; default:
-    SmolLM2-135M-Instruct, downloaded and prepared into weights/ on first use"""
+    """HF-style model directory (config.json, safetensors, tokenizer.json), a .gguf file, or a Hugging Face
+    Hub id (org/name, or org/name:QUANT for a GGUF repository) resolved through the Hub cache
+    (HF_HUB_OFFLINE=1: the cache only); default: SmolLM2-135M-Instruct, downloaded and prepared into
+    weights/ on first use"""
+    revision: str | None = None
+    """Hub id only: the branch, tag or commit to use (default: main)"""
+    gguf_file: str | None = None
+    """Hub id only: the .gguf file of the repository to load"""
     device: Device = "auto"
     """auto uses CUDA when a GPU is usable, else the CPU"""
     dtype: DType = "auto"

@@ -53,7 +53,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
+        self.model_dir = resolve_model_dir(config.model, config.revision, config.gguf_file)
         mc, self.tokenizer, gen, weights = load_model(self.model_dir, config.quantization)
         self.model_config, self.generation_config = mc, gen
         if gen.ignored:

@@ -29,6 +29,7 @@ from rawpaged.entrypoints.openai.serving_tokenization import create_detokenize, 
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
 from rawpaged.entrypoints.websocket import websocket_handler
 from rawpaged.weights import DEFAULT_MODEL
+from rawpaged.weights.hub import is_repo_id
 
 #: every route but the playground's (``playground.add_routes``: its files are listed when the app is built)
 ROUTES = (
@@ -47,10 +48,12 @@ ROUTES = (
 
 
 def model_name_of(config: EngineConfig) -> str:
-    """The name clients use for ``config.model``: the default model's name, the directory's, or a GGUF
-    file's without ``.gguf``."""
+    """The name clients use for ``config.model``: the default model's name, a Hub id as given (as vLLM),
+    the directory's, or a GGUF file's without ``.gguf``."""
     if config.model is None:
         return DEFAULT_MODEL
+    if is_repo_id(config.model):
+        return config.model
     path = Path(config.model).expanduser()
     return (path.stem if path.suffix == ".gguf" else path.name) or str(config.model)
 

@@ -28,6 +28,7 @@ from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MA
 from rawpaged.errors import import_optional
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.weights import DEFAULT_MODEL
+from rawpaged.weights.hub import is_repo_id
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -179,8 +180,8 @@ def _check_model_arg(model: str | None, quantization: str | None = None) -> str 
     """An error line for a ``--model`` that is neither a directory, a .gguf file nor the default model's
     name, or a ``--quantization`` that does not fit it (caught before the server binds its port)."""
     path = Path(model).expanduser() if model is not None else None
-    is_gguf = path is not None and path.suffix == ".gguf"
-    if path is not None and not path.is_dir() and model != DEFAULT_MODEL:
+    is_gguf = path is not None and (path.suffix == ".gguf" or (is_repo_id(model) and ":" in model))
+    if path is not None and not path.is_dir() and model != DEFAULT_MODEL and not is_repo_id(model):
         if is_gguf and not path.exists():
             return f"error: --model {model!r} does not exist"
         if not (path.is_file() and is_gguf):
@@ -199,6 +200,13 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models), websocket streaming (/v1/ws), /health and Prometheus /metrics.",
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vllm serve takes it: a directory, a .gguf file or a Hub id (same as --model)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="name clients use in 'model' (default: the model directory's name)"
@@ -281,7 +289,12 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     from rawpaged.entrypoints.app import create_app  # deferred: pydantic, checked just above
     from rawpaged.entrypoints.launcher import serve  # deferred: pydantic, checked just above
 
-    args = build_serve_parser(prog).parse_args(argv)
+    parser = build_serve_parser(prog)
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model not in (None, args.model_tag):
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

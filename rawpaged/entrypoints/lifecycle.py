@@ -44,7 +44,7 @@ def load_engine(config: EngineConfig) -> LLMEngine:
 def load_replicas(config: EngineConfig, data_parallel_size: int, ray_address: str | None) -> DataParallelEngine:
     """``data_parallel_size`` Ray replicas of ``config``'s model (``ray_address``: a running cluster)."""
     if ray_address is None:  # one machine: prepare the default model once, here, not in each replica
-        resolve_model_dir(config.model)
+        resolve_model_dir(config.model, config.revision, config.gguf_file)
     return DataParallelEngine(config, data_parallel_size, ray_address)
 
 

@@ -5,21 +5,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from rawpaged.weights.default_model import DEFAULT_MODEL, default_model_dir, is_prepared, prepare
+from rawpaged.weights.hub import is_repo_id, resolve_repo
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model_dir(model: str | None, revision: str | None = None, gguf_file: str | None = None) -> Path:
     """The model directory (or GGUF file) for ``EngineConfig.model``: None or the default model's name ->
-    the prepared default model (downloaded and converted on first use); else an existing directory or
-    ``.gguf`` file.
+    the prepared default model (downloaded and converted on first use); an existing directory or ``.gguf``
+    file; else a Hugging Face Hub id (``org/name``, ``org/name:QUANT``) -> its snapshot in the Hub cache,
+    at ``revision``, or the GGUF file ``gguf_file`` of it (``rawpaged.weights.hub``).
 
     Raises:
-        ValueError naming the model for anything else.
+        ValueError naming the model for anything else, and for a Hub id that is neither cached nor
+        downloadable (naming the cache path and the variables).
     """
     if model is None or model == DEFAULT_MODEL:
         return prepare() if not is_prepared(default_model_dir()) else default_model_dir()
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and not path.exists():
         raise ValueError(f"model file {model!r} does not exist")
-    if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
-        raise ValueError(f"model {model!r} is neither {DEFAULT_MODEL!r}, a directory nor a .gguf file")
-    return path
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if is_repo_id(model):
+        return resolve_repo(model, revision, gguf_file)
+    raise ValueError(
+        f"model {model!r} is neither {DEFAULT_MODEL!r}, a directory, a .gguf file nor a Hugging Face Hub id (org/name)"
+    )
