@@ -13,6 +13,7 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal[DTYPE_CHOICES]
 KVCacheDType = Literal[KV_CACHE_DTYPE_CHOICES]
 Quantization = Literal["gguf", "q8_0"]
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 PreemptionMode = Literal["swap", "recompute"]
 SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
 
@@ -182,6 +183,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     """seconds a structured-output request waits for its grammar to compile (several compile at once);
     past it the request is refused with a 400 and the compile's result is kept for the next one"""
+    reasoning_parser: ReasoningParserName | None = None
+    """reasoning models: the server splits <think>...</think> out of chat content into reasoning (and
+    reasoning_content), and structured outputs constrain only the text after </think> (none: off)"""
     disable_additional_properties: bool = True
     """JSON Schemas (json_schema response formats, structured_outputs.json, tool parameters) compile
     strict: an object that lists its properties admits no other key unless it says additionalProperties

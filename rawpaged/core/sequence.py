@@ -51,6 +51,7 @@ class Sequence:
     pending_logprobs: object = None  # beam search: this step's log_softmax row, until all beams have one
     first_token_time: float | None = None
     grammar: object = None  # structured outputs: the matcher of this sequence's tokens, else None
+    reasoning_ended: bool = True  # False while a reasoning model thinks: its grammar waits for </think>
     swapped_table: object = None  # preempted by swapping: its blocks' swap slots (``KVCacheManager.swap_out``)
     # Speculative decoding: the drafts to verify in the next step (never part of ``token_ids``), and the
     # proposer's back-off after rejected drafts (``rawpaged.spec_decode.speculator``).
@@ -104,4 +105,5 @@ class Sequence:
             num_text_emitted=self.num_text_emitted,
             first_token_time=self.first_token_time,
             grammar=self.grammar.fork() if self.grammar is not None else None,
+            reasoning_ended=self.reasoning_ended,
         )

@@ -44,6 +44,17 @@ from rawpaged.weights.resolve import resolve_model_dir
 logger = logging.getLogger("rawpaged.engine")
 
 
+def reasoning_end_token_id(tokenizer, reasoning_parser: str | None) -> int | None:
+    """The id of ``</think>`` for ``reasoning_parser`` (None without one). Raises ValueError naming the
+    option when the tokenizer has no such single token."""
+    if reasoning_parser is None:
+        return None
+    ids = tokenizer.encode("</think>", add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"reasoning_parser {reasoning_parser!r}: this tokenizer has no </think> token")
+    return ids[0]
+
+
 class LLMEngine:
     """Continuous-batching engine over the paged KV cache.
 
@@ -130,6 +141,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.reasoning_end_token_id = reasoning_end_token_id(self.tokenizer, config.reasoning_parser)
         self.token_selector = TokenSelector(
             self.runner,
             lambda grammars: self.structured_output_manager.grammar_bitmask(grammars),
@@ -137,6 +149,7 @@ class LLMEngine:
             self.eos_token_ids,
             self.max_model_len,
             self.tokenizer,
+            reasoning_end_token_id=self.reasoning_end_token_id,
         )
         self.speculator = self._make_speculator(config.speculative_config, num_blocks)
         self.requests: dict[str, Request] = {}
@@ -217,6 +230,8 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, time.monotonic(), logits_rules=rules)
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
         seq.grammar = grammar if params.structured_outputs is not None else None
+        if seq.grammar is not None and self.reasoning_end_token_id is not None:  # as vLLM: ended if in the prompt
+            seq.reasoning_ended = self.reasoning_end_token_id in ids
         req.seqs.append(seq)
         if params.use_beam_search:
             req.beam = beam_search.BeamState(params.beam_width, params.length_penalty)

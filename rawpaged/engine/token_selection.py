@@ -61,9 +61,20 @@ class TokenSelector:
             manager's, created on first use).
         fork: ``(request, parent, index=None) -> child sequence`` sharing the parent's blocks.
         eos_token_ids, max_model_len, tokenizer: for beam search's stops and texts.
+        reasoning_end_token_id: ``</think>`` of a reasoning model: a grammar waits for it (None: no wait).
     """
 
-    def __init__(self, runner, grammar_bitmask: Callable, fork: Callable, eos_token_ids, max_model_len, tokenizer):
+    def __init__(
+        self,
+        runner,
+        grammar_bitmask: Callable,
+        fork: Callable,
+        eos_token_ids,
+        max_model_len,
+        tokenizer,
+        reasoning_end_token_id: int | None = None,
+    ):
+        self.reasoning_end_token_id = reasoning_end_token_id
         self.runner = runner
         self.grammar_bitmask = grammar_bitmask
         self.fork = fork
@@ -202,7 +213,7 @@ class TokenSelector:
         generation going on under ``ignore_eos``) constrains nothing more, as in vLLM."""
         rows, grammars = [], []
         for row, seq in zip(first_rows, sampling):  # a constrained sequence has no drafts: one row
-            if seq.grammar is not None and not seq.grammar.is_terminated():
+            if seq.grammar is not None and seq.reasoning_ended and not seq.grammar.is_terminated():
                 rows.append(row)
                 grammars.append(seq.grammar)
         if rows:
@@ -226,12 +237,15 @@ class TokenSelector:
             tokens.append(token)
         return tokens
 
-    @staticmethod
-    def _advance_grammars(samples: list, tokens: list, failed: dict) -> None:
-        """Each constrained sequence's grammar takes its token; a token it refuses fails the request."""
+    def _advance_grammars(self, samples: list, tokens: list, failed: dict) -> None:
+        """Each constrained sequence's grammar takes its token; a token it refuses fails the request. While
+        a reasoning model thinks, its grammar waits: ``</think>`` opens it (and is not the grammar's)."""
         for (seq, _), tok in zip(samples, tokens):
             grammar = seq.grammar
             if grammar is None or grammar.is_terminated() or seq.request_id in failed:
+                continue
+            if not seq.reasoning_ended:
+                seq.reasoning_ended = tok == self.reasoning_end_token_id
                 continue
             if not grammar.accept_token(tok):
                 failed[seq.request_id] = EngineError(f"token {tok} broke the output's grammar: {grammar.error}")

@@ -99,6 +99,7 @@ def create_app(
         max_body_size=max_body_size,
         allowed_origins=tuple(allowed_origins or ()),
         server=server_config,
+        reasoning_parser=config.reasoning_parser,
     )
     state.gate = ConnectionGate(server_config.max_connections, functools.partial(health.health_status, state))
     app = web.Application(client_max_size=max_body_size, middlewares=[request_middleware])

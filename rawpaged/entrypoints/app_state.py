@@ -40,6 +40,7 @@ class AppState:
     draining: bool = False  # shutting down: new requests get 503
     allowed_host_names: frozenset | None = None  # Host names accepted (None: any; ``hosts``)
     websockets: set = field(default_factory=set)  # open ``WebSocketSession``s (closed by the drain)
+    reasoning_parser: str | None = None  # chat output's <think> split out (``openai.reasoning_parsers``)
 
 
 STATE = web.AppKey("rawpaged_state", AppState)

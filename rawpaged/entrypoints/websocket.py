@@ -29,6 +29,7 @@ from rawpaged.entrypoints.http_errors import ProtocolError, field_error
 from rawpaged.entrypoints.openai.engine_requests import add_requests
 from rawpaged.entrypoints.openai.preprocessing import PreparedPrompt, prepare_prompts
 from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
+from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser
 from rawpaged.entrypoints.openai.request_body import decode_json, parse_request
 from rawpaged.entrypoints.openai.response_builders import ChatFormat, CompletionFormat, new_id, prompt_logprobs_json
 from rawpaged.entrypoints.websocket_messages import (
@@ -281,16 +282,28 @@ class WebSocketSession:
 
     async def _stream(self, job: Job, req: WebSocketGenerateRequest, prompt: PreparedPrompt, stream) -> None:
         """A ``delta`` per new text of a choice (logprobs in the matching HTTP API's shape; the first one
-        with ``prompt_logprobs`` when asked for), a ``done`` when it finishes."""
+        with ``prompt_logprobs`` when asked for; a chat with a reasoning parser: its thinking in
+        ``reasoning``, the rest in ``text``), a ``done`` when it finishes."""
         fmt = ChatFormat() if req.kind == "chat" else CompletionFormat()
+        name = self.state.reasoning_parser if req.kind == "chat" else None
+        reasoners = {}
         async for out in stream:
             for d in job.tracker.deltas(out):
-                if d.text or d.token_ids:
+                if d.text or d.token_ids or (name and d.finish_reason):
                     lp = fmt.logprobs(req, prompt, d.token_ids, d.logprobs, d.text_offset)
                     msg = job.delta_message(d, lp)
                     if d.first and req.prompt_logprobs is not None:
                         msg["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
-                    await self.send(msg)
+                    if name:
+                        reasoner = reasoners.setdefault(d.index, ReasoningParser(name))
+                        reasoning, msg["text"] = reasoner.feed(d.text)
+                        if d.finish_reason:
+                            more_reasoning, more_text = reasoner.finish()
+                            reasoning, msg["text"] = reasoning + more_reasoning, msg["text"] + more_text
+                        if reasoning:
+                            msg["reasoning"] = reasoning
+                    if msg["text"] or msg["token_ids"] or msg.get("reasoning"):
+                        await self.send(msg)
                 if d.finish_reason:
                     await self.send(job.done_message(d.index, d.finish_reason))
 

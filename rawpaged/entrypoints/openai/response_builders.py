@@ -11,6 +11,7 @@ import uuid
 from typing import Protocol
 
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput
+from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, split_reasoning
 from rawpaged.entrypoints.openai.tool_parsers import DeltaMessage, extract_tool_calls
 
 
@@ -96,10 +97,19 @@ def chat_response(rid: str, created: int, model: str, choices: list, usage_: dic
 
 
 def chat_choice(
-    index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None, tool_calls: list = ()
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list = (),
+    reasoning: str | None = None,
 ) -> dict:
-    """A chat choice; ``tool_calls`` (OpenAI's ``[{"id", "type", "function"}]``) when any were made."""
+    """A chat choice; ``tool_calls`` (OpenAI's ``[{"id", "type", "function"}]``) when any were made;
+    ``reasoning`` (vLLM's field) and ``reasoning_content`` (its older name) when a reasoning parser found
+    some."""
     message = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning"] = message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = list(tool_calls)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -287,15 +297,18 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """Chat's shapes for one request. With tools, each choice's text goes through its own tool parser
-    (``ChatCompletionRequest.tool_parser``): content and ``tool_calls`` in the message or the deltas,
-    and ``finish_reason`` "tool_calls" after a call."""
+    """Chat's shapes for one request. With a reasoning parser (``--reasoning-parser``), each choice's
+    ``<think>`` text goes to ``reasoning`` (``reasoning_parsers``) and only the rest on. With tools, that
+    text goes through the choice's own tool parser (``ChatCompletionRequest.tool_parser``): content and
+    ``tool_calls`` in the message or the deltas, and ``finish_reason`` "tool_calls" after a call."""
 
     response = staticmethod(chat_response)
     chunk = staticmethod(chat_chunk)
 
-    def __init__(self):
+    def __init__(self, reasoning_parser: str | None = None):
+        self.reasoning_parser = reasoning_parser
         self._parsers: dict = {}  # choice index -> its tool parser (streaming)
+        self._reasoners: dict = {}  # choice index -> its ReasoningParser (streaming)
 
     @staticmethod
     def logprobs(req, prompt, token_ids, entries, text_offset=0):
@@ -312,11 +325,14 @@ class ChatFormat:
 
     def choice(self, req, index, prompt, output):
         lp = self.logprobs(req, prompt, output.token_ids, output.logprobs)
+        reasoning, text = None, output.text
+        if self.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.reasoning_parser, text)
         parser = req.tool_parser()
         if parser is None:
-            return chat_choice(index, output.text, output.finish_reason, lp)
-        content, tool_calls = extract_tool_calls(parser, output.text)
-        return chat_choice(index, content, parser.finish_reason(output.finish_reason), lp, tool_calls)
+            return chat_choice(index, text, output.finish_reason, lp, reasoning=reasoning)
+        content, tool_calls = extract_tool_calls(parser, text)
+        return chat_choice(index, content, parser.finish_reason(output.finish_reason), lp, tool_calls, reasoning)
 
     @staticmethod
     def opening_choices(req, num_choices):
@@ -327,7 +343,11 @@ class ChatFormat:
         message, finish_reason = self._parse(req, index, delta)
         choices = []
         if message or lp is not None:
-            fields = {"content": message.content} if message.content or not message.tool_calls else {}
+            fields = {}
+            if message.reasoning:
+                fields["reasoning"] = fields["reasoning_content"] = message.reasoning
+            if message.content or not (message.tool_calls or message.reasoning):
+                fields["content"] = message.content
             if message.tool_calls:
                 fields["tool_calls"] = message.tool_calls
             choices.append(chat_chunk_choice(index, fields, None, lp))
@@ -336,15 +356,23 @@ class ChatFormat:
         return choices
 
     def _parse(self, req, index: int, delta: CompletionDelta) -> tuple:
-        """``(DeltaMessage, finish_reason)`` of one delta, through choice ``index``'s tool parser if any."""
+        """``(DeltaMessage, finish_reason)`` of one delta, through choice ``index``'s reasoning parser and
+        tool parser if any."""
         if index not in self._parsers:
             self._parsers[index] = req.tool_parser()
-        parser = self._parsers[index]
+            self._reasoners[index] = ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None
+        parser, reasoner = self._parsers[index], self._reasoners[index]
+        reasoning, text = "", delta.text
+        if reasoner is not None:
+            reasoning, text = reasoner.feed(delta.text)
+            if delta.finish_reason is not None:
+                more_reasoning, more_text = reasoner.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
         if parser is None:
-            return DeltaMessage(delta.text), delta.finish_reason
-        message = parser.feed(delta.text)
+            return DeltaMessage(text, reasoning=reasoning), delta.finish_reason
+        message = parser.feed(text)
         if delta.finish_reason is None:
-            return message, None
+            return DeltaMessage(message.content, message.tool_calls, reasoning), None
         rest = parser.finish()
-        message = DeltaMessage(message.content + rest.content, message.tool_calls + rest.tool_calls)
+        message = DeltaMessage(message.content + rest.content, message.tool_calls + rest.tool_calls, reasoning)
         return message, parser.finish_reason(delta.finish_reason)

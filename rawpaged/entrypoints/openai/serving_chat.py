@@ -32,4 +32,5 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_capacity(state, engine, len(prompts))
     rid = new_id("chatcmpl")
     async with submitted(engine, req, prompts, rid) as streams:
-        return await write_response(request, state, req, ChatFormat(), rid, prompts, streams)
+        fmt = ChatFormat(state.reasoning_parser)
+        return await write_response(request, state, req, fmt, rid, prompts, streams)

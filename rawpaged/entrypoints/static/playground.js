@@ -188,12 +188,24 @@
       }
       const text = document.createElement("span");
       text.className = "text";
-      bubble.append(text);
+      // a reasoning model's thinking (the server's --reasoning-parser), folded until opened
+      const thinking = document.createElement("details");
+      thinking.className = "reasoning";
+      thinking.hidden = true;
+      const summary = document.createElement("summary");
+      summary.textContent = "reasoning";
+      const reasoningText = document.createElement("div");
+      reasoningText.className = "reasoning-text";
+      thinking.append(summary, reasoningText);
+      bubble.append(thinking, text);
       const meta = document.createElement("div");
       meta.className = "meta";
       el.append(bubble, meta);
       grid.append(el);
-      choices.push({ el, textEl: text, metaEl: meta, text: "", tokens: 0, finish: null, firstAt: null, lastAt: null });
+      choices.push({
+        el, textEl: text, metaEl: meta, text: "", tokens: 0, finish: null, firstAt: null, lastAt: null,
+        reasoningEl: thinking, reasoningTextEl: reasoningText, reasoning: "",
+      });
     }
     container.append(grid);
     return choices;
@@ -231,6 +243,11 @@
     c.text += msg.text;
     c.tokens += msg.token_ids.length;
     c.textEl.textContent = c.text;
+    if (msg.reasoning) {
+      c.reasoning += msg.reasoning;
+      c.reasoningEl.hidden = false;
+      c.reasoningTextEl.textContent = c.reasoning;
+    }
     c.metaEl.textContent = plural(c.tokens, "token");
     if (job.kind === "chat") $("transcript").scrollTop = $("transcript").scrollHeight;
     showStats(job);

@@ -39,9 +39,10 @@ class DeltaMessage:
 
     content: str = ""
     tool_calls: list = field(default_factory=list)  # delta.tool_calls entries
+    reasoning: str = ""  # a reasoning model's thinking (``reasoning_parsers``)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.tool_calls)
+        return bool(self.content or self.tool_calls or self.reasoning)
 
 
 class ToolParser(abc.ABC):
