@@ -176,6 +176,7 @@ def test_completion_request_becomes_prompts_and_sampling_params():
         stop_token_ids=[9],
         ignore_eos=True,
         logprobs=3,
+        prompt_logprobs=3,  # echo with logprobs scores the prompt too
         max_tokens=7,
     )
     assert parse_request(CompletionRequest, {"prompt": "a"}, LIMITS).sampling_params(16).temperature == 1.0
