@@ -41,6 +41,7 @@ class AppState:
     allowed_host_names: frozenset | None = None  # Host names accepted (None: any; ``hosts``)
     websockets: set = field(default_factory=set)  # open ``WebSocketSession``s (closed by the drain)
     reasoning_parser: str | None = None  # chat output's <think> split out (``openai.reasoning_parsers``)
+    responses: object = None  # the Responses API's ``serving_responses.ResponseStore``
 
 
 STATE = web.AppKey("rawpaged_state", AppState)

@@ -141,3 +141,14 @@ def test_websocket_carries_reasoning_deltas(server):
                     return reasoning
 
     assert run(reasoning_of()) == "Let me think"
+
+
+def test_responses_api_returns_a_reasoning_item(server, client):
+    """/v1/responses: the thinking as a reasoning item before the message, whole and streamed."""
+    r = client.responses.create(model=server.state.model_name, input="What is the capital of France?", temperature=0)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Let me think" and r.output_text == "\n\nParis"
+    with client.responses.stream(model=server.state.model_name, input="Capital of France?", temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == "Let me think" and final.output_text == "\n\nParis"

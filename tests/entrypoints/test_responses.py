@@ -1,0 +1,140 @@
+"""The Responses API (``POST /v1/responses``) driven by the real ``openai`` client on the default model: a
+plain turn, a streamed turn rebuilt by the SDK's stream helper, a tool round trip, a chained turn by
+``previous_response_id``, ``text.format`` json_schema, retrieval and ``store``, and bad input in OpenAI's
+error shape."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+pytest.importorskip("openai")
+
+import json
+
+import openai
+
+from rawpaged.config import EngineConfig
+from tests.entrypoints.server_thread import served, wait_pool_empty
+
+pytestmark = pytest.mark.model
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = "What is the capital of France?"
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=128, max_model_len=1024)
+    with served(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_plain_turn(server, client):
+    r = client.responses.create(model=MODEL, input=FRANCE, max_output_tokens=16, temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert "Paris" in r.output_text
+    [message] = r.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
+    assert message.content[0].type == "output_text"
+    assert r.usage.input_tokens > 5 and 0 < r.usage.output_tokens <= 16
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    cut = client.responses.create(model=MODEL, input="Count from one to fifty.", max_output_tokens=4, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    wait_pool_empty(server)
+
+
+def test_a_streamed_turn_rebuilt_by_the_sdk(server, client):
+    plain = client.responses.create(
+        model=MODEL, input=FRANCE, max_output_tokens=16, temperature=0, instructions="Be brief."
+    )
+    with client.responses.stream(
+        model=MODEL, input=FRANCE, max_output_tokens=16, temperature=0, instructions="Be brief."
+    ) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert final.output_text == plain.output_text and final.status == "completed"
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for kind in ("response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                 "response.output_text.done", "response.content_part.done", "response.output_item.done"):  # fmt: skip
+        assert kind in kinds, kind
+    wait_pool_empty(server)
+
+
+def test_a_tool_round_trip_and_a_chained_turn(server, client):
+    """A forced call with valid arguments, its output sent back by previous_response_id, and an answer;
+    the chained request carried the earlier conversation (its prompt holds more tokens than its input)."""
+    first = client.responses.create(
+        model=MODEL,
+        input="What is the weather like in Paris today?",
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=60,
+        temperature=0,
+    )
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.call_id.startswith("call_") and first.status == "completed"
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+        tools=[WEATHER_TOOL],
+        max_output_tokens=32,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id and second.output_text
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output are in the prompt
+    third = client.responses.create(
+        model=MODEL, previous_response_id=second.id, input="Thanks! And in Rome?", max_output_tokens=8, temperature=0
+    )
+    alone = client.responses.create(model=MODEL, input="Thanks! And in Rome?", max_output_tokens=8, temperature=0)
+    assert third.usage.input_tokens > alone.usage.input_tokens + 20  # the whole exchange came before it
+    wait_pool_empty(server)
+
+
+def test_json_schema_text_format(server, client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    r = client.responses.create(
+        model=MODEL,
+        input=FRANCE,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
+        max_output_tokens=30,
+        temperature=0,
+    )
+    assert set(json.loads(r.output_text)) == {"city"}
+
+
+def test_retrieval_store_and_errors(server, client):
+    kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0)
+    assert client.responses.retrieve(kept.id).output_text == kept.output_text
+    unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    for kwargs, param in (
+        (dict(input="Hi", temperature=-1), "temperature"),
+        (dict(input="Hi", max_output_tokens=0), "max_output_tokens"),
+        (dict(input=[]), "input"),
+        (dict(input=[{"type": "image", "url": "x"}]), "input"),
+        (dict(input="Hi", text={"format": {"type": "xml"}}), "text"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, **kwargs)
+        assert e.value.body["param"] == param, (kwargs, e.value.body)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-17", input="Hi")
+    wait_pool_empty(server)
