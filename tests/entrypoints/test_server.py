@@ -518,6 +518,7 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "sch
 
 def check_person(text):
     value = json.loads(text)
+    pytest.importorskip("jsonschema").validate(value, strict_schema(SCHEMA))
     assert set(value) == {"name", "age"} and isinstance(value["name"], str) and len(value["name"]) <= 20
     assert isinstance(value["age"], int) and value["age"] >= 0
 

@@ -52,6 +52,8 @@ def walk(manager, grammar, tokenizer, rng, max_tokens=120):
 
 
 def check_against_schema(value):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(value, SCHEMA)
     assert set(value) == {"name", "age", "tags"}
     assert isinstance(value["name"], str) and len(value["name"]) <= 12
     assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
