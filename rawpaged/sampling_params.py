@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from rawpaged.errors import InvalidRequestError
 from rawpaged.structured_output.params import StructuredOutputsParams
 
@@ -177,8 +179,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, "must be a number in [-2, 2]")
-        if not is_num(self.repetition_penalty) or not self.repetition_penalty > 0.0:
-            bad("repetition_penalty", "must be a number > 0")
+        if not is_num(self.repetition_penalty) or not 0.0 < float(np.float32(self.repetition_penalty)) < math.inf:
+            bad("repetition_penalty", "must be a finite number > 0 (as a float32: the kernels' type)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "must be a dict of token id -> bias")

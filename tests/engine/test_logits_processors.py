@@ -112,6 +112,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field():
         (dict(presence_penalty=2.5), "presence_penalty"),
         (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=1e-60), "repetition_penalty"),  # 0 as a float32: the kernels' division
+        (dict(repetition_penalty=1e60), "repetition_penalty"),  # inf as a float32
         (dict(logit_bias={"5": 1.0}), "logit_bias"),
         (dict(logit_bias={5: 101.0}), "logit_bias"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"),

@@ -115,6 +115,18 @@ def test_websocket_prompt_logprobs_come_with_the_first_delta(server, engine_prom
     assert all(abs(got[i][str(ids[i])]["logprob"] - want[i][ids[i]].logprob) < 1e-4 for i in range(1, len(ids)))
 
 
+def test_min_tokens_against_the_default_max_tokens(server, client):
+    """Without max_tokens, min_tokens is checked against the default the server picks (16 for completions,
+    what fits for chat), not refused up front."""
+    out = client.completions.create(model=MODEL, prompt="Hi", temperature=0, extra_body={"min_tokens": 5})
+    assert out.usage.completion_tokens >= 5
+    chat = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, extra_body={"min_tokens": 30})
+    assert chat.usage.completion_tokens >= 30
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", extra_body={"min_tokens": 20})  # the default is 16
+    assert e.value.body["param"] == "min_tokens"
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [

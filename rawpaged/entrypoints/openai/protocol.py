@@ -288,7 +288,9 @@ class GenerationRequest(OpenAIBaseModel):
         reserved = sorted(set(getattr(self, "chat_template_kwargs", None) or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ProtocolError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
-        self.sampling_params(1 if max_tokens is None else max_tokens)
+        # unset max_tokens: the default is picked per prompt later (16, or what fits); here any value that
+        # lets the other fields be checked (min_tokens is checked against the real one then)
+        self.sampling_params(max(1, self.min_tokens or 0) if max_tokens is None else max_tokens)
 
 
 PromptType = str | list[str] | list[int] | list[list[int]]

@@ -148,7 +148,9 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     return out
 
 
-@nb.njit(cache=True, nogil=True)  # no fastmath: -inf and the float32 order of operations as written
+# no fastmath: -inf and the float32 order of operations as written; NumPy's error model: a division never
+# raises inside a batch (SamplingParams keeps the repetition penalty a positive finite float32 anyway)
+@nb.njit(cache=True, nogil=True, error_model="numpy")
 def _apply_logits_edits(
     logits, rows, add_start, add_ids, add_values, rep_start, rep_ids, repetition, count_start, count_ids, counts,
     frequency, presence,
