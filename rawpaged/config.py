@@ -177,15 +177,16 @@ class EngineConfig:
     seed: int = 0
     """seed of the generator for requests that give none"""
     quantization: Quantization | None = None
-    """weights: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1 blocks (the default for GGUF files; other types
-    are dequantized); q8_0 quantizes a safetensors checkpoint on load. Both backends compute on the
-    blocks (CUDA: cuda/quant.cu)"""
+    """weights: gguf keeps a .gguf file's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks (the default
+    for GGUF files; other types are dequantized); q8_0 quantizes a safetensors checkpoint on load. Both
+    backends compute on the blocks (CUDA: cuda/quant.cu)"""
     grammar_compile_timeout: float = 10.0
     """seconds a structured-output request waits for its grammar to compile (several compile at once);
     past it the request is refused with a 400 and the compile's result is kept for the next one"""
     reasoning_parser: ReasoningParserName | None = None
     """reasoning models: the server splits <think>...</think> out of chat content into reasoning (and
-    reasoning_content), and structured outputs constrain only the text after </think> (none: off)"""
+    reasoning_content), and structured outputs constrain only the text after </think> (none: off). A
+    model whose tokenizer has no </think> token is refused with it, as vLLM's parsers refuse it"""
     disable_additional_properties: bool = True
     """JSON Schemas (json_schema response formats, structured_outputs.json, tool parameters) compile
     strict: an object that lists its properties admits no other key unless it says additionalProperties

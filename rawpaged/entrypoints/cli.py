@@ -199,7 +199,8 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         prog=prog,
         formatter_class=_HelpFormatter,
         description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models), websocket streaming (/v1/ws), /health and Prometheus /metrics.",
+        "/v1/responses, /v1/models, vLLM's /tokenize, /detokenize, /tokenizer_info), websocket streaming "
+        "(/v1/ws), /health and Prometheus /metrics.",
     )
     p.add_argument(
         "model_tag",

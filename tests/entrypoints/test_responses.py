@@ -52,6 +52,7 @@ def test_a_plain_turn(server, client):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     cut = client.responses.create(model=MODEL, input="Count from one to fifty.", max_output_tokens=4, temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[0].status == "incomplete"
     wait_pool_empty(server)
 
 
@@ -131,10 +132,16 @@ def test_retrieval_store_and_errors(server, client):
         (dict(input=[]), "input"),
         (dict(input=[{"type": "image", "url": "x"}]), "input"),
         (dict(input="Hi", text={"format": {"type": "xml"}}), "text"),
+        (
+            dict(input="Hi", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}),
+            "text",
+        ),
+        (dict(input="Hi " * 2000), "input"),  # longer than the context
     ):
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=MODEL, **kwargs)
         assert e.value.body["param"] == param, (kwargs, e.value.body)
+        assert e.value.body["message"].startswith(param) or param == "input", e.value.body
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-17", input="Hi")
     wait_pool_empty(server)

@@ -161,12 +161,13 @@ class OutputItems:
                 )
         return events
 
-    def finish(self) -> list:
-        """The held-back text, then every item's closing events, in output order."""
+    def finish(self, status: str = "completed") -> list:
+        """The held-back text, then every item's closing events, in output order; the items' ``status``
+        (``incomplete`` when ``max_output_tokens`` cut the output, as OpenAI marks them)."""
         reasoning, content = self.reasoner.finish() if self.reasoner else ("", "")
         events = self._emit(reasoning, content, last=True)
         for index, item in enumerate(self.items):
-            item["status"] = "completed"
+            item["status"] = status
             if item["type"] == "reasoning":
                 events.append(
                     self.event(
@@ -220,6 +221,11 @@ def conversation_of(items: list) -> list:
     if calls:
         message["tool_calls"] = calls
     return [message]
+
+
+def item_status(choice) -> str:
+    """An output item's final ``status`` for a choice that ended with ``choice.finish_reason``."""
+    return "incomplete" if choice.finish_reason == "length" else "completed"
 
 
 def finished_response(req, rid, created, model, items, choice, input_tokens) -> dict:

@@ -29,7 +29,7 @@ from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.http_body import read_body
 from rawpaged.entrypoints.http_errors import ProtocolError, error_body
 from rawpaged.entrypoints.http_responses import json_response
-from rawpaged.entrypoints.openai.engine_requests import submitted
+from rawpaged.entrypoints.openai.engine_requests import add_requests
 from rawpaged.entrypoints.openai.preprocessing import prepare_prompts
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.protocol_responses import ResponsesRequest, chat_param
@@ -39,6 +39,7 @@ from rawpaged.entrypoints.openai.responses_output import (
     OutputItems,
     conversation_of,
     finished_response,
+    item_status,
     new_id,
     response_object,
 )
@@ -71,12 +72,22 @@ class ResponseStore:
         return found
 
 
+def responses_error(e: ProtocolError) -> ProtocolError:
+    """A refusal of the chat request (or of its prompt or constraint, later) as the Responses API names
+    things: its ``param`` and the message's leading field (``max_tokens`` -> ``max_output_tokens``,
+    ``response_format`` -> ``text``, ``messages`` -> ``input``)."""
+    param, message = chat_param(e.param), e.message
+    if param != e.param and e.param and message.startswith(e.param.split(".")[0]):
+        message = param + message[len(e.param.split(".")[0]) :]
+    return ProtocolError(message, param=param, status=e.status, type=e.type, code=e.code, headers=e.headers)
+
+
 def _chat_request(req: ResponsesRequest, history: list, limits) -> ChatCompletionRequest:
     """The chat request ``req`` runs as; its refusals name the Responses field."""
     try:
         return parse_request(ChatCompletionRequest, req.chat_body(history), limits)
     except ProtocolError as e:
-        raise ProtocolError(e.message, param=chat_param(e.param), status=e.status, type=e.type, code=e.code) from None
+        raise responses_error(e) from None
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -89,13 +100,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.previous_response_id is not None:
         _, history = state.responses.get(req.previous_response_id, param="previous_response_id")
     chat = _chat_request(req, history, state.limits)
-    engine = admit(state, req.model)
-    prompts = await prepare_prompts(engine, chat, state.limits)
-    check_capacity(state, engine, len(prompts))
     rid, created = new_id("resp"), int(time.time())
+    try:  # the chat steps' refusals (prompt too long, a schema that does not compile) in this API's names
+        engine = admit(state, req.model)
+        prompts = await prepare_prompts(engine, chat, state.limits)
+        check_capacity(state, engine, len(prompts))
+        streams = await add_requests(engine, chat, prompts, rid)
+    except ProtocolError as e:
+        raise responses_error(e) from None
     # the conversation so far, without the instructions (not carried over, as OpenAI): history + input
     conversation = chat.model_dump(exclude_none=True)["messages"][1 if req.instructions else 0 :]
-    async with submitted(engine, chat, prompts, rid) as streams:
+    try:
         if req.stream:
             return await _stream(request, state, req, chat, rid, created, prompts[0], streams[0], conversation)
         final = None
@@ -105,11 +120,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         choice = final.outputs[0]
         items = OutputItems(state.reasoning_parser, chat.tool_parser(), lambda kind, **f: None)
         items.feed(choice.text)
-        items.finish()
+        items.finish(item_status(choice))
         response = finished_response(req, rid, created, state.model_name, items.items, choice, len(prompts[0].ids))
         if req.stores:
             state.responses.put(response, conversation + conversation_of(items.items))
         return json_response(response)
+    finally:
+        for s in streams:
+            engine.abort(s.request_id)
 
 
 async def _stream(request, state, req, chat, rid, created, prompt, stream, conversation) -> web.StreamResponse:
@@ -141,7 +159,7 @@ async def _stream(request, state, req, chat, rid, created, prompt, stream, conve
                     last = out.outputs[0]
         if last is None:
             raise EngineError("the request was aborted by the server")
-        await send(items.finish())
+        await send(items.finish(item_status(last)))
         response = finished_response(req, rid, created, model, items.items, last, len(prompt.ids))
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         await send([event(kind, response=response)])
