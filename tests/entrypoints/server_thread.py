@@ -80,6 +80,13 @@ def served(config, **app_options):
     assert srv.stop() == 0
 
 
+def openai_client(server, timeout: float = 120):
+    """The official ``openai`` client on ``server``'s ``/v1`` (no retries; the key is any string)."""
+    import openai  # the tests that use it skip where it is missing
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 async def ws_generate(url: str, message: dict) -> tuple:
     """Send one websocket ``generate`` message to the server at ``url``; ``(its text, its last message)``
     once a choice is done (an ``error`` fails the assertion)."""

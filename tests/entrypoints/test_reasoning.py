@@ -12,11 +12,10 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 pytest.importorskip("openai")
 
 import numpy as np
-import openai
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, split_reasoning
-from tests.entrypoints.server_thread import run, served, wait_pool_empty, ws_generate
+from tests.entrypoints.server_thread import openai_client, run, served, wait_pool_empty, ws_generate
 from tests.scripted_model import write_scripted_model
 from tests.tokenizer_files import tokenizer_dir
 
@@ -72,7 +71,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server, timeout=60)
 
 
 def test_reasoning_is_split_out_of_the_message_and_the_stream(server, client):

@@ -15,7 +15,7 @@ import json
 import openai
 
 from rawpaged.config import EngineConfig
-from tests.entrypoints.server_thread import served, wait_pool_empty
+from tests.entrypoints.server_thread import openai_client, served, wait_pool_empty
 
 pytestmark = pytest.mark.model
 
@@ -38,7 +38,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server, timeout=120)
 
 
 def test_a_plain_turn(server, client):

@@ -16,7 +16,7 @@ import aiohttp
 import openai
 
 from rawpaged.config import EngineConfig
-from tests.entrypoints.server_thread import run, served, wait_pool_empty, ws_generate
+from tests.entrypoints.server_thread import openai_client, run, served, wait_pool_empty, ws_generate
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +34,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server, timeout=120)
 
 
 @pytest.fixture(scope="module")
