@@ -179,7 +179,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, "must be a number in [-2, 2]")
-        if not is_num(self.repetition_penalty) or not 0.0 < float(np.float32(self.repetition_penalty)) < math.inf:
+        with np.errstate(over="ignore"):  # a value past float32's range becomes inf: refused just below
+            as_float32 = float(np.float32(self.repetition_penalty)) if is_num(self.repetition_penalty) else 0.0
+        if not 0.0 < as_float32 < math.inf:
             bad("repetition_penalty", "must be a finite number > 0 (as a float32: the kernels' type)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
