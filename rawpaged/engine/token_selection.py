@@ -22,7 +22,6 @@ from rawpaged.engine import beam_search, parallel_sampling
 from rawpaged.errors import EngineError
 from rawpaged.model_executor.logits_processors import build_edits
 from rawpaged.model_executor.sampler import draw_uniform, log_softmax
-from rawpaged.sampling_params import SamplingParams
 from rawpaged.spec_decode.rejection_sampler import accepted_tokens
 
 logger = logging.getLogger(__name__)
@@ -44,12 +43,6 @@ class SelectedTokens:
     touched: dict = field(default_factory=dict)
     failed: dict = field(default_factory=dict)
     verified: list = field(default_factory=list)
-
-
-def needs_distribution(params: SamplingParams) -> bool:
-    """Whether a row's whole distribution must reach the host (logprobs, best_of, beams); sampling itself
-    runs on the backend and returns only ids."""
-    return parallel_sampling.needs_logprobs(params) or params.use_beam_search
 
 
 class TokenSelector:
