@@ -63,6 +63,10 @@ class ConnectionGate:
         """Connections let in and not yet closed (or being closed by an eviction)."""
         return len(self._open)
 
+    def num_busy(self) -> int:
+        """Connections with a request in progress (an open websocket counts)."""
+        return len(self._busy)
+
     def _lost(self, handler) -> None:
         self._open.pop(handler, None)
         self._busy.pop(handler, None)
