@@ -196,3 +196,44 @@ def test_compiled_cpu_sampler_top_p_cut_inside_ties():
     args = (x, np.zeros(n, np.int64), np.ones(n), np.full(n, -1), np.full(n, 0.65), np.zeros(n), u)
     assert set(cpu_sampling.sample(*args).tolist()) == {1, 2, 3}  # the lowest-id 2.0 joins the two 3.0s
     assert cpu_sampling.sample(*args).tolist() == reference_sampler.sample(*args).tolist()
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 6.0, 40.0], ids=["near-uniform", "flat", "normal", "peaked"])
+def test_compiled_nucleus_cut_by_buckets_equals_the_exact_path(scale):
+    """The bucketed top-p cut (two levels of probability-bit buckets, one sub-bucket sorted) names the same last
+    nucleus token as the exact path (every candidate sorted, summed in the reference's order), on a full-size
+    vocabulary with ties, for cuts from the first bucket to the far tail."""
+    from rawpaged.kernels.cpu import sampling as cpu_sampling
+
+    rng = np.random.default_rng(int(scale * 100))
+    vocab = 49152
+    for _ in range(4):
+        x = rng.standard_normal(vocab) * scale
+        x[: vocab // 4] = x[vocab // 4 : vocab // 2]  # a quarter of the tokens tie with another
+        x -= x.max()
+        p = np.exp(x)
+        p /= p.sum()
+        imax = int(np.argmax(p))
+        for top_p in (0.01, 0.3, 0.9, 0.999, 1.0 - 1e-7):
+            got = cpu_sampling._nucleus_cut(p.copy(), top_p, imax)
+            exact = cpu_sampling._nucleus_cut_exact(p.copy(), top_p, p[imax])
+            assert got == exact, (top_p, got, exact)
+            order = np.argsort(-p, kind="stable")  # and both are the reference's cut
+            last = order[int(np.searchsorted(np.cumsum(p[order]), top_p))]
+            assert exact == (p[last], last)
+
+
+def test_compiled_sampler_cuts_at_exact_ties_of_the_running_sum_as_the_reference():
+    """Uniform rows where the running sum meets top_p exactly (0.5 of 8 equal tokens): the bucketed path defers
+    to the exact one, and the nucleus is the reference's lowest ids."""
+    from rawpaged.kernels.cpu import sampling as cpu_sampling
+
+    n = 800
+    for vocab in (4, 8, 1024):
+        x = np.zeros((1, vocab), dtype=np.float32)
+        for top_p in (0.125, 0.25, 0.5, 0.75):
+            args = (x, np.zeros(n, np.int64), np.ones(n), np.full(n, -1), np.full(n, top_p), np.zeros(n))
+            u = (np.arange(n) + 0.5) / n
+            got = cpu_sampling.sample(*args, u)
+            assert got.tolist() == reference_sampler.sample(*args, u).tolist()
+            assert set(got.tolist()) == set(range(max(1, round(top_p * vocab))))

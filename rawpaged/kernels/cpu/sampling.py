@@ -1,18 +1,26 @@
 """The CPU backend's token selection: structured outputs' bitmask on the logits (``apply_token_bitmask``),
 the sampling parameters' sparse logits edits (``apply_logits_edits``: penalties, logit bias, banned tokens),
-then the sampler: ``rawpaged.testing.reference_sampler.sample``'s semantics (temperature, top-k, top-p,
-min-p, then an inverse-CDF draw in token-id order) compiled with Numba, one sample per task.
+then the sampler: ``rawpaged.testing.reference_sampler.sample``'s semantics (temperature, top-k, softmax,
+top-p, min-p, then an inverse-CDF draw in token-id order) compiled with Numba, one sample per thread task.
 
 The NumPy reference sorts the whole vocabulary for top-p (a stable argsort of 49k float64 values: about
-6 ms per row on this project's 2-core host, 0.37 s per step at batch 64). Here only the candidates are
-sorted: the tokens whose probability is at least a threshold ``t`` whose set already holds ``top_p`` of
-the mass. Every token of the nucleus has a probability of at least ``t`` (the nucleus is the shortest
-descending prefix reaching ``top_p``), so the candidates, sorted stably by descending probability, are a
-prefix of the reference's order and give the same cut. ``t`` starts at the largest probability and is
-divided by 16 until its set holds ``top_p`` (one pass over the row each; a peaked distribution needs one
-or two). The softmax is the reference's own NumPy code; later sums run in float64 in the reference's
-orders, except the renormalizations after top-p and min-p (sequential here, pairwise in NumPy), so draws
-agree except where a uniform falls within rounding of a token's CDF boundary.
+6 ms per row on this project's 2-core host, 0.37 s per step at batch 64). Here nothing but a handful of
+tokens is sorted. The bits of a non-negative float64, read as an int64, are ordered as its values, so a
+probability's exponent and leading mantissa bits are a bucket key in descending-probability order. One
+pass sums the probability mass per bucket (8 per octave); the running sum over buckets from the top
+finds the bucket where the nucleus ends, a second pass does the same with the next 10 mantissa bits
+inside it, and only the tokens of that sub-bucket are sorted (stably, by descending probability) to find
+the last token of the nucleus. Every token of a higher bucket has a strictly larger probability, so the
+nucleus is the reference's: every token with ``p > p_cut``, and those with ``p == p_cut`` up to the cut's
+token id (the reference's stable order). Bucket sums add in another order than the reference's running
+sum; where a running sum comes within 1e-9 of ``top_p`` (rounding could move the cut), the row takes the
+exact path instead: the candidates with ``p`` above a threshold, all sorted, summed in the reference's
+order.
+
+The softmax is computed as the reference's code writes it (float64 logits / temperature, minus the row's
+max, ``exp``, divided by the sum), the sum sequential rather than NumPy's pairwise; later sums are
+sequential too, so draws agree with the reference except where a uniform falls within rounding of a
+token's CDF boundary.
 """
 
 from __future__ import annotations
@@ -21,61 +29,160 @@ import numba as nb
 import numpy as np
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: sums and comparisons as written
-#: the candidate threshold shrinks by this factor per pass
+#: the exact path's candidate threshold shrinks by this factor per pass
 _THRESHOLD_STEP = 1.0 / 16.0
+#: level 1 buckets: a float64's bits shifted right by this keep its exponent and 3 mantissa bits
+_L1_SHIFT = 49
+#: 8 buckets per octave over 48 octaves below the row's largest probability; the last bucket holds the rest
+_L1_BUCKETS = 8 * 48 + 1
+#: level 2 buckets: the next 10 mantissa bits
+_L2_SHIFT = 39
+_L2_BUCKETS = 1024
+#: a running sum this close to top_p sends the row to the exact path
+_CUT_TOLERANCE = 1e-9
 
 
 @nb.njit(**_JIT)
-def _filter_and_draw(p, top_p, min_p, uniform):
-    """Top-p and min-p on one row of probabilities ``p`` (float64, sums to 1; changed in place), then
-    the inverse-CDF draw of ``uniform``: the first token whose running sum exceeds ``uniform`` times
-    the total."""
+def _softmax_row(logits_row, temperature, top_k, p):
+    """``p`` (float64 ``[vocab]``) = softmax(logits_row / temperature) after top-k (values below the k-th
+    largest set to -inf, ties kept), as the reference computes it. Returns the index of the row's first
+    maximum (its probability is ``p``'s largest)."""
     vocab = p.shape[0]
-    pmax = 0.0
+    imax = 0
     for i in range(vocab):
-        pmax = max(pmax, p[i])
+        p[i] = np.float64(logits_row[i]) / temperature
+        if p[i] > p[imax]:
+            imax = i
+    if 0 < top_k < vocab:
+        kth = np.partition(p.copy(), vocab - top_k)[vocab - top_k]
+        for i in range(vocab):
+            if not p[i] >= kth:
+                p[i] = -np.inf
+    mx = p[imax]
+    total = 0.0
+    for i in range(vocab):
+        p[i] = np.exp(p[i] - mx)
+        total += p[i]
+    for i in range(vocab):
+        p[i] /= total
+    return imax
+
+
+@nb.njit(**_JIT)
+def _nucleus_cut_exact(p, top_p, pmax):
+    """The nucleus's last token ``(p_cut, id_cut)`` by the exact path: ``t`` from the largest probability
+    down by ``_THRESHOLD_STEP`` until the tokens with ``p >= t`` hold ``top_p``; those candidates sorted
+    stably by descending probability and summed in that order (the reference's order)."""
+    vocab = p.shape[0]
+    t = pmax
+    while True:
+        mass = 0.0
+        for i in range(vocab):
+            if p[i] >= t:
+                mass += p[i]
+        if mass >= top_p or t == 0.0:
+            break
+        t *= _THRESHOLD_STEP
+    n = 0
+    for i in range(vocab):
+        if p[i] >= t:
+            n += 1
+    cand = np.empty(n, dtype=np.int64)
+    neg = np.empty(n, dtype=np.float64)
+    j = 0
+    for i in range(vocab):
+        if p[i] >= t:
+            cand[j] = i
+            neg[j] = -p[i]
+            j += 1
+    order = np.argsort(neg, kind="mergesort")  # stable: equal probabilities keep token-id order
+    cum = 0.0
+    last = cand[order[n - 1]]
+    for j in range(n):
+        cum += p[cand[order[j]]]
+        if cum >= top_p:
+            last = cand[order[j]]
+            break
+    return p[last], last
+
+
+@nb.njit(**_JIT)
+def _nucleus_cut(p, top_p, imax):
+    """The nucleus's last token ``(p_cut, id_cut)`` in the reference's stable descending order, found by
+    two levels of buckets (module doc); the exact path where a running sum is within rounding of
+    ``top_p``. ``imax``: the index of ``p``'s largest value."""
+    bits = p.view(np.int64)
+    vocab = p.shape[0]
+    kmax = bits[imax] >> _L1_SHIFT
+    mass1 = np.zeros(_L1_BUCKETS, dtype=np.float64)
+    for i in range(vocab):
+        b = kmax - (bits[i] >> _L1_SHIFT)
+        mass1[min(b, _L1_BUCKETS - 1)] += p[i]
+    cum = 0.0
+    b1 = -1
+    for b in range(_L1_BUCKETS - 1):  # a cut in the last bucket (its tail of tiny values) takes the exact path
+        if cum + mass1[b] >= top_p:
+            b1 = b
+            break
+        cum += mass1[b]
+    if b1 < 0:
+        return _nucleus_cut_exact(p, top_p, p[imax])
+    k1 = kmax - b1
+    mass2 = np.zeros(_L2_BUCKETS, dtype=np.float64)
+    count2 = np.zeros(_L2_BUCKETS, dtype=np.int64)
+    top2 = (k1 << (_L1_SHIFT - _L2_SHIFT)) | (_L2_BUCKETS - 1)
+    for i in range(vocab):
+        if (bits[i] >> _L1_SHIFT) == k1:
+            s = top2 - (bits[i] >> _L2_SHIFT)
+            mass2[s] += p[i]
+            count2[s] += 1
+    b2 = -1
+    for s in range(_L2_BUCKETS):
+        if cum + mass2[s] >= top_p:
+            b2 = s
+            break
+        cum += mass2[s]
+    if b2 < 0:
+        return _nucleus_cut_exact(p, top_p, p[imax])
+    k2 = top2 - b2
+    n = count2[b2]
+    cand = np.empty(n, dtype=np.int64)
+    neg = np.empty(n, dtype=np.float64)
+    j = 0
+    for i in range(vocab):
+        if (bits[i] >> _L2_SHIFT) == k2:
+            cand[j] = i
+            neg[j] = -p[i]
+            j += 1
+    order = np.argsort(neg, kind="mergesort")
+    for j in range(n):
+        before = cum
+        cum += p[cand[order[j]]]
+        if cum >= top_p:
+            if abs(cum - top_p) <= _CUT_TOLERANCE or abs(before - top_p) <= _CUT_TOLERANCE:
+                break
+            last = cand[order[j]]
+            return p[last], last
+    return _nucleus_cut_exact(p, top_p, p[imax])
+
+
+@nb.njit(**_JIT)
+def _filter_and_draw(p, imax, top_p, min_p, uniform):
+    """Top-p and min-p on one row of probabilities ``p`` (float64, sums to 1; changed in place; ``imax``
+    the index of its largest value), then the inverse-CDF draw of ``uniform``: the first token whose
+    running sum exceeds ``uniform`` times the total."""
+    vocab = p.shape[0]
+    pmax = p[imax]
     if top_p < 1.0:
-        t = pmax
-        while True:
-            mass = 0.0
-            for i in range(vocab):
-                if p[i] >= t:
-                    mass += p[i]
-            if mass >= top_p or t == 0.0:
-                break
-            t *= _THRESHOLD_STEP
-        n = 0
-        for i in range(vocab):
-            if p[i] >= t:
-                n += 1
-        cand = np.empty(n, dtype=np.int64)
-        neg = np.empty(n, dtype=np.float64)
-        j = 0
-        for i in range(vocab):
-            if p[i] >= t:
-                cand[j] = i
-                neg[j] = -p[i]
-                j += 1
-        order = np.argsort(neg, kind="mergesort")  # stable: equal probabilities keep token-id order
-        cum = 0.0
-        cut = n
-        for j in range(n):
-            cum += p[cand[order[j]]]
-            if cum >= top_p:
-                cut = j + 1
-                break
-        keep = np.zeros(vocab, dtype=np.bool_)
-        for j in range(cut):
-            keep[cand[order[j]]] = True
+        p_cut, id_cut = _nucleus_cut(p, top_p, imax)
         total = 0.0
         for i in range(vocab):
-            if not keep[i]:
+            if not (p[i] > p_cut or (p[i] == p_cut and i <= id_cut)):
                 p[i] = 0.0
             total += p[i]
-        pmax = 0.0
         for i in range(vocab):
             p[i] /= total
-            pmax = max(pmax, p[i])
+        pmax = p[imax]
     if min_p > 0.0:
         floor = min_p * pmax
         total = 0.0
@@ -97,9 +204,11 @@ def _filter_and_draw(p, top_p, min_p, uniform):
     return vocab - 1
 
 
-def _draw_kernel(probs, top_p, min_p, uniforms, out):
-    for j in nb.prange(probs.shape[0]):
-        out[j] = _filter_and_draw(probs[j], top_p[j], min_p[j], uniforms[j])
+def _draw_kernel(logits, rows, temperature, top_k, top_p, min_p, uniforms, scratch, out):
+    for j in nb.prange(rows.shape[0]):
+        p = scratch[j]
+        imax = _softmax_row(logits[rows[j]], temperature[j], top_k[j], p)
+        out[j] = _filter_and_draw(p, imax, top_p[j], min_p[j], uniforms[j])
 
 
 _draw_serial = nb.njit(**_JIT)(_draw_kernel)
@@ -113,9 +222,8 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     logits: float32 ``[num_rows, vocab]``; sample_rows (int), temperature (``<= 0``: greedy), top_k,
     top_p, min_p, uniforms (in [0, 1)): ``[num_samples]`` each. Returns int64 ``[num_samples]``.
 
-    Greedy samples take the first maximum; the others' temperature, top-k and softmax run in NumPy over
-    all of them at once (its vectorized ``exp``), their top-p, min-p and draw in Numba, one sample per
-    thread task.
+    Greedy samples take the first maximum (NumPy); the others run in one Numba kernel, a sample per thread
+    task: temperature, top-k and softmax into a float64 row, then top-p, min-p and the draw.
     """
     rows = np.asarray(sample_rows, dtype=np.int64)
     temperature = np.asarray(temperature, dtype=np.float64)
@@ -126,22 +234,18 @@ def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
     hot = np.flatnonzero(~greedy)
     if hot.size == 0:
         return out
-    x = np.asarray(logits[rows[hot]], dtype=np.float64) / temperature[hot, None]
-    vocab = x.shape[1]
-    top_k = np.asarray(top_k, dtype=np.int64)[hot]
-    for j in np.flatnonzero((top_k > 0) & (top_k < vocab)):
-        kth = np.partition(x[j], vocab - top_k[j])[vocab - top_k[j]]
-        x[j] = np.where(x[j] >= kth, x[j], -np.inf)
-    x -= x.max(axis=1, keepdims=True)
-    p = np.exp(x, out=x)
-    p /= p.sum(axis=1, keepdims=True)
+    logits = np.ascontiguousarray(logits)
     drawn = np.empty(hot.size, dtype=np.int64)
     kernel = _draw_parallel if hot.size > 1 else _draw_serial
     kernel(
-        p,
+        logits,
+        rows[hot],
+        temperature[hot],
+        np.asarray(top_k, dtype=np.int64)[hot],
         np.asarray(top_p, dtype=np.float64)[hot],
         np.asarray(min_p, dtype=np.float64)[hot],
         np.asarray(uniforms, dtype=np.float64)[hot],
+        np.empty((hot.size, logits.shape[1]), dtype=np.float64),
         drawn,
     )
     out[hot] = drawn
