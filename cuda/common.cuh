@@ -180,6 +180,32 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return total;
 }
 
+
+struct SumOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+};
+struct MinOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return b < a ? b : a; }
+};
+struct MaxOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return b > a ? b : a; }
+};
+
+// Reduction over the block in a fixed order; every thread gets the result. scratch: >= 32 shared V.
+template <typename V, typename Op>
+__device__ __forceinline__ V block_reduce(V v, V* scratch, Op op) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    V r = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) r = op(r, scratch[w]);
+    __syncthreads();
+    return r;
+}
+
 }  // namespace rp
 
 // Dynamic shared memory as a float array (size set at launch; 16-byte aligned).

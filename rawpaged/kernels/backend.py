@@ -171,3 +171,8 @@ class Backend(Protocol):
     def apply_logits_edits(self, logits, edits) -> None:
         """Sampling parameters' sparse edits of logits rows, in place (``LogitsEdits``, host arrays):
         additive entries, then repetition-penalty entries, then frequency/presence entries."""
+
+    def logprob_rows(self, logits, targets, k: int) -> tuple:
+        """Log-softmax reductions of a chunk of logits rows ``[m, vocab]`` (prompt logprobs; the rows may be
+        overwritten) for host int ``targets [m]``: host arrays ``(target_logprobs float64 [m], target_ranks
+        int64 [m], top_ids int64 [m, k], top_logprobs float64 [m, k])`` (``rawpaged.kernels.cpu.logprobs``)."""

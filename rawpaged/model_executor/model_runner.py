@@ -196,7 +196,7 @@ class ModelRunner:
                 if first <= last:
                     rows = hidden[row + first - 1 - start : row + last - start]
                     targets = seq.prompt_token_ids[first : last + 1]
-                    entries = prompt_logprobs(self.model.compute_logits, self.backend.to_numpy, rows, targets, k)
+                    entries = prompt_logprobs(self.model.compute_logits, self.backend.logprob_rows, rows, targets, k)
                     scored[seq] = (first, entries)
             row += n
         return scored

@@ -683,6 +683,37 @@ def test_apply_logits_edits_kernel_matches_the_cpu_kernel(emu, act):
     assert np.isneginf(got[3, [0, 1]]).all() and not np.isneginf(got[[0, 4]]).any()
 
 
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_logprobs_kernel_matches_the_cpu_reduction(emu, act):
+    """Prompt logprobs' reduction on a padded logits view (ties at the top and at the target, a NaN, a row where
+    the target is the maximum, k = 0, 1, 5, 20): the same top ids in the same order and the same ranks as the CPU
+    kernel, logprobs within float32 summation order; the logits are left as they were."""
+    from rawpaged.kernels.cpu import logprobs as cpu_logprobs
+
+    rng = np.random.default_rng(5)
+    vocab = 3000
+    padded = rng.normal(0, 4, size=(6, vocab + 24)).astype(np.float32).astype(act)
+    logits = padded[:, :vocab]
+    logits[0, [10, 20, 30]] = logits[0].max() + 1  # a three-way tie at the top: lower ids first
+    logits[1, 2999] = np.nan  # never a top id
+    logits[2, [5, 6, 7]] = logits[2].max() + 1  # the target ties with two others at the top: all three count
+    targets = np.array([20, 3, 7, 0, int(np.argmax(logits[4].astype(np.float32))), 2999])
+    before = padded.copy()
+    for k in (0, 1, 5, 20):
+        got = backend(emu).logprob_rows(dev(logits), targets, k)
+        want = cpu_logprobs.logprob_rows(logits.astype(np.float32), targets, k)
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[2], want[2])
+        for g, w in ((got[0], want[0]), (got[3], want[3])):
+            assert g.dtype == np.float64 and g.shape == w.shape
+            np.testing.assert_allclose(g[np.isfinite(w)], w[np.isfinite(w)], atol=1e-5)
+        np.testing.assert_array_equal(padded.view(np.uint8), before.view(np.uint8))
+    assert got[2][0, :3].tolist() == [10, 20, 30] and got[1][0] == 3 and got[1][2] == 3
+    assert got[1][4] == 1 and 2999 not in got[2][1]
+    with pytest.raises(ValueError, match="vocabulary"):
+        backend(emu).logprob_rows(dev(logits), np.array([0, 0, 0, 0, 0, vocab]), 1)
+
+
 def test_sample_kernel_draws_follow_the_filtered_distribution(emu):
     """Stratified uniforms through the kernel: each kept token is drawn for n * p of them (within one),
     a dropped token never."""
@@ -948,6 +979,7 @@ def test_engine_on_emulated_cuda_matches_the_cpu_engine(emu, tmp_path, monkeypat
         for w, g in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:]):
             assert list(g)[0] == list(w)[0] and set(g) == set(w)
             assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 and g[t].rank == w[t].rank for t in w)
+    assert "logprobs_kernel" in {n.split("<")[0] for n, *_ in emu.launches}  # reduced on the device
 
     bf16 = LLM(device="cuda", **kw)
     assert (bf16.engine.dtype, bf16.engine.kv_cache_dtype) == ("bfloat16", "bfloat16")

@@ -282,6 +282,23 @@ def test_sample(be, act, vocab):
     assert_draws_match(got, logits.astype(np.float32), args)
 
 
+@pytest.mark.parametrize("act", [np.float32, BF16], ids=["f32", "bf16"])
+def test_logprob_rows(be, act):
+    """Prompt logprobs' device reduction of a 128-position chunk of the default model's vocabulary size: the
+    CPU reduction's top ids, ranks and logprobs."""
+    from rawpaged.kernels.cpu.logprobs import logprob_rows
+
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((128, 49152)) * 3).astype(act)
+    targets = rng.integers(0, 49152, 128)
+    got = be.logprob_rows(be.asarray(logits), targets, 5)
+    want = logprob_rows(logits.astype(np.float32), targets, 5)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_allclose(got[0], want[0], atol=1e-4)
+    np.testing.assert_allclose(got[3], want[3], atol=1e-4)
+
+
 @cupy_only
 def test_default_kv_cache_memory_within_device_memory(be):
     free, total = be.xp.cuda.runtime.memGetInfo()

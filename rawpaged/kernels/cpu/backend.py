@@ -15,6 +15,7 @@ from rawpaged.kernels.cpu.attention import paged_attention, prefill_attention
 from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_embedding_and_cache
 from rawpaged.kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
+from rawpaged.kernels.cpu.logprobs import logprob_rows
 from rawpaged.kernels.cpu.quant import RepackedQuantized, StackedQuantized, quant_embedding, quant_linear, repack
 from rawpaged.kernels.cpu.sampling import apply_logits_edits, apply_token_bitmask, sample
 from rawpaged.kernels.kv_cache import allocate_kv_cache
@@ -63,6 +64,7 @@ class CPUBackend:
     sample = staticmethod(sample)  # ``rawpaged.testing.reference_sampler.sample`` is its reference
     apply_token_bitmask = staticmethod(apply_token_bitmask)
     apply_logits_edits = staticmethod(apply_logits_edits)
+    logprob_rows = staticmethod(logprob_rows)
 
     @staticmethod
     def zeros(shape, dtype):

@@ -3,7 +3,7 @@ kernels of ``cuda/*.cu`` through ``cupy.RawModule`` and the products through cuB
 
 Same names and semantics as :class:`rawpaged.kernels.cpu.backend.CPUBackend` (see the CPU modules for the
 math and its sources); the kernels themselves are documented in ``cuda/attention.cu``, ``cuda/cache.cu``,
-``cuda/layers.cu``, ``cuda/sampling.cu`` and ``cuda/quant.cu``. Differences, all additive:
+``cuda/layers.cu``, ``cuda/sampling.cu``, ``cuda/logprobs.cu`` and ``cuda/quant.cu``. Differences, all additive:
 
 * dtypes: activations (query/out/x/...) may be float32, float16 or bfloat16, KV caches float32, float16
   or bfloat16, in the combinations of :data:`program.DTYPE_PAIRS`. CuPy has no bfloat16, so a
@@ -17,7 +17,7 @@ math and its sources); the kernels themselves are documented in ``cuda/attention
 * GGUF Q8_0/Q4_0/Q4_1 weights stay in their blocks (``weights.DeviceQuantized``).
 
 The backend is a thin front: each method calls the function of the same name in ``cache``, ``attention``,
-``elementwise``, ``sampling``, ``linear`` or ``weights`` with the backend's ``launch.KernelContext``.
+``elementwise``, ``sampling``, ``logprobs``, ``linear`` or ``weights`` with the backend's ``launch.KernelContext``.
 Only this package imports CuPy, and only when a :class:`CudaBackend` is created: a CPU-only install never
 imports it.
 """
@@ -29,7 +29,7 @@ import functools
 import numpy as np
 
 from rawpaged.dtypes import BFLOAT16
-from rawpaged.kernels.cuda import attention, cache, elementwise, program, sampling, weights
+from rawpaged.kernels.cuda import attention, cache, elementwise, logprobs, program, sampling, weights
 from rawpaged.kernels.cuda import linear as products
 from rawpaged.kernels.cuda.graphs import GraphCapture
 from rawpaged.kernels.cuda.launch import DEFAULT_SMEM, CupyLauncher, KernelContext, host_byte_copy
@@ -147,6 +147,7 @@ class CudaBackend:
     sample = _forward(sampling, "sample")
     apply_token_bitmask = _forward(sampling, "apply_token_bitmask")
     apply_logits_edits = _forward(sampling, "apply_logits_edits")
+    logprob_rows = _forward(logprobs, "logprob_rows")
     linear = _forward(products, "linear")
     embedding = _forward(products, "embedding")
     load_weight = _forward(weights, "load_weight")

@@ -34,7 +34,7 @@ def _find_cuda_dir() -> Path:
 
 #: Directory of the ``.cu`` sources (see :func:`_find_cuda_dir`).
 CUDA_DIR = _find_cuda_dir()
-SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu", "quant.cu")
+SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu", "logprobs.cu", "quant.cu")
 
 #: NVRTC options the runtime passes to ``cupy.RawModule`` (plus :func:`include_options`).
 RUNTIME_OPTIONS = ("--std=c++17",)
@@ -91,7 +91,7 @@ def layer_names(act: str) -> list[str]:
     weight_types = [act] if act == F32 else [act, F32]
     names = [f"rms_norm_kernel<{act}, {w}>" for w in weight_types]
     names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>", f"sample_kernel<{act}>"]
-    names += [f"apply_token_bitmask_kernel<{act}>", f"apply_logits_edits_kernel<{act}>"]
+    names += [f"apply_token_bitmask_kernel<{act}>", f"apply_logits_edits_kernel<{act}>", f"logprobs_kernel<{act}>"]
     names += [f"{k}<{act}, {f}>" for f in QUANT_FORMATS.values() for k in QUANT_KERNELS]
     return names
 
