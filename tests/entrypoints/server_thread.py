@@ -73,10 +73,14 @@ class ServerThread:
 @contextlib.contextmanager
 def served(config, **app_options):
     """A healthy ``ServerThread`` of ``create_app(config, **app_options)`` for the ``with`` body; stopped
-    after it, and its exit code checked (0)."""
+    after it (also when the body fails), and its exit code checked (0)."""
     srv = ServerThread(create_app(config, **app_options)).start()
-    srv.wait_healthy()
-    yield srv
+    try:
+        srv.wait_healthy()
+        yield srv
+    except BaseException:
+        srv.stop()  # the body's failure is the one to report
+        raise
     assert srv.stop() == 0
 
 

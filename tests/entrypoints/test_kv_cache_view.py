@@ -16,9 +16,8 @@ import aiohttp
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints import websocket
-from rawpaged.entrypoints.app import create_app
 from rawpaged.entrypoints.playground import CONTENT_SECURITY_POLICY
-from tests.entrypoints.server_thread import ServerThread, run
+from tests.entrypoints.server_thread import run, served
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -28,10 +27,8 @@ PROMPT = list(range(10, 50))  # 40 tokens: blocks 0-1 full, block 2 partly fille
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=96, max_model_len=1024)
-    srv = ServerThread(create_app(config, api_key=KEY, max_tokens_limit=512)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config, api_key=KEY, max_tokens_limit=512) as srv:
+        yield srv
 
 
 async def fetch(session, url, **kw):

@@ -13,8 +13,7 @@ import asyncio
 import aiohttp
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
-from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
+from tests.entrypoints.server_thread import run, served, wait_pool_empty
 
 BLOCK = 16
 
@@ -22,10 +21,8 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=128, block_size=BLOCK)
-    srv = ServerThread(create_app(config)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config) as srv:
+        yield srv
 
 
 async def scrape(s, url) -> dict:

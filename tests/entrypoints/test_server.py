@@ -26,7 +26,16 @@ from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
 from rawpaged.entrypoints.chat_utils import tools_system_prompt
 from tests.conftest import FIXTURES
-from tests.entrypoints.server_thread import ServerThread, get_json, run, sse, stats, wait_pool_empty, ws_generate
+from tests.entrypoints.server_thread import (
+    ServerThread,
+    get_json,
+    run,
+    served,
+    sse,
+    stats,
+    wait_pool_empty,
+    ws_generate,
+)
 
 model = pytest.mark.model  # tests that run the real default model
 
@@ -41,10 +50,8 @@ def server(model_dir):
     config = EngineConfig(
         model=str(model_dir), device="cpu", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, max_num_seqs=32
     )
-    srv = ServerThread(create_app(config, max_tokens_limit=MAX_TOKENS_LIMIT)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config, max_tokens_limit=MAX_TOKENS_LIMIT) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

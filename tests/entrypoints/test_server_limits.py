@@ -20,10 +20,9 @@ import time
 import aiohttp
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
 from rawpaged.entrypoints.openai.response_writer import dumps_by_part
 from rawpaged.entrypoints.server_config import ServerConfig
-from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
+from tests.entrypoints.server_thread import run, served, wait_pool_empty
 
 MAX_CONNECTIONS = 12
 MAX_BODY = 64 * 1024
@@ -40,10 +39,8 @@ LIMITS = ServerConfig(
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=128, max_num_seqs=2)
-    srv = ServerThread(create_app(config, max_body_size=MAX_BODY, server_config=LIMITS)).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config, max_body_size=MAX_BODY, server_config=LIMITS) as srv:
+        yield srv
 
 
 def raw(port: int, payload: bytes = b"", timeout: float = 10.0) -> tuple:
@@ -117,27 +114,25 @@ def test_past_the_connection_limit_health_answers_and_others_get_a_fast_503(tiny
     # its own server, with a body timeout the slow bodies below cannot reach on a loaded host
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
     limits = ServerConfig(timeout_body=60.0, max_connections=MAX_CONNECTIONS)
-    srv = ServerThread(create_app(config, server_config=limits)).start()
     busy = []
-    try:
-        srv.wait_healthy()
-        for _ in range(MAX_CONNECTIONS):  # each sent its headers and is sending its body slowly
-            s = socket.create_connection(("127.0.0.1", srv.port))
-            s.sendall(post_head(len(BODY)) + BODY[:3])
-            busy.append(s)
-        deadline = time.monotonic() + 10
-        while srv.state.gate.num_busy() < MAX_CONNECTIONS:  # open is not enough: an idle one is evicted
-            assert time.monotonic() < deadline, (srv.state.gate.num_open(), srv.state.gate.num_busy())
-            time.sleep(0.02)
-        start = time.monotonic()
-        health, _ = raw(srv.port, HEALTH, timeout=5)
-        other, _ = raw(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", timeout=5)
-        took = time.monotonic() - start
-        num_refused = srv.state.gate.num_refused
-    finally:
-        for s in busy:
-            s.close()
-        assert srv.stop() == 0
+    with served(config, server_config=limits) as srv:
+        try:
+            for _ in range(MAX_CONNECTIONS):  # each sent its headers and is sending its body slowly
+                s = socket.create_connection(("127.0.0.1", srv.port))
+                s.sendall(post_head(len(BODY)) + BODY[:3])
+                busy.append(s)
+            deadline = time.monotonic() + 10
+            while srv.state.gate.num_busy() < MAX_CONNECTIONS:  # open is not enough: an idle one is evicted
+                assert time.monotonic() < deadline, (srv.state.gate.num_open(), srv.state.gate.num_busy())
+                time.sleep(0.02)
+            start = time.monotonic()
+            health, _ = raw(srv.port, HEALTH, timeout=5)
+            other, _ = raw(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", timeout=5)
+            took = time.monotonic() - start
+            num_refused = srv.state.gate.num_refused
+        finally:
+            for s in busy:
+                s.close()
     assert status_of(health) == 200, health
     assert json.loads(health.split(b"\r\n\r\n", 1)[1])["status"] == "ok"
     assert status_of(other) == 503 and b"Retry-After: 1" in other, other
@@ -186,17 +181,10 @@ def test_a_host_that_is_not_this_machine_is_refused(server):
 
 
 def test_allowed_hosts_are_answered(tiny_dir):
-    app = create_app(
-        EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64),
-        server_config=ServerConfig(allowed_hosts=("My.Box",)),
-    )
-    srv = ServerThread(app).start()
-    try:
-        srv.wait_healthy()
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
+    with served(config, server_config=ServerConfig(allowed_hosts=("My.Box",))) as srv:
         ok, _ = raw(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: my.box:8000\r\nConnection: close\r\n\r\n")
         other, _ = raw(srv.port, b"GET /v1/models HTTP/1.1\r\nHost: other.box\r\nConnection: close\r\n\r\n")
-    finally:
-        assert srv.stop() == 0
     assert status_of(ok) == 200 and status_of(other) == 403
 
 
@@ -231,17 +219,10 @@ def test_unknown_fields_are_logged_or_refused(server, tiny_dir, caplog):
     assert status == 200
     assert any("'temprature'" in r.getMessage() and "ignored" in r.getMessage() for r in caplog.records)
 
-    app = create_app(
-        EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64),
-        server_config=ServerConfig(reject_unknown_fields=True),
-    )
-    srv = ServerThread(app).start()
-    try:
-        srv.wait_healthy()
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
+    with served(config, server_config=ServerConfig(reject_unknown_fields=True)) as srv:
         status, refused = run(_post(srv.url + "/v1/completions", body))
         ws_reply = run(_ws_exchange(srv.url, [{"type": "generate", "id": 1, **body}], 1))[0]
-    finally:
-        assert srv.stop() == 0
     assert status == 400 and refused["error"]["param"] == "temprature", refused
     assert ws_reply["type"] == "error" and ws_reply["param"] == "temprature" and ws_reply["id"] == 1
 
@@ -332,7 +313,6 @@ def test_large_responses_are_encoded_by_part_to_the_same_json():
 
 def test_a_websocket_that_does_not_answer_pings_is_closed(tiny_dir):
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
-    srv = ServerThread(create_app(config, server_config=ServerConfig(ws_ping_interval=0.4))).start()
 
     async def frames(autoping: bool, seconds: float) -> tuple:
         """The frame types the client sees for ``seconds``, and whether the socket was closed then."""
@@ -349,11 +329,8 @@ def test_a_websocket_that_does_not_answer_pings_is_closed(tiny_dir):
                     break
             return seen, ws.closed
 
-    try:
-        srv.wait_healthy()
+    with served(config, server_config=ServerConfig(ws_ping_interval=0.4)) as srv:
         silent, silent_closed = run(asyncio.wait_for(frames(autoping=False, seconds=5.0), 15))
         polite, polite_closed = run(asyncio.wait_for(frames(autoping=True, seconds=2.0), 15))
-    finally:
-        assert srv.stop() == 0
     assert silent[0] == aiohttp.WSMsgType.PING and silent_closed, silent  # pinged, no pong, closed
     assert not polite_closed and aiohttp.WSMsgType.CLOSE not in polite, polite  # answered pings: kept open

@@ -17,7 +17,7 @@ import aiohttp
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.app import create_app
 from rawpaged.entrypoints.openai.response_builders import chat_logprobs, completion_logprobs, token_text
-from tests.entrypoints.server_thread import ServerThread, run, sse, wait_pool_empty
+from tests.entrypoints.server_thread import ServerThread, run, served, sse, wait_pool_empty
 
 ORIGIN = "https://ok.example"
 
@@ -25,10 +25,8 @@ ORIGIN = "https://ok.example"
 @pytest.fixture(scope="module")
 def tiny_server(tiny_dir):
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=128, max_model_len=256)
-    srv = ServerThread(create_app(config, max_tokens_limit=64, allowed_origins=[ORIGIN])).start()
-    srv.wait_healthy()
-    yield srv
-    assert srv.stop() == 0
+    with served(config, max_tokens_limit=64, allowed_origins=[ORIGIN]) as srv:
+        yield srv
 
 
 async def post(session, url, body, **kw):
