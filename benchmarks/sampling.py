@@ -1,7 +1,9 @@
 """Sampling's costs on the default model, CPU backend, in three tables:
 
-1. ``samplers``: engine decode-step time with the compiled sampler against the NumPy reference sampler,
-   for greedy, temperature-only and top-p sampling at a few batch sizes.
+1. ``samplers``: engine decode-step time and the sampler's own time per step, the compiled sampler
+   against the NumPy reference sampler (and, with ``--baseline-sampler REV``, the compiled sampler of an
+   earlier git revision, side by side), for greedy, temperature-only and top-p sampling at a few batch
+   sizes.
 2. ``params``: a batch of decodes with no logits parameters against the same batch where every request
    sets all of them (repetition, frequency and presence penalties, 10 logit biases, min_tokens, two bad
    words; and allowed_token_ids alone), greedy and with top-p: median step time, alternated runs, the
@@ -47,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--params-output-len", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline-sampler", metavar="REV", help="also time the CPU sampler as of this git revision")
     p.add_argument("--out", default="benchmarks/out/sampling.json")
     p.add_argument("--child-peak", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -94,28 +97,71 @@ def _decode_steps_ms(engine, prompts, params) -> list:
 
 
 def samplers(engine, args) -> list:
+    """Decode steps with the NumPy reference sampler and the compiled one (and, with ``--baseline-sampler
+    REV``, the compiled sampler as of git revision REV), alternated: median step ms and the sampler's own ms
+    per step."""
     from rawpaged.kernels.cpu import sampling as cpu_sampling
     from rawpaged.sampling_params import SamplingParams
     from rawpaged.testing import reference_sampler
 
+    candidates = {"numpy": reference_sampler.sample, "compiled": cpu_sampling.sample}
+    if args.baseline_sampler:
+        candidates[f"compiled@{args.baseline_sampler}"] = _sampler_at(args.baseline_sampler)
     prompts = _prompts(max(args.batches), args.input_len)
     settings = {
         "T 0.7, top_p 0.9": dict(temperature=0.7, top_p=0.9, seed=1),
         "T 1.0": dict(temperature=1.0, seed=1),
         "greedy": dict(temperature=0.0),
     }
+    spent = []
+
+    def timed(fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            result = fn(*a, **kw)
+            spent.append((time.perf_counter() - t0) * 1e3)
+            return result
+
+        return wrapper
+
     rows = []
     for batch in args.batches:
         for name, kw in settings.items():
             params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **kw)
-            runs = []
-            for fn in (reference_sampler.sample, cpu_sampling.sample) * 2:  # alternating
-                engine.backend.sample = fn
-                runs.append(statistics.median(_decode_steps_ms(engine, prompts[:batch], params)))
-            rows.append({"batch": batch, "sampling": name, "numpy_ms": min(runs[0::2]), "compiled_ms": min(runs[1::2])})
+            steps = {c: [] for c in candidates}
+            own = {c: [] for c in candidates}
+            for _ in range(2):  # alternated, the better run of each kept
+                for c, fn in candidates.items():
+                    engine.backend.sample = timed(fn)
+                    spent.clear()
+                    steps[c].append(statistics.median(_decode_steps_ms(engine, prompts[:batch], params)))
+                    own[c].append(statistics.median(spent[2:]))
+            row = {"batch": batch, "sampling": name}
+            for c in candidates:
+                row[f"{c} step ms"] = round(min(steps[c]), 1)
+                row[f"{c} sampler ms"] = round(min(own[c]), 2)
+            rows.append(row)
     engine.backend.sample = cpu_sampling.sample
-    print_table(rows, ["batch", "sampling", "numpy_ms", "compiled_ms"])
+    print_table(rows, list(rows[0]))
     return rows
+
+
+def _sampler_at(rev: str):
+    """``sample`` of ``rawpaged/kernels/cpu/sampling.py`` as of git revision ``rev`` (written to
+    benchmarks/out/ and imported from there), for a side-by-side run."""
+    import importlib.util
+    import subprocess
+
+    source = subprocess.run(
+        ["git", "show", f"{rev}:rawpaged/kernels/cpu/sampling.py"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    path = ROOT / "benchmarks" / "out" / f"sampling_{rev}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"sampling_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.sample
 
 
 def logits_params(engine, args) -> list:
