@@ -147,16 +147,16 @@ def samplers(engine, args) -> list:
 
 
 def _sampler_at(rev: str):
-    """``sample`` of ``rawpaged/kernels/cpu/sampling.py`` as of git revision ``rev`` (written to
-    benchmarks/out/ and imported from there), for a side-by-side run."""
+    """``sample`` of ``rawpaged/kernels/cpu/sampling.py`` as of git revision ``rev`` (written to a fresh
+    temporary folder and imported from there, so no stale Numba cache is read), for a side-by-side run."""
     import importlib.util
     import subprocess
+    import tempfile
 
     source = subprocess.run(
         ["git", "show", f"{rev}:rawpaged/kernels/cpu/sampling.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
-    path = ROOT / "benchmarks" / "out" / f"sampling_{rev}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="sampler-")) / f"sampling_{rev}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"sampling_{rev}", path)
     module = importlib.util.module_from_spec(spec)

@@ -221,6 +221,22 @@ def test_vector_exp_against_float64_and_its_clamp():
     np.testing.assert_allclose(edge, np.exp([-87.0, -87.0, 88.0, 88.0]), rtol=3e-7)
 
 
+@nb.njit
+def _exp_f64_each(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = cpu_intrinsics.exp_f64(x[i])
+    return out
+
+
+def test_vector_exp_f64_within_an_ulp_of_numpy_and_flushed_below_minus_708():
+    rng = np.random.default_rng(2)
+    x = np.concatenate([-np.linspace(0, 707.99, 1_000_001), -rng.exponential(1e-9, 1000), [0.0, -0.0, -1e-300]])
+    got, ref = _exp_f64_each(x), np.exp(x)
+    assert (np.abs(got - ref) <= np.spacing(ref)).all(), x[np.argmax(np.abs(got - ref) / np.spacing(ref))]
+    assert _exp_f64_each(np.array([-708.0, -745.0, -1e300, -np.inf])).tolist() == [0.0] * 4  # never NaN
+
+
 def test_silu_and_mul_against_float64_over_the_whole_range():
     rng = np.random.default_rng(4)
     g = np.concatenate([rng.standard_normal((6, 700)) * 8, np.linspace(-120, 120, 6 * 100).reshape(6, 100)], axis=1)
