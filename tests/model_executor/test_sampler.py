@@ -233,7 +233,7 @@ def test_compiled_sampler_cuts_at_exact_ties_of_the_running_sum_as_the_reference
         x = np.zeros((1, vocab), dtype=np.float32)
         for top_p in (0.125, 0.25, 0.5, 0.75):
             args = (x, np.zeros(n, np.int64), np.ones(n), np.full(n, -1), np.full(n, top_p), np.zeros(n))
-            u = (np.arange(n) + 0.5) / n
+            u = (np.arange(n) + 0.37) / n  # no uniform on a CDF boundary j / kept (rounding would decide it)
             got = cpu_sampling.sample(*args, u)
             assert got.tolist() == reference_sampler.sample(*args, u).tolist()
             assert set(got.tolist()) == set(range(max(1, round(top_p * vocab))))

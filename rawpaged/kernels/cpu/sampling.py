@@ -46,26 +46,56 @@ _CUT_TOLERANCE = 1e-9
 
 
 @nb.njit(**_JIT)
+def _sum4(p):
+    """Sum of float64 ``p`` in four interleaved running sums (independent chains: no float reduction
+    vectorizes without reassociation, and one running sum waits on each add)."""
+    n = p.shape[0]
+    s0 = s1 = s2 = s3 = 0.0
+    i = 0
+    while i + 4 <= n:
+        s0 += p[i]
+        s1 += p[i + 1]
+        s2 += p[i + 2]
+        s3 += p[i + 3]
+        i += 4
+    while i < n:
+        s0 += p[i]
+        i += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+@nb.njit(**_JIT)
 def _softmax_row(logits_row, temperature, top_k, p):
     """``p`` (float64 ``[vocab]``) = softmax(logits_row / temperature) after top-k (values below the k-th
     largest set to -inf, ties kept), as the reference computes it. Returns the index of the row's first
-    maximum (its probability is ``p``'s largest)."""
+    maximum (its probability is ``p``'s largest). Each loop does one thing, so that the elementwise ones
+    vectorize."""
     vocab = p.shape[0]
-    imax = 0
     for i in range(vocab):
         p[i] = np.float64(logits_row[i]) / temperature
-        if p[i] > p[imax]:
-            imax = i
+    m0 = m1 = m2 = m3 = -np.inf
+    i = 0
+    while i + 4 <= vocab:
+        m0 = max(m0, p[i])
+        m1 = max(m1, p[i + 1])
+        m2 = max(m2, p[i + 2])
+        m3 = max(m3, p[i + 3])
+        i += 4
+    while i < vocab:
+        m0 = max(m0, p[i])
+        i += 1
+    mx = max(max(m0, m1), max(m2, m3))
+    imax = 0
+    while imax < vocab - 1 and p[imax] != mx:
+        imax += 1
     if 0 < top_k < vocab:
         kth = np.partition(p.copy(), vocab - top_k)[vocab - top_k]
         for i in range(vocab):
             if not p[i] >= kth:
                 p[i] = -np.inf
-    mx = p[imax]
-    total = 0.0
     for i in range(vocab):
         p[i] = exp_f64(p[i] - mx)
-        total += p[i]
+    total = _sum4(p)
     for i in range(vocab):
         p[i] /= total
     return imax
@@ -117,10 +147,18 @@ def _nucleus_cut(p, top_p, imax):
     bits = p.view(np.int64)
     vocab = p.shape[0]
     kmax = bits[imax] >> _L1_SHIFT
-    mass1 = np.zeros(_L1_BUCKETS, dtype=np.float64)
-    for i in range(vocab):
-        b = kmax - (bits[i] >> _L1_SHIFT)
-        mass1[min(b, _L1_BUCKETS - 1)] += p[i]
+    # four partial histograms, token i into i % 4: consecutive tokens in one bucket would otherwise wait
+    # on each other's add through memory
+    part = np.zeros((4, _L1_BUCKETS), dtype=np.float64)
+    i = 0
+    while i + 4 <= vocab:
+        for lane in range(4):
+            part[lane, min(kmax - (bits[i + lane] >> _L1_SHIFT), _L1_BUCKETS - 1)] += p[i + lane]
+        i += 4
+    while i < vocab:
+        part[0, min(kmax - (bits[i] >> _L1_SHIFT), _L1_BUCKETS - 1)] += p[i]
+        i += 1
+    mass1 = (part[0] + part[1]) + (part[2] + part[3])
     cum = 0.0
     b1 = -1
     for b in range(_L1_BUCKETS - 1):  # a cut in the last bucket (its tail of tiny values) takes the exact path
@@ -178,27 +216,22 @@ def _filter_and_draw(p, imax, top_p, min_p, uniform):
     pmax = p[imax]
     if top_p < 1.0:
         p_cut, id_cut = _nucleus_cut(p, top_p, imax)
-        total = 0.0
         for i in range(vocab):
             if not (p[i] > p_cut or (p[i] == p_cut and i <= id_cut)):
                 p[i] = 0.0
-            total += p[i]
+        total = _sum4(p)
         for i in range(vocab):
             p[i] /= total
         pmax = p[imax]
     if min_p > 0.0:
         floor = min_p * pmax
-        total = 0.0
         for i in range(vocab):
             if not p[i] >= floor:
                 p[i] = 0.0
-            total += p[i]
+        total = _sum4(p)
         for i in range(vocab):
             p[i] /= total
-    cdf_total = 0.0
-    for i in range(vocab):
-        cdf_total += p[i]
-    target = uniform * cdf_total
+    target = uniform * _sum4(p)
     cum = 0.0
     for i in range(vocab):
         cum += p[i]
