@@ -140,6 +140,17 @@ def _nucleus_cut_exact(p, top_p, pmax):
 
 
 @nb.njit(**_JIT)
+def _crossing(mass, cum, top_p):
+    """The first bucket at which ``cum`` plus the running sum of ``mass`` reaches ``top_p`` (-1 if none), and
+    the sum before it."""
+    for b in range(mass.shape[0]):
+        if cum + mass[b] >= top_p:
+            return b, cum
+        cum += mass[b]
+    return -1, cum
+
+
+@nb.njit(**_JIT)
 def _nucleus_cut(p, top_p, imax):
     """The nucleus's last token ``(p_cut, id_cut)`` in the reference's stable descending order, found by
     two levels of buckets (module doc); the exact path where a running sum is within rounding of
@@ -159,13 +170,7 @@ def _nucleus_cut(p, top_p, imax):
         part[0, min(kmax - (bits[i] >> _L1_SHIFT), _L1_BUCKETS - 1)] += p[i]
         i += 1
     mass1 = (part[0] + part[1]) + (part[2] + part[3])
-    cum = 0.0
-    b1 = -1
-    for b in range(_L1_BUCKETS - 1):  # a cut in the last bucket (its tail of tiny values) takes the exact path
-        if cum + mass1[b] >= top_p:
-            b1 = b
-            break
-        cum += mass1[b]
+    b1, cum = _crossing(mass1[:-1], 0.0, top_p)  # a cut in the last bucket (the tail) takes the exact path
     if b1 < 0:
         return _nucleus_cut_exact(p, top_p, p[imax])
     k1 = kmax - b1
@@ -177,12 +182,7 @@ def _nucleus_cut(p, top_p, imax):
             s = top2 - (bits[i] >> _L2_SHIFT)
             mass2[s] += p[i]
             count2[s] += 1
-    b2 = -1
-    for s in range(_L2_BUCKETS):
-        if cum + mass2[s] >= top_p:
-            b2 = s
-            break
-        cum += mass2[s]
+    b2, cum = _crossing(mass2, cum, top_p)
     if b2 < 0:
         return _nucleus_cut_exact(p, top_p, p[imax])
     k2 = top2 - b2
