@@ -1295,6 +1295,7 @@ def test_kernels_have_no_data_races_under_tsan(tmp_path):
         "rms_norm_kernel<float, float>",
         "reshape_and_cache_kernel<float, __nv_bfloat16>",
         "sample_kernel<__nv_bfloat16>",
+        "logprobs_kernel<float>",
     ]
 
     def record(rec):
@@ -1314,6 +1315,7 @@ def test_kernels_have_no_data_races_under_tsan(tmp_path):
         be.reshape_and_cache(qp[:5, :1], qp[:5, 1:2], dev(kc), dev(vc), np.arange(5, dtype=np.int64))
         logits = (rng.standard_normal((2, 700)) * 3).astype(BF16)
         be.sample(dev(logits), **sample_args(2, SAMPLE_CASES[:4] + SAMPLE_CASES[5:6], rng))
+        be.logprob_rows(dev(np.round(rng.standard_normal((3, 700)) * 3).astype(np.float32)), np.array([0, 5, 699]), 5)
 
     rec, r = _replay_under_tsan(names, record, tmp_path)
     assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-6000:]
