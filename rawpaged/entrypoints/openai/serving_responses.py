@@ -29,7 +29,7 @@ from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.http_body import read_body
 from rawpaged.entrypoints.http_errors import ProtocolError, error_body
 from rawpaged.entrypoints.http_responses import json_response
-from rawpaged.entrypoints.openai.engine_requests import add_requests
+from rawpaged.entrypoints.openai.engine_requests import submitted
 from rawpaged.entrypoints.openai.preprocessing import prepare_prompts
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.protocol_responses import ResponsesRequest, chat_param
@@ -82,14 +82,6 @@ def responses_error(e: ProtocolError) -> ProtocolError:
     return ProtocolError(message, param=param, status=e.status, type=e.type, code=e.code, headers=e.headers)
 
 
-def _chat_request(req: ResponsesRequest, history: list, limits) -> ChatCompletionRequest:
-    """The chat request ``req`` runs as; its refusals name the Responses field."""
-    try:
-        return parse_request(ChatCompletionRequest, req.chat_body(history), limits)
-    except ProtocolError as e:
-        raise responses_error(e) from None
-
-
 async def create_response(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses`` (see the module doc). Raises ProtocolError (the middleware answers it): 400
     naming the field, 404 for an unknown ``model`` or ``previous_response_id``, 503 while loading."""
@@ -99,35 +91,35 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     history = []
     if req.previous_response_id is not None:
         _, history = state.responses.get(req.previous_response_id, param="previous_response_id")
-    chat = _chat_request(req, history, state.limits)
     rid, created = new_id("resp"), int(time.time())
-    try:  # the chat steps' refusals (prompt too long, a schema that does not compile) in this API's names
+    try:  # the chat pipeline's refusals (its request, the prompt's length, a schema) in this API's names
+        chat = parse_request(ChatCompletionRequest, req.chat_body(history), state.limits)
         engine = admit(state, req.model)
         prompts = await prepare_prompts(engine, chat, state.limits)
         check_capacity(state, engine, len(prompts))
-        streams = await add_requests(engine, chat, prompts, rid)
+        # the conversation so far, without the instructions (not carried over, as OpenAI): history + input
+        conversation = chat.model_dump(exclude_none=True)["messages"][1 if req.instructions else 0 :]
+        async with submitted(engine, chat, prompts, rid) as streams:
+            if req.stream:
+                return await _stream(request, state, req, chat, rid, created, prompts[0], streams[0], conversation)
+            return await _complete(state, req, chat, rid, created, prompts[0], streams, conversation)
     except ProtocolError as e:
         raise responses_error(e) from None
-    # the conversation so far, without the instructions (not carried over, as OpenAI): history + input
-    conversation = chat.model_dump(exclude_none=True)["messages"][1 if req.instructions else 0 :]
-    try:
-        if req.stream:
-            return await _stream(request, state, req, chat, rid, created, prompts[0], streams[0], conversation)
-        final = None
-        async for out in streams[0]:
-            final = out
-        check_complete(streams)
-        choice = final.outputs[0]
-        items = OutputItems(state.reasoning_parser, chat.tool_parser(), lambda kind, **f: None)
-        items.feed(choice.text)
-        items.finish(item_status(choice))
-        response = finished_response(req, rid, created, state.model_name, items.items, choice, len(prompts[0].ids))
-        if req.stores:
-            state.responses.put(response, conversation + conversation_of(items.items))
-        return json_response(response)
-    finally:
-        for s in streams:
-            engine.abort(s.request_id)
+
+
+async def _complete(state, req, chat, rid, created, prompt, streams, conversation) -> web.Response:
+    final = None
+    async for out in streams[0]:
+        final = out
+    check_complete(streams)
+    choice = final.outputs[0]
+    items = OutputItems(state.reasoning_parser, chat.tool_parser(), lambda kind, **f: None)
+    items.feed(choice.text)
+    items.finish(item_status(choice))
+    response = finished_response(req, rid, created, state.model_name, items.items, choice, len(prompt.ids))
+    if req.stores:
+        state.responses.put(response, conversation + conversation_of(items.items))
+    return json_response(response)
 
 
 async def _stream(request, state, req, chat, rid, created, prompt, stream, conversation) -> web.StreamResponse:
