@@ -13,11 +13,11 @@ bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the lo
   subnormals included (the KV cache's fp8 values), as ``half_to_float`` does for fp16.
 - ``low_nibble(q)`` / ``high_nibble(q)``: ``q & 15`` and ``q >> 4`` of a uint8, as float32.
 - ``signed_byte(q)``: a uint8 read as int8 (two's complement), as float32 (``Q8_0``'s quants).
-- ``pow2_int(n)``: 2.0 ** n as float32 for an int32 n in [-126, 127], built from its exponent bits
-  (``(n + 127) << 23``): the last step of a vectorizable ``exp`` (``exp_f32``), where a loop over
-  ``math.exp`` stays scalar (Numba links no vector math library).
-- ``pow2_int64(n)`` / ``float64_bits(x)``: 2.0 ** n as float64 from its exponent bits, and a float64's bits
-  as int64 (for ``exp_f64``).
+- ``pow2_int(n)``: 2.0 ** n built from its exponent bits, as float32 for an int32 n in [-126, 127]
+  (``(n + 127) << 23``), as float64 for an int64 n in [-1022, 1023] (``(n + 1023) << 52``): the last step of
+  a vectorizable ``exp`` (``exp_f32``, ``exp_f64``), where a loop over ``math.exp`` stays scalar (Numba
+  links no vector math library).
+- ``float64_bits(x)``: a float64's bits as int64 (for ``exp_f64``).
 - ``exp_f32(x)``: float32 ``exp`` that vectorizes (Cephes ``expf`` on ``pow2_int``), ``exp_f64(x)``: the
   float64 one for ``x <= 0`` (the softmax's ``exp(x - max)``),
   ``f32_to_bf16_bits(u)``: float32 bits rounded to nearest even as bfloat16 bits, and
@@ -135,28 +135,21 @@ def quant_bits(typingctx, q, nib_shift, h, h_shift, h_mask):
     return types.float32(q, nib_shift, h, h_shift, h_mask), codegen
 
 
+#: per integer type: (its IR type, the float it builds, the exponent bias, the mantissa's width)
+_POW2_FORMATS = {types.int32: (_I32, _F32, 127, 23, types.float32), types.int64: (_I64, _F64, 1023, 52, types.float64)}
+
+
 @intrinsic
 def pow2_int(typingctx, n):
-    if n != types.int32:
+    if n not in _POW2_FORMATS:
         return None
+    int_type, float_type, bias, mantissa_bits, result = _POW2_FORMATS[n]
 
     def codegen(context, builder, sig, args):
-        biased = builder.add(args[0], ir.Constant(_I32, 127))
-        return builder.bitcast(builder.shl(biased, ir.Constant(_I32, 23)), _F32)
+        biased = builder.add(args[0], ir.Constant(int_type, bias))
+        return builder.bitcast(builder.shl(biased, ir.Constant(int_type, mantissa_bits)), float_type)
 
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def pow2_int64(typingctx, n):
-    if n != types.int64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        biased = builder.add(args[0], ir.Constant(_I64, 1023))
-        return builder.bitcast(builder.shl(biased, ir.Constant(_I64, 52)), _F64)
-
-    return types.float64(types.int64), codegen
+    return result(n), codegen
 
 
 @intrinsic
@@ -322,7 +315,7 @@ def exp_f64(x):
     p = _EXP_TAYLOR[0]
     for c in _EXP_TAYLOR[1:]:
         p = p * r + c
-    e = p * pow2_int64(float64_bits(t) - _ROUND_MAGIC_BITS)
+    e = p * pow2_int(float64_bits(t) - _ROUND_MAGIC_BITS)
     return e if x > -708.0 else 0.0
 
 
