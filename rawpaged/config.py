@@ -198,7 +198,7 @@ class EngineConfig:
     instead of being dropped; a prefix that comes back is loaded instead of recomputed (docs/kv_memory.md)"""
     kv_offload_dir: str | None = None
     """CPU: the directory of the tier's file, kept across restarts (a new engine with the same model finds
-    the cached prefixes); default: a temporary file, removed on close"""
+    the cached prefixes); default: a temporary file, removed on close. Needs kv_offloading_size"""
     preemption_mode: PreemptionMode | None = None
     """swap: a preempted request's blocks go to the second tier (when it has room; else recompute);
     recompute: they are dropped and recomputed; default: swap with a tier, else recompute"""
@@ -233,6 +233,8 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
         if self.preemption_mode not in (None, *PreemptionMode.__args__):
             raise ValueError(f"preemption_mode must be one of {PreemptionMode.__args__} or None")
+        if self.kv_offload_dir is not None and self.kv_offloading_size is None:
+            raise ValueError("kv_offload_dir keeps a second KV tier on disk: set kv_offloading_size (GiB) too")
         if self.preemption_mode == "swap" and self.kv_offloading_size is None:
             raise ValueError("preemption_mode 'swap' needs a second KV tier: set kv_offloading_size")
         if not self.grammar_compile_timeout > 0:

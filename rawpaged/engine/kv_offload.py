@@ -16,9 +16,18 @@ from pathlib import Path
 
 from rawpaged.core.kv_offload import OffloadingManager
 from rawpaged.model_executor.kv_offload_store import FileKVStore, HostKVStore
-from rawpaged.weights.fingerprint import model_fingerprint
 
 logger = logging.getLogger("rawpaged.engine")
+
+
+def fingerprint_dir(config) -> Path | None:
+    """The directory of a persistent tier (``kv_offload_dir``, made if missing), where the model's content
+    fingerprints are remembered too; None without one."""
+    if config.kv_offloading_size is None or config.kv_offload_dir is None:
+        return None
+    directory = Path(config.kv_offload_dir).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 class KVOffload:
@@ -38,9 +47,10 @@ class KVOffload:
         self.store = None
 
     @classmethod
-    def from_config(cls, config, backend, model_dir, block_bytes: int, geometry: dict):
-        """The tier ``config`` asks for (``kv_offloading_size``), or None. ``geometry``: the dtypes and KV
-        shapes its blocks have. Raises ValueError when the size holds no block."""
+    def from_config(cls, config, backend, key, block_bytes: int, geometry: dict):
+        """The tier ``config`` asks for (``kv_offloading_size``), or None. ``key``: the engine's
+        ``KVCacheKey`` (a persistent file is named by its digest and keeps it in its header); ``geometry``:
+        the KV shapes its blocks have. Raises ValueError when the size holds no block."""
         if config.kv_offloading_size is None:
             return None
         num_slots = int(config.kv_offloading_size * 2**30) // block_bytes
@@ -50,25 +60,16 @@ class KVOffload:
             )
         if backend.name != "cpu":
             return cls(num_slots, None, False, None)
+        fingerprint = dict(geometry, **key.as_dict())
         persistent = config.kv_offload_dir is not None
         if persistent:
-            directory = Path(config.kv_offload_dir).expanduser()
-            directory.mkdir(parents=True, exist_ok=True)
-            model = model_fingerprint(model_dir, directory / "model-fingerprints.json")
-            fingerprint = dict(geometry, model=model)
-            path = directory / f"kv-{model[:16]}-{geometry['kv_cache_dtype']}-{geometry['block_size']}.bin"
+            path = fingerprint_dir(config) / f"kv-{key.digest[:16]}.bin"
         else:
             fd, name = tempfile.mkstemp(prefix="rawpaged-kv-", suffix=".bin")
             os.close(fd)
             os.unlink(name)
-            fingerprint, path = dict(geometry), Path(name)
+            path = Path(name)
         return cls(num_slots, path, persistent, fingerprint)
-
-    @property
-    def cache_keys(self) -> tuple:
-        """What the prefix-cache hashes' root names besides the KV dtype and block size: the model, for a
-        tier whose blocks outlive the engine."""
-        return (self.fingerprint["model"],) if self.persistent else ()
 
     def attach(self, runner, kv_cache_manager, block_size: int) -> bool:
         """Make the store over ``runner``'s caches and hand it to the runner; a persistent store's blocks are

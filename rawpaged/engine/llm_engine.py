@@ -24,7 +24,8 @@ from rawpaged.core.scheduler import Scheduler, SchedulerStats
 from rawpaged.core.sequence import Sequence
 from rawpaged.engine import beam_search
 from rawpaged.engine.input_processor import InputProcessor
-from rawpaged.engine.kv_offload import KVOffload
+from rawpaged.engine.kv_cache_key import kv_cache_key
+from rawpaged.engine.kv_offload import KVOffload, fingerprint_dir
 from rawpaged.engine.logprobs import prompt_logprob_entries
 from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
@@ -93,21 +94,28 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         geometry = dict(
-            dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            block_size=config.block_size,
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim,
         )
-        self.kv_offload = KVOffload.from_config(config, self.backend, self.model_dir, self.kv_block_bytes, geometry)
+        tier_dir = fingerprint_dir(config)
+        self.kv_cache_key = kv_cache_key(
+            self.model_dir,
+            dtype=self.dtype,
+            quantization=config.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_size=config.block_size,
+            backend=self.backend.name,
+            fingerprint_cache=tier_dir / "model-fingerprints.json" if tier_dir is not None else None,
+        )
+        self.kv_offload = KVOffload.from_config(config, self.backend, self.kv_cache_key, self.kv_block_bytes, geometry)
         tier = self.kv_offload
         self.scheduler = Scheduler(
             KVCacheManager(
                 num_blocks,
                 config.block_size,
                 config.enable_prefix_caching,
-                cache_keys=(self.kv_cache_dtype, *(tier.cache_keys if tier else ())),
+                cache_keys=(self.kv_cache_key.digest,),
                 sliding_window=mc.sliding_window,
                 offload=tier.manager if tier else None,
                 write_through=bool(tier and tier.persistent),

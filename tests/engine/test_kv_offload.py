@@ -232,3 +232,32 @@ def test_a_kill_during_stores_leaves_no_block_that_is_served_wrong(model, tmp_pa
     assert _ids(llm.generate(prompts, GREEDY)) == want
     _all_free(llm)
     llm.close()
+
+
+@pytest.mark.parametrize(
+    "change", [{"quantization": "q8_0"}, {"kv_cache_dtype": "int8"}, {"block_size": 8}], ids=lambda c: next(iter(c))
+)
+def test_a_restart_with_one_kv_setting_changed_gets_no_hit(model, tmp_path, change):
+    """The tier's file and the prefix hashes' root are keyed by everything that changes KV values: a
+    restart that changes one such setting alone restores nothing and computes the whole prompt."""
+    long = {"prompt_token_ids": [int(t) for t in np.random.default_rng(7).integers(3, 200, 103)]}
+    kw = dict(model=str(model), num_kv_blocks=40, kv_offloading_size=0.01, kv_offload_dir=str(tmp_path))
+    llm = LLM(**{**kw, "block_size": 16})
+    llm.generate([long], GREEDY)
+    assert llm.stats()["kv_offload"]["prefix_stores"] >= 6
+    key, root = llm.engine.kv_cache_key, llm.engine.kv_cache_manager.root_hash
+    llm.close()
+    again = LLM(**{**kw, "block_size": 16, **change})
+    assert again.engine.kv_cache_key != key and again.engine.kv_cache_manager.root_hash != root
+    assert again.stats()["kv_offload"]["restored"] == 0
+    first, second = (again.generate([long], GREEDY)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0  # its own blocks, once computed
+    assert again.stats()["kv_offload"]["prefix_hits"] == 0
+    _all_free(again)
+    again.close()
+    assert len(list(tmp_path.glob("kv-*.bin"))) == 2  # one file per key; the first one's is left as it was
+
+
+def test_kv_offload_dir_without_a_tier_size_is_refused(model):
+    with pytest.raises(ValueError, match="kv_offload_dir.*kv_offloading_size"):
+        LLM(model=str(model), kv_offload_dir="/tmp/nowhere")
