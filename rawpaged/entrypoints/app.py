@@ -1,8 +1,8 @@
 """The aiohttp application: ``create_app`` builds it from the route table (``ROUTES``), the request
 middleware (``middleware``) and the start-up and clean-up hooks (``lifecycle``); ``launcher.serve`` runs it.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/responses/{id}
-(OpenAI's Responses API), GET /v1/models, and vLLM's tokenizer routes
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id}
+and POST /v1/responses/{id}/cancel (OpenAI's Responses API), GET /v1/models, and vLLM's tokenizer routes
 POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
 /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``), and the playground page:
 GET / and /static/ (``playground``). All but /health, /metrics and the playground's need the API key when
@@ -26,7 +26,13 @@ from rawpaged.entrypoints.middleware import add_cors_headers, request_middleware
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_models import show_available_models
-from rawpaged.entrypoints.openai.serving_responses import ResponseStore, create_response, retrieve_response
+from rawpaged.entrypoints.openai.serving_responses import (
+    ResponseStore,
+    cancel_background_responses,
+    cancel_response,
+    create_response,
+    retrieve_response,
+)
 from rawpaged.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, get_tokenizer_info
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
 from rawpaged.entrypoints.websocket import websocket_handler
@@ -39,6 +45,7 @@ ROUTES = (
     web.post("/v1/chat/completions", create_chat_completion, expect_handler=expect_handler),
     web.post("/v1/responses", create_response, expect_handler=expect_handler),
     web.get("/v1/responses/{response_id}", retrieve_response),
+    web.post("/v1/responses/{response_id}/cancel", cancel_response),
     web.get("/v1/models", show_available_models),
     web.post("/tokenize", create_tokenize, expect_handler=expect_handler),
     web.post("/detokenize", create_detokenize, expect_handler=expect_handler),
@@ -113,5 +120,6 @@ def create_app(
     playground.add_routes(app)
     app.on_startup.append(lifecycle.load_model if engine is None else functools.partial(lifecycle.use_engine, engine))
     app.on_response_prepare.append(add_cors_headers)
+    app.on_shutdown.append(cancel_background_responses)
     app.on_cleanup.append(lifecycle.close_engine)
     return app

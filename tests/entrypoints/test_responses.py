@@ -145,3 +145,89 @@ def test_retrieval_store_and_errors(server, client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-17", input="Hi")
     wait_pool_empty(server)
+
+
+def test_output_text_logprobs_with_include_and_top_logprobs(server, client):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` gives the message's tokens'
+    logprobs, plain and streamed, equal to chat's for the same conversation (vLLM's semantics); without the
+    include there are none."""
+    kw = dict(model=MODEL, input=FRANCE, max_output_tokens=8, temperature=0)
+    r = client.responses.create(**kw, top_logprobs=3, include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": FRANCE}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    part = r.output[0].content[0]
+    want = chat.choices[0].logprobs.content
+    assert len(part.logprobs) == len(want) == r.usage.output_tokens
+    for got, ref in zip(part.logprobs, want):
+        assert got.token == ref.token and got.logprob == pytest.approx(ref.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in ref.top_logprobs]
+    assert "".join(lp.token for lp in part.logprobs).startswith(part.text)  # then EOS, as chat's
+    assert r.top_logprobs == 3
+    with client.responses.stream(**kw, top_logprobs=3, include=["message.output_text.logprobs"]) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    streamed = [lp.token for d in deltas for lp in d.logprobs]  # EOS has no text, so no delta: in .done
+    assert streamed == [lp.token for lp in part.logprobs][: len(streamed)] and len(streamed) >= len(part.logprobs) - 1
+    assert [lp.token for lp in final.output[0].content[0].logprobs] == [lp.token for lp in part.logprobs]
+    plain = client.responses.create(**kw, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs == []
+    for bad, param in ((dict(include=["everything"]), "include"), (dict(top_logprobs=21), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**kw, **bad)
+        assert e.value.body["param"] == param
+    wait_pool_empty(server)
+
+
+def test_tools_are_echoed_with_strict_and_parameters(server, client):
+    tools = [WEATHER_TOOL, dict(WEATHER_TOOL, name="get_time", strict=True)]
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, temperature=0, tools=tools)
+    echoed = r.model_dump()["tools"]
+    assert [t["strict"] for t in echoed] == [None, True]
+    assert all(t["parameters"] == WEATHER_TOOL["parameters"] for t in echoed)
+    wait_pool_empty(server)
+
+
+def _poll(client, rid, statuses, timeout=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status in statuses or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
+def test_background_responses_run_after_the_answer_and_can_be_cancelled(server, client):
+    kw = dict(model=MODEL, input=FRANCE, max_output_tokens=16, temperature=0)
+    plain = client.responses.create(**kw)
+    queued = client.responses.create(**kw, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _poll(client, queued.id, ("completed", "incomplete", "failed"))
+    assert done.status == "completed" and done.output_text == plain.output_text
+    with pytest.raises(openai.BadRequestError) as e:  # finished: nothing to cancel
+        client.responses.cancel(queued.id)
+    assert "Cannot cancel" in e.value.body["message"]
+    long = client.responses.create(
+        model=MODEL, input="Count from one to a thousand.", max_output_tokens=900, temperature=0, background=True
+    )
+    running = _poll(client, long.id, ("in_progress", "completed", "incomplete"))
+    assert running.status == "in_progress"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    wait_pool_empty(server)  # the cancelled request's blocks are back
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw, background=True, store=False)
+    assert e.value.body["param"] == "background"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
+    sync = client.responses.create(**kw)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(sync.id)

@@ -6,7 +6,9 @@ Taken: ``input`` (a string, or items: messages with string or ``input_text``/``o
 system message; not carried over from a previous response, as OpenAI), ``max_output_tokens``,
 ``temperature``, ``top_p``, ``tools`` (function tools, Responses' flat shape), ``tool_choice``,
 ``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema``),
-``previous_response_id``, ``store``, ``stream``, ``metadata``, ``user``; ``reasoning`` is accepted and
+``previous_response_id``, ``store``, ``stream``, ``background`` (with ``store``; not with ``stream``),
+``top_logprobs`` and ``include`` (``message.output_text.logprobs`` gives the message's logprobs; the other
+values name built-in tools' data this server has none of), ``metadata``, ``user``; ``reasoning`` is accepted and
 ignored (a reasoning model's thinking comes back as a ``reasoning`` item with ``--reasoning-parser``).
 """
 
@@ -29,6 +31,20 @@ class ResponsesFunctionTool(OpenAIBaseModel):
     strict: bool | None = None
 
 
+#: OpenAI's ``include`` values; only the logprobs one names data this server has
+INCLUDABLE = (
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "web_search_call.results",
+)
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
 class ResponsesRequest(OpenAIBaseModel):
     """A ``POST /v1/responses`` body (see the module doc)."""
 
@@ -48,6 +64,9 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
 
     def check(self, limits: Limits) -> None:
         """The rules the chat request does not check itself (it checks the rest, named back by
@@ -62,6 +81,15 @@ class ResponsesRequest(OpenAIBaseModel):
             raise ProtocolError(
                 'tool_choice must be "none", "auto", "required" or {"type": "function", "name"}', "tool_choice"
             )
+        if self.background and self.store is False:
+            raise ProtocolError("background responses are kept: background needs store true", param="background")
+        if self.background and self.stream:
+            raise ProtocolError("background with stream is not supported; poll GET /v1/responses/{id}", "background")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ProtocolError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        for value in self.include or ():
+            if value not in INCLUDABLE:
+                raise ProtocolError(f"include: {value!r} is not one of {', '.join(INCLUDABLE)}", param="include")
         fmt = (self.text or {}).get("format")
         if fmt is not None and (
             not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
@@ -73,6 +101,11 @@ class ResponsesRequest(OpenAIBaseModel):
     @property
     def stores(self) -> bool:
         return self.store is not False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the message's ``output_text`` carries logprobs (``include`` names them, as vLLM)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
 
     def input_messages(self) -> list:
         """``input`` as chat messages. Raises ProtocolError naming ``input[i]`` for an item it cannot take."""
@@ -118,6 +151,9 @@ class ResponsesRequest(OpenAIBaseModel):
                                   ("parallel_tool_calls", None), ("user", None)):  # fmt: skip
             if getattr(self, field) is not None:
                 body[chat_field or field] = getattr(self, field)
+        if self.wants_logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         if self.tools:
             body["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}

@@ -9,6 +9,7 @@ import uuid
 
 from rawpaged.entrypoints.openai.protocol_responses import ResponsesRequest
 from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser
+from rawpaged.entrypoints.openai.response_builders import chat_logprobs
 
 
 def new_id(prefix: str) -> str:
@@ -30,7 +31,7 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
         "max_output_tokens": req.max_output_tokens,
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "top_p": req.top_p if req.top_p is not None else 1.0,
-        "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+        "tools": [t.model_dump() for t in req.tools or ()],  # strict and parameters: required, nullable
         "tool_choice": req.tool_choice or "auto",
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
@@ -39,6 +40,8 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
         "metadata": req.metadata or {},
         "reasoning": {"effort": None, "summary": None},
         "truncation": "disabled",
+        "background": bool(req.background),
+        "top_logprobs": req.top_logprobs or 0,
         "usage": None,
         "user": req.user,
     }
@@ -66,6 +69,7 @@ class OutputItems:
         self.items: list = []
         self._reasoning = self._message = None
         self._calls: dict = {}  # tool parser's call index -> item
+        self._logprobs: list = []  # output_text logprobs not yet sent with a delta
 
     def _add(self, item: dict) -> list:
         self.items.append(item)
@@ -74,7 +78,10 @@ class OutputItems:
     def _index(self, item) -> int:
         return next(i for i, it in enumerate(self.items) if it is item)
 
-    def feed(self, text: str) -> list:
+    def feed(self, text: str, logprobs: list = ()) -> list:
+        """Events for a piece of text; ``logprobs``: its tokens' ``output_text`` logprob entries (sent
+        with the next text delta)."""
+        self._logprobs += logprobs
         reasoning, content = self.reasoner.feed(text) if self.reasoner else ("", text)
         return self._emit(reasoning, content)
 
@@ -125,6 +132,8 @@ class OutputItems:
                     )
                 )
             self._message["content"][0]["text"] += text
+            sent, self._logprobs = self._logprobs, []
+            self._message["content"][0]["logprobs"] += sent
             events.append(
                 self.event(
                     "response.output_text.delta",
@@ -132,7 +141,7 @@ class OutputItems:
                     output_index=self._index(self._message),
                     content_index=0,
                     delta=text,
-                    logprobs=[],
+                    logprobs=sent,
                 )
             )
         for d in calls:
@@ -166,6 +175,9 @@ class OutputItems:
         (``incomplete`` when ``max_output_tokens`` cut the output, as OpenAI marks them)."""
         reasoning, content = self.reasoner.finish() if self.reasoner else ("", "")
         events = self._emit(reasoning, content, last=True)
+        if self._message is not None:
+            self._message["content"][0]["logprobs"] += self._logprobs
+        self._logprobs = []
         for index, item in enumerate(self.items):
             item["status"] = status
             if item["type"] == "reasoning":
@@ -187,7 +199,7 @@ class OutputItems:
                         output_index=index,
                         content_index=0,
                         text=part["text"],
-                        logprobs=[],
+                        logprobs=part["logprobs"],
                     )
                 )
                 events.append(
@@ -207,6 +219,14 @@ class OutputItems:
                 )
             events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
+
+
+def output_text_logprobs(tokenizer, token_ids: list, entries: list | None, top_n: int) -> list:
+    """``output_text.logprobs`` entries for tokens: ``{token, logprob, bytes, top_logprobs}`` as chat's
+    (empty without ``entries``)."""
+    if not entries:
+        return []
+    return chat_logprobs(tokenizer, token_ids, entries, top_n)["content"]
 
 
 def conversation_of(items: list) -> list:

@@ -13,10 +13,16 @@ call. ``stream: true`` sends the SDK's server-sent events, ``event: <type>`` the
 Responses are kept (unless ``store: false``) in a bounded in-memory store (``ResponseStore``, the oldest
 dropped first) for ``GET /v1/responses/{id}`` and ``previous_response_id``, which continues that response's
 conversation; an id not there is a 404 in OpenAI's shape.
+
+``background: true`` answers at once with a ``queued`` response, kept in the store, and runs it in a task:
+``in_progress``, then ``completed``/``incomplete`` (or ``failed`` with its ``error``); ``POST
+/v1/responses/{id}/cancel`` aborts it (``cancelled``, vLLM's semantics: a response that is no longer queued or
+in progress is a 400).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -29,7 +35,7 @@ from rawpaged.entrypoints.app_state import STATE
 from rawpaged.entrypoints.http_body import read_body
 from rawpaged.entrypoints.http_errors import ProtocolError, error_body
 from rawpaged.entrypoints.http_responses import json_response
-from rawpaged.entrypoints.openai.engine_requests import submitted
+from rawpaged.entrypoints.openai.engine_requests import add_requests, submitted
 from rawpaged.entrypoints.openai.preprocessing import prepare_prompts
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.protocol_responses import ResponsesRequest, chat_param
@@ -41,6 +47,7 @@ from rawpaged.entrypoints.openai.responses_output import (
     finished_response,
     item_status,
     new_id,
+    output_text_logprobs,
     response_object,
 )
 from rawpaged.errors import EngineError
@@ -56,6 +63,7 @@ class ResponseStore:
     def __init__(self, max_items: int = DEFAULT_STORE_SIZE):
         self.max_items = max_items
         self._items: OrderedDict = OrderedDict()
+        self.tasks: dict = {}  # background response id -> its asyncio task
 
     def put(self, response: dict, conversation: list) -> None:
         self._items[response["id"]] = (response, conversation)
@@ -99,27 +107,60 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         check_capacity(state, engine, len(prompts))
         # the conversation so far, without the instructions (not carried over, as OpenAI): history + input
         conversation = chat.model_dump(exclude_none=True)["messages"][1 if req.instructions else 0 :]
+        if req.background:
+            streams = await add_requests(engine, chat, prompts, rid)
+            return _start_background(state, engine, req, chat, rid, created, prompts[0], streams, conversation)
         async with submitted(engine, chat, prompts, rid) as streams:
             if req.stream:
                 return await _stream(request, state, req, chat, rid, created, prompts[0], streams[0], conversation)
-            return await _complete(state, req, chat, rid, created, prompts[0], streams, conversation)
+            response, items = await _final_response(state, req, chat, rid, created, prompts[0], streams)
     except ProtocolError as e:
         raise responses_error(e) from None
+    if req.stores:
+        state.responses.put(response, conversation + conversation_of(items.items))
+    return json_response(response)
 
 
-async def _complete(state, req, chat, rid, created, prompt, streams, conversation) -> web.Response:
+def _logprobs(req, prompt, token_ids, entries) -> list:
+    if not req.wants_logprobs:
+        return []
+    return output_text_logprobs(prompt.tokenizer, token_ids, entries, req.top_logprobs or 0)
+
+
+async def _final_response(state, req, chat, rid, created, prompt, streams) -> tuple:
+    """The finished response of a request that is not streamed, and its ``OutputItems``."""
     final = None
     async for out in streams[0]:
         final = out
     check_complete(streams)
     choice = final.outputs[0]
     items = OutputItems(state.reasoning_parser, chat.tool_parser(), lambda kind, **f: None)
-    items.feed(choice.text)
+    items.feed(choice.text, _logprobs(req, prompt, choice.token_ids, choice.logprobs))
     items.finish(item_status(choice))
-    response = finished_response(req, rid, created, state.model_name, items.items, choice, len(prompt.ids))
-    if req.stores:
-        state.responses.put(response, conversation + conversation_of(items.items))
-    return json_response(response)
+    return finished_response(req, rid, created, state.model_name, items.items, choice, len(prompt.ids)), items
+
+
+def _start_background(state, engine, req, chat, rid, created, prompt, streams, conversation) -> web.Response:
+    """Keep a ``queued`` response and run the request in a task that keeps its progress and result."""
+    queued = response_object(req, rid, created, state.model_name, "queued", [])
+    state.responses.put(queued, conversation)
+
+    async def run() -> None:
+        try:
+            state.responses.put(response_object(req, rid, created, state.model_name, "in_progress", []), conversation)
+            response, items = await _final_response(state, req, chat, rid, created, prompt, streams)
+            state.responses.put(response, conversation + conversation_of(items.items))
+        except EngineError as e:
+            failed = response_object(req, rid, created, state.model_name, "failed", [])
+            failed["error"] = {"code": "server_error", "message": str(e)}
+            state.responses.put(failed, conversation)
+        finally:
+            for s in streams:
+                engine.abort(s.request_id)
+            state.responses.tasks.pop(rid, None)
+
+    state.responses.tasks[rid] = asyncio.get_running_loop().create_task(run())
+    return json_response(queued)
 
 
 async def _stream(request, state, req, chat, rid, created, prompt, stream, conversation) -> web.StreamResponse:
@@ -146,7 +187,7 @@ async def _stream(request, state, req, chat, rid, created, prompt, stream, conve
         last = None
         async for out in stream:
             for d in tracker.deltas(out):
-                await send(items.feed(d.text))
+                await send(items.feed(d.text, _logprobs(req, prompt, d.token_ids, d.logprobs)))
                 if d.finish_reason is not None:
                     last = out.outputs[0]
         if last is None:
@@ -173,3 +214,29 @@ async def retrieve_response(request: web.Request) -> web.Response:
     state = request.app[STATE]
     response, _ = state.responses.get(request.match_info["response_id"])
     return json_response(response)
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{response_id}/cancel``: a background response that is queued or in progress is
+    aborted and kept as ``cancelled``; any other is a 400, an unknown id a 404 (vLLM's semantics)."""
+    state = request.app[STATE]
+    rid = request.match_info["response_id"]
+    response, conversation = state.responses.get(rid)
+    if response["status"] not in ("queued", "in_progress"):
+        raise ProtocolError("Cannot cancel a synchronous response.", param="response_id")
+    cancelled = dict(response, status="cancelled")
+    task = state.responses.tasks.get(rid)
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    state.responses.put(cancelled, conversation)
+    return json_response(cancelled)
+
+
+async def cancel_background_responses(app) -> None:
+    """On shutdown: every background response still running is cancelled (its requests aborted)."""
+    for task in list(app[STATE].responses.tasks.values()):
+        task.cancel()
