@@ -25,7 +25,7 @@ from rawpaged.entrypoints.http_body import expect_handler
 from rawpaged.entrypoints.middleware import add_cors_headers, request_middleware
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
-from rawpaged.entrypoints.openai.serving_models import show_available_models
+from rawpaged.entrypoints.openai.serving_models import retrieve_model, show_available_models
 from rawpaged.entrypoints.openai.serving_responses import ResponseStore, create_response, retrieve_response
 from rawpaged.entrypoints.openai.serving_tokenization import create_detokenize, create_tokenize, get_tokenizer_info
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
@@ -40,6 +40,7 @@ ROUTES = (
     web.post("/v1/responses", create_response, expect_handler=expect_handler),
     web.get("/v1/responses/{response_id}", retrieve_response),
     web.get("/v1/models", show_available_models),
+    web.get("/v1/models/{model:.+}", retrieve_model),
     web.post("/tokenize", create_tokenize, expect_handler=expect_handler),
     web.post("/detokenize", create_detokenize, expect_handler=expect_handler),
     web.get("/tokenizer_info", get_tokenizer_info),

@@ -34,12 +34,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def models_response(name: str, created: int, max_model_len: int | None) -> dict:
-    """``GET /v1/models``' list with the one model card (its ``max_model_len`` once the model has loaded)."""
+def model_card(name: str, created: int, max_model_len: int | None) -> dict:
+    """One model card (OpenAI's ``Model`` plus vLLM's ``root``, ``parent`` and, once the model has loaded,
+    ``max_model_len``)."""
     card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name, "parent": None}
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+def models_response(name: str, created: int, max_model_len: int | None) -> dict:
+    """``GET /v1/models``' list with the one model card."""
+    return {"object": "list", "data": [model_card(name, created, max_model_len)]}
 
 
 def completion_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
