@@ -23,6 +23,7 @@ from rawpaged.entrypoints.app_state import STATE, AppState
 from rawpaged.entrypoints.connections import ConnectionGate
 from rawpaged.entrypoints.http_body import expect_handler
 from rawpaged.entrypoints.middleware import add_cors_headers, request_middleware
+from rawpaged.entrypoints.openai.fingerprint import system_fingerprint
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
 from rawpaged.entrypoints.openai.serving_models import retrieve_model, show_available_models
@@ -106,6 +107,7 @@ def create_app(
         server=server_config,
         reasoning_parser=config.reasoning_parser,
         responses=ResponseStore(),
+        system_fingerprint=system_fingerprint(config, name),
     )
     state.gate = ConnectionGate(server_config.max_connections, functools.partial(health.health_status, state))
     app = web.Application(client_max_size=max_body_size, middlewares=[request_middleware])
