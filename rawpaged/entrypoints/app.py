@@ -23,9 +23,10 @@ from rawpaged.entrypoints.app_state import STATE, AppState
 from rawpaged.entrypoints.connections import ConnectionGate
 from rawpaged.entrypoints.http_body import expect_handler
 from rawpaged.entrypoints.middleware import add_cors_headers, request_middleware
+from rawpaged.entrypoints.openai.fingerprint import system_fingerprint
 from rawpaged.entrypoints.openai.serving_chat import create_chat_completion
 from rawpaged.entrypoints.openai.serving_completion import create_completion
-from rawpaged.entrypoints.openai.serving_models import show_available_models
+from rawpaged.entrypoints.openai.serving_models import retrieve_model, show_available_models
 from rawpaged.entrypoints.openai.serving_responses import (
     ResponseStore,
     cancel_background_responses,
@@ -47,6 +48,7 @@ ROUTES = (
     web.get("/v1/responses/{response_id}", retrieve_response),
     web.post("/v1/responses/{response_id}/cancel", cancel_response),
     web.get("/v1/models", show_available_models),
+    web.get("/v1/models/{model:.+}", retrieve_model),
     web.post("/tokenize", create_tokenize, expect_handler=expect_handler),
     web.post("/detokenize", create_detokenize, expect_handler=expect_handler),
     web.get("/tokenizer_info", get_tokenizer_info),
@@ -112,6 +114,7 @@ def create_app(
         server=server_config,
         reasoning_parser=config.reasoning_parser,
         responses=ResponseStore(),
+        system_fingerprint=system_fingerprint(config, name),
     )
     state.gate = ConnectionGate(server_config.max_connections, functools.partial(health.health_status, state))
     app = web.Application(client_max_size=max_body_size, middlewares=[request_middleware])

@@ -42,6 +42,7 @@ class AppState:
     websockets: set = field(default_factory=set)  # open ``WebSocketSession``s (closed by the drain)
     reasoning_parser: str | None = None  # chat output's <think> split out (``openai.reasoning_parsers``)
     responses: object = None  # the Responses API's ``serving_responses.ResponseStore``
+    system_fingerprint: str | None = None  # chat and completions' ``system_fingerprint`` (``openai.fingerprint``)
 
 
 STATE = web.AppKey("rawpaged_state", AppState)

@@ -57,6 +57,9 @@ class ServerConfig:
     (others get HTTP 403: DNS rebinding); any host when it listens on another address"""
     reject_unknown_fields: bool = False
     """answer HTTP 400 for request fields the API does not define (default: log them and go on, as vLLM)"""
+    enable_prompt_tokens_details: bool = False
+    """chat and completions usage gains prompt_tokens_details.cached_tokens: the prompt tokens served from
+    the prefix cache (vLLM's flag; the Responses API always reports them)"""
 
     def __post_init__(self):
         for name in ("timeout_keep_alive", "timeout_body", "ws_ping_interval", "ws_idle_timeout"):

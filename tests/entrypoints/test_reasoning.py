@@ -14,7 +14,7 @@ pytest.importorskip("openai")
 import numpy as np
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, split_reasoning
+from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_token_count, split_reasoning
 from tests.entrypoints.server_thread import openai_client, run, served, wait_pool_empty, ws_generate
 from tests.scripted_model import write_scripted_model
 from tests.tokenizer_files import tokenizer_dir
@@ -151,3 +151,35 @@ def test_responses_api_returns_a_reasoning_item(server, client):
         deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == "Let me think" and final.output_text == "\n\nParis"
+
+
+def test_responses_usage_counts_the_reasoning_tokens(server, client):
+    """The script's output is <think> Let me think </think> \\n\\n Paris <|im_end|>: the five tokens up to
+    </think> are reasoning, of eight."""
+    out = client.responses.create(model=server.state.model_name, input=ASK[0]["content"], temperature=0)
+    assert out.output_text == "\n\nParis"
+    assert (out.usage.output_tokens_details.reasoning_tokens, out.usage.output_tokens) == (5, 8)
+    events = list(
+        client.responses.create(model=server.state.model_name, input=ASK[0]["content"], temperature=0, stream=True)
+    )
+    usage = events[-1].response.usage
+    assert (usage.output_tokens_details.reasoning_tokens, usage.output_tokens) == (5, 8)
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("qwen3", "<think>ab</think>cd", 17),  # up to the token that completes </think>
+        ("qwen3", "<think>cut off", 14),  # all reasoning
+        ("qwen3", "no reasoning", 0),
+        ("deepseek_r1", "ab</think>c", 10),
+        (None, "<think>ab</think>cd", 0),  # no parser
+    ],
+)
+def test_reasoning_token_count(name, text, expected):
+    assert reasoning_token_count(name, _CharTokenizer(), [ord(c) for c in text]) == expected

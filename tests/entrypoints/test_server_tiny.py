@@ -174,7 +174,7 @@ def test_websocket_ids_logprobs_shapes_and_log_label(tiny_server, caplog):
     p_lp = [m["logprobs"] for m in msgs if m["type"] == "delta" and m["id"] == "p"]
     m_lp = [m["logprobs"] for m in msgs if m["type"] == "delta" and m["id"] == "m"]
     assert p_lp and all(set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"} for lp in p_lp)
-    assert m_lp and all(set(lp) == {"content"} and lp["content"][0]["top_logprobs"] for lp in m_lp)
+    assert m_lp and all(set(lp) == {"content", "refusal"} and lp["content"][0]["top_logprobs"] for lp in m_lp)
     lines = [r.getMessage() for r in caplog.records if "websocket id" in r.getMessage()]
     assert any("(websocket id 'p')" in line for line in lines) and any("(websocket id 'm')" in line for line in lines)
     wait_pool_empty(tiny_server)

@@ -79,3 +79,26 @@ def split_reasoning(name: str, text: str) -> tuple:
     r1, c1 = parser.feed(text)
     r2, c2 = parser.finish()
     return (r1 + r2 if parser.reasoned else None), c1 + c2
+
+
+def reasoning_token_count(name: str | None, tokenizer, token_ids) -> int:
+    """How many of an output's ``token_ids`` are its reasoning, by parser ``name`` (None: no parser, 0):
+    the tokens up to the one that completes ``</think>`` (the tags counted with the reasoning, as OpenAI's
+    ``reasoning_tokens`` count every hidden token); all of them for an output cut off inside its reasoning;
+    0 for one that did not reason."""
+    if name is None or not token_ids:
+        return 0
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    reasoning, _ = split_reasoning(name, text)
+    if reasoning is None:
+        return 0
+    if THINK_END not in text:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)  # the fewest leading tokens whose text holds THINK_END
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if THINK_END in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

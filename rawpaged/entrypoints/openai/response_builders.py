@@ -25,34 +25,53 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's ``usage``: prompt, completion and total token counts."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's ``usage``: prompt, completion and total token counts; with ``cached_tokens`` (the prompt
+    tokens served from the prefix cache), also ``prompt_tokens_details`` (``--enable-prompt-tokens-details``,
+    as vLLM)."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
-def models_response(name: str, created: int, max_model_len: int | None) -> dict:
-    """``GET /v1/models``' list with the one model card (its ``max_model_len`` once the model has loaded)."""
+def model_card(name: str, created: int, max_model_len: int | None) -> dict:
+    """One model card (OpenAI's ``Model`` plus vLLM's ``root``, ``parent`` and, once the model has loaded,
+    ``max_model_len``)."""
     card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name, "parent": None}
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return card
 
 
-def completion_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
-    """A ``text_completion`` response with its ``choices`` and ``usage``."""
-    return {
+def models_response(name: str, created: int, max_model_len: int | None) -> dict:
+    """``GET /v1/models``' list with the one model card."""
+    return {"object": "list", "data": [model_card(name, created, max_model_len)]}
+
+
+def _fingerprinted(response: dict, system_fingerprint: str | None) -> dict:
+    if system_fingerprint is not None:  # a string in OpenAI's schema: omitted rather than null
+        response["system_fingerprint"] = system_fingerprint
+    return response
+
+
+def completion_response(
+    rid: str, created: int, model: str, choices: list, usage_: dict, system_fingerprint: str | None = None
+) -> dict:
+    """A ``text_completion`` response with its ``choices``, ``usage`` and ``system_fingerprint``."""
+    response = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
         "usage": usage_,
-        "system_fingerprint": None,
     }
+    return _fingerprinted(response, system_fingerprint)
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -61,39 +80,49 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def _chunk(
-    obj: str, rid: str, created: int, model: str, choices: list, usage_: dict | None, include_usage: bool
+    obj: str,
+    rid: str,
+    created: int,
+    model: str,
+    choices: list,
+    usage_: dict | None,
+    include_usage: bool,
+    system_fingerprint: str | None,
 ) -> dict:
-    chunk = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "system_fingerprint": None,
-    }
+    chunk = _fingerprinted(
+        {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}, system_fingerprint
+    )
     if include_usage:
         chunk["usage"] = usage_
     return chunk
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
+    rid: str,
+    created: int,
+    model: str,
+    choices: list,
+    usage_: dict | None = None,
+    include_usage: bool = False,
+    system_fingerprint: str | None = None,
 ) -> dict:
     """A ``text_completion`` stream chunk; ``usage`` only with ``include_usage`` (null until the last)."""
-    return _chunk("text_completion", rid, created, model, choices, usage_, include_usage)
+    return _chunk("text_completion", rid, created, model, choices, usage_, include_usage, system_fingerprint)
 
 
-def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict) -> dict:
-    """A ``chat.completion`` response with its ``choices`` and ``usage``."""
-    return {
+def chat_response(
+    rid: str, created: int, model: str, choices: list, usage_: dict, system_fingerprint: str | None = None
+) -> dict:
+    """A ``chat.completion`` response with its ``choices``, ``usage`` and ``system_fingerprint``."""
+    response = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": choices,
         "usage": usage_,
-        "system_fingerprint": None,
     }
+    return _fingerprinted(response, system_fingerprint)
 
 
 def chat_choice(
@@ -107,7 +136,7 @@ def chat_choice(
     """A chat choice; ``tool_calls`` (OpenAI's ``[{"id", "type", "function"}]``) when any were made;
     ``reasoning`` (vLLM's field) and ``reasoning_content`` (its older name) when a reasoning parser found
     some."""
-    message = {"role": "assistant", "content": text}
+    message = {"role": "assistant", "content": text, "refusal": None}
     if reasoning is not None:
         message["reasoning"] = message["reasoning_content"] = reasoning
     if tool_calls:
@@ -116,10 +145,16 @@ def chat_choice(
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, choices: list, usage_: dict | None = None, include_usage: bool = False
+    rid: str,
+    created: int,
+    model: str,
+    choices: list,
+    usage_: dict | None = None,
+    include_usage: bool = False,
+    system_fingerprint: str | None = None,
 ) -> dict:
     """A ``chat.completion.chunk``; ``usage`` only with ``include_usage`` (null until the last)."""
-    return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage)
+    return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage, system_fingerprint)
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -174,7 +209,8 @@ def prompt_logprobs_json(entries: list | None) -> list | None:
 
 
 def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict:
-    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+    """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal":
+    null}``.
     ``bytes`` are the token's own bytes (a piece of a character included), so a client can rebuild the
     text from them where ``token`` shows U+FFFD."""
     content = []
@@ -191,7 +227,7 @@ def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict
                 ],
             }
         )
-    return {"content": content}
+    return {"content": content, "refusal": None}
 
 
 # ------------------------------------------------------------------------------------------ formats
@@ -199,13 +235,22 @@ class ResponseFormat(Protocol):
     """The shapes of one route's responses. ``prompt`` arguments are ``preprocessing.PreparedPrompt``s;
     ``req`` arguments ``protocol.GenerationRequest``s."""
 
-    def response(self, rid: str, created: int, model: str, choices: list, usage: dict) -> dict: ...
+    def response(
+        self, rid: str, created: int, model: str, choices: list, usage: dict, system_fingerprint: str | None = None
+    ) -> dict: ...
 
     def choice(self, req, index: int, prompt, output: CompletionOutput) -> dict:
         """One choice of the full (non-streamed) response."""
 
     def chunk(
-        self, rid: str, created: int, model: str, choices: list, usage: dict | None, include_usage: bool
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        choices: list,
+        usage: dict | None,
+        include_usage: bool,
+        system_fingerprint: str | None = None,
     ) -> dict: ...
 
     def opening_choices(self, req, num_choices: int) -> list:

@@ -84,12 +84,20 @@ async def _full_response(state: AppState, req, fmt: ResponseFormat, rid, prompts
             for c in sorted(final[i].outputs, key=lambda c: c.index):
                 completion_tokens += 0 if req.echo_only else len(c.token_ids)
                 choices.append(fmt.choice(req, i * n + c.index, p, c))
-        totals = usage(sum(len(p.ids) for p in prompts), completion_tokens)
-        response = fmt.response(rid, created, state.model_name, choices, totals)
+        totals = usage(sum(len(p.ids) for p in prompts), completion_tokens, cached_tokens(state, final.values()))
+        response = fmt.response(rid, created, state.model_name, choices, totals, state.system_fingerprint)
         fmt.add_prompt_logprobs(req, response, prompts)
         return dumps_by_part(response, "choices")
 
     return web.Response(text=await asyncio.to_thread(render), content_type="application/json")
+
+
+def cached_tokens(state: AppState, finals) -> int | None:
+    """The prompt tokens served from the prefix cache over the requests' final outputs ``finals``, when
+    usage reports them (``--enable-prompt-tokens-details``), else None."""
+    if not state.server.enable_prompt_tokens_details:
+        return None
+    return sum(out.num_cached_tokens for out in finals)
 
 
 def dumps_by_part(obj: dict, key: str) -> str:
@@ -129,22 +137,24 @@ async def _stream_response(request, state: AppState, req, fmt: ResponseFormat, r
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
     trackers = [DeltaTracker() for _ in prompts]
-    completion_tokens = 0
+    completion_tokens, finals, fingerprint = 0, {}, state.system_fingerprint
     try:
         # One choice per chunk, as OpenAI streams n > 1 (clients read choices[0]).
         for choice in fmt.opening_choices(req, len(prompts) * n):
-            await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage))
+            await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage, fingerprint))
         async for i, out in merge_streams(streams):
             prompts[i].prompt_logprobs = out.prompt_logprobs
             for d in trackers[i].deltas(out):
                 for choice in fmt.chunk_choices(req, i * n + d.index, prompts[i], d):
-                    await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage))
-            if out.finished and not req.echo_only:
-                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage, fingerprint))
+            if out.finished:
+                finals[i] = out
+                if not req.echo_only:
+                    completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         check_complete(streams)
         if req.include_usage:
-            totals = usage(sum(len(p.ids) for p in prompts), completion_tokens)
-            await send(fmt.chunk(rid, created, model, [], totals, True))
+            totals = usage(sum(len(p.ids) for p in prompts), completion_tokens, cached_tokens(state, finals.values()))
+            await send(fmt.chunk(rid, created, model, [], totals, True, fingerprint))
     except EngineError as e:  # ReplicaUnavailableError and ServerShuttingDownError are 503s
         error = error_body(str(e), e.type)
     except ConnectionError:

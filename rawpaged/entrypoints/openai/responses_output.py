@@ -43,16 +43,18 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
         "background": bool(req.background),
         "top_logprobs": req.top_logprobs or 0,
         "usage": None,
-        "user": req.user,
-    }
+    } | ({"user": req.user} if req.user is not None else {})  # an optional string: omitted, not null
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+    """The Responses API's ``usage``: ``cached_tokens`` of the input were served from the prefix cache
+    (none are written to a cache OpenAI bills: ``cache_write_tokens`` 0), ``reasoning_tokens`` of the output
+    were reasoning (``reasoning_parsers.reasoning_token_count``)."""
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
@@ -248,10 +250,13 @@ def item_status(choice) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
 
 
-def finished_response(req, rid, created, model, items, choice, input_tokens) -> dict:
+def finished_response(req, rid, created, model, items, choice, input_tokens, cached_tokens=0, reasoning_tokens=0):
+    """The final ``response`` object of a choice (``CompletionOutput``) that ended, its ``usage`` counted
+    from ``input_tokens`` prompt tokens (``cached_tokens`` of them from the prefix cache) and the choice's
+    tokens (``reasoning_tokens`` of them reasoning)."""
     cut = choice.finish_reason == "length"
     response = response_object(req, rid, created, model, "incomplete" if cut else "completed", items)
-    response["usage"] = usage(input_tokens, len(choice.token_ids))
+    response["usage"] = usage(input_tokens, len(choice.token_ids), cached_tokens, reasoning_tokens)
     if cut:
         response["incomplete_details"] = {"reason": "max_output_tokens"}
     return response

@@ -39,6 +39,7 @@ from rawpaged.entrypoints.openai.engine_requests import add_requests, submitted
 from rawpaged.entrypoints.openai.preprocessing import prepare_prompts
 from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.protocol_responses import ResponsesRequest, chat_param
+from rawpaged.entrypoints.openai.reasoning_parsers import reasoning_token_count
 from rawpaged.entrypoints.openai.request_body import decode_json, parse_request
 from rawpaged.entrypoints.openai.response_writer import check_complete
 from rawpaged.entrypoints.openai.responses_output import (
@@ -127,6 +128,14 @@ def _logprobs(req, prompt, token_ids, entries) -> list:
     return output_text_logprobs(prompt.tokenizer, token_ids, entries, req.top_logprobs or 0)
 
 
+def _token_counts(state, prompt, final, choice) -> tuple:
+    """``(input tokens, of them cached, reasoning tokens)`` of a finished request: its prompt, the prompt
+    tokens served from the prefix cache (``final``: its last ``RequestOutput``), and the reasoning tokens
+    of ``choice`` (with ``--reasoning-parser``)."""
+    reasoning = reasoning_token_count(state.reasoning_parser, prompt.tokenizer, choice.token_ids)
+    return len(prompt.ids), final.num_cached_tokens, reasoning
+
+
 async def _final_response(state, req, chat, rid, created, prompt, streams) -> tuple:
     """The finished response of a request that is not streamed, and its ``OutputItems``."""
     final = None
@@ -137,7 +146,8 @@ async def _final_response(state, req, chat, rid, created, prompt, streams) -> tu
     items = OutputItems(state.reasoning_parser, chat.tool_parser(), lambda kind, **f: None)
     items.feed(choice.text, _logprobs(req, prompt, choice.token_ids, choice.logprobs))
     items.finish(item_status(choice))
-    return finished_response(req, rid, created, state.model_name, items.items, choice, len(prompt.ids)), items
+    counts = _token_counts(state, prompt, final, choice)
+    return finished_response(req, rid, created, state.model_name, items.items, choice, *counts), items
 
 
 def _start_background(state, engine, req, chat, rid, created, prompt, streams, conversation) -> web.Response:
@@ -189,11 +199,13 @@ async def _stream(request, state, req, chat, rid, created, prompt, stream, conve
             for d in tracker.deltas(out):
                 await send(items.feed(d.text, _logprobs(req, prompt, d.token_ids, d.logprobs)))
                 if d.finish_reason is not None:
-                    last = out.outputs[0]
+                    final, last = out, out.outputs[0]
         if last is None:
             raise EngineError("the request was aborted by the server")
         await send(items.finish(item_status(last)))
-        response = finished_response(req, rid, created, model, items.items, last, len(prompt.ids))
+        response = finished_response(
+            req, rid, created, model, items.items, last, *_token_counts(state, prompt, final, last)
+        )
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         await send([event(kind, response=response)])
         if req.stores:
