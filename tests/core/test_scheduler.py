@@ -571,3 +571,23 @@ def test_drafts_never_preempt_and_tokens_after_a_stop_are_dropped():
     assert finished == [a] and a.output_token_ids[-1] == 42 and a.finish_reason == "stop"
     assert sched.stats.num_generation_tokens == 1 + 2 + 2 + 2  # a's 8 after its stop is not counted
     sched.kv_cache_manager.check_invariants([b])
+
+
+def test_a_request_waiting_for_blocks_is_one_prefix_cache_lookup():
+    """Counted when admitted, not at every scheduling attempt while it waits."""
+    sched = make(num_blocks=4, block_size=4, prefix_caching=True)
+    kv = sched.kv_cache_manager
+    a = seq(0, 8, SamplingParams(max_tokens=20))
+    sched.add(a)
+    run_step(sched)  # a's two prompt blocks are cached; with its first token it holds 3 of the 4 blocks
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1, 0)  # a missed at its first block
+    b = Sequence(1, "r1", 0, [*a.prompt_token_ids, *range(50, 58)], SamplingParams(max_tokens=4), None, 0.0)
+    sched.add(b)  # 16 tokens: the 2 cached blocks and 2 new ones, but 1 is free
+    for _ in range(5):
+        run_step(sched)
+        assert list(sched.waiting) == [b]
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1, 0)
+    sched.finish_seqs((a,), "stop")
+    out, _ = run_step(sched)
+    assert [s for s, _ in out.scheduled] == [b] and b.num_cached_tokens == 8
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1 + 3, 2)  # 2 hits and the miss after them
