@@ -322,3 +322,14 @@ def test_drafts_accepted_past_a_stop_leave_no_logprobs_behind(scripted, params, 
     assert c.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
     stats = scripted.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_one_verified_draft_counts_once(scripted):
+    """The repeat prompt: one draft of 4 tokens (102 103 104 EOS), all accepted, then EOS ends it."""
+    before = scripted.stats()["spec_decode"]
+    scripted.generate([{"prompt_token_ids": REPEAT}], SamplingParams(temperature=0.0, max_tokens=20))
+    after = scripted.stats()["spec_decode"]
+    got = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    assert got == {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 4}
+    per_pos = [a - b for a, b in zip(after["num_accepted_tokens_per_pos"], before["num_accepted_tokens_per_pos"])]
+    assert per_pos == [1, 1, 1, 1]
