@@ -86,20 +86,35 @@ class KVCacheManager:
         self.block_pool.peak_used_blocks = self.block_pool.num_used_blocks
 
     # ------------------------------------------------------------------ prefix cache
-    def get_computed_blocks(self, seq) -> list:
+    def get_computed_blocks(self, seq, count: bool = True) -> list:
         """Block ids of the longest cached prefix of ``seq``'s tokens (full blocks). The last token is
         never taken from the cache, so the step that computes it has a logit to sample from. A sequence
         that asks for ``prompt_logprobs`` takes nothing (the cached tokens' logprobs would be missing; as
-        vLLM, it computes its whole prompt and still fills the cache)."""
+        vLLM, it computes its whole prompt and still fills the cache). ``count``: add the lookup to the
+        prefix-cache counters now (the scheduler counts it with ``count_prefix_lookup`` once it admits
+        ``seq``, so a request waiting for blocks is not counted at every attempt)."""
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         token_ids = seq.token_ids
-        found, queries = find_longest_cache_hit(
-            self.block_pool, token_ids, self.block_size, (len(token_ids) - 1) // self.block_size, self.root_hash
+        found, _ = find_longest_cache_hit(
+            self.block_pool, token_ids, self.block_size, self._max_cached_blocks(seq), self.root_hash
         )
-        self.num_prefix_queries += queries
-        self.num_prefix_hits += len(found)
+        if count:
+            self.count_prefix_lookup(seq, len(found))
         return found
+
+    def count_prefix_lookup(self, seq, num_hits: int) -> None:
+        """Count one prefix-cache lookup of ``seq`` that found ``num_hits`` blocks: the blocks looked up
+        (hits, plus the miss that ended them) and the hits. Nothing where ``get_computed_blocks`` looks
+        nothing up."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return
+        max_blocks = min(self._max_cached_blocks(seq), len(seq.token_ids) // self.block_size)
+        self.num_prefix_queries += min(num_hits + 1, max_blocks)
+        self.num_prefix_hits += num_hits
+
+    def _max_cached_blocks(self, seq) -> int:
+        return (len(seq.token_ids) - 1) // self.block_size
 
     def cache_full_blocks(self, seq) -> None:
         """Hash the blocks of ``seq`` that ``seq.num_computed_tokens`` has filled since the last call and
@@ -303,6 +318,7 @@ class KVCacheManager:
                 bid = pool.take(table.table_id).block_id
                 pool.cache_block(bid, block_hash, tokens)
                 self._transfers.loads.append((slot, bid))
+                self.offload.stats.prefix_hits += 1
                 table.block_ids.append(bid)
         if num_new_tokens == 0:
             return True

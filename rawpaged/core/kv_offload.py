@@ -146,13 +146,13 @@ class OffloadingManager:
     # ------------------------------------------------------------------ prefix entries
     def lookup(self, block_hash: int, token_ids: tuple) -> int | None:
         """The slot holding the full block ``token_ids`` under ``block_hash`` (the token ids compared), or
-        None; a hit is touched (most recently used) and pinned for this step's load."""
+        None; a hit is touched (most recently used) and pinned for this step's load (``stats.prefix_hits``
+        counts the load, once the block is taken)."""
         slot = self._prefix.get(block_hash)
         if slot is None or self._slots[slot].token_ids != token_ids:
             return None
         self._prefix.move_to_end(block_hash)
         self._pin(slot)
-        self.stats.prefix_hits += 1
         return slot
 
     def store_prefix(self, block_hash: int, token_ids: tuple) -> int | None:

@@ -246,12 +246,13 @@ class Scheduler:
                 return
             if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
                 return
-            computed = kv.get_computed_blocks(seq)
+            computed = kv.get_computed_blocks(seq, count=False)
             offloaded = kv.get_offloaded_blocks(seq, len(computed))
             num_cached = (len(computed) + len(offloaded)) * kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not kv.allocate_slots(seq, n, computed, offloaded):
                 return
+            kv.count_prefix_lookup(seq, len(computed))  # once per admission, not per attempt
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             if not seq.output_token_ids:

@@ -336,9 +336,11 @@ class LLMEngine:
         """Append the selected tokens, drop pruned and finished beams, and stop the sequences whose
         output processing (stop strings, texts) ends them; a failure there fails its request alone."""
         failed = selected.failed
+        before = {seq: len(seq.output_token_ids) for seq, _, _ in selected.samples}
         self.scheduler.update_from_output(
             sched_out, [(seq, tok) for seq, tok, _ in selected.samples] + selected.beam_sampled
         )
+        selected.samples = _appended(selected.samples, before)
         self.scheduler.finish_seqs(selected.pruned, "beam_pruned")
         for req in selected.beams_done:
             self.scheduler.finish_seqs(req.beams, "beam_done")
@@ -457,3 +459,16 @@ class LLMEngine:
         if self.kv_offload is not None:
             self.kv_offload.close()
             self.kv_offload = None
+
+
+def _appended(samples: list, before: dict) -> list:
+    """The ``(sequence, token, logprobs row)`` samples the scheduler appended (``before``: each sequence's
+    output length before): a speculative step's tokens after its stop (EOS, a stop token id, a length
+    limit) are dropped, so their logprobs go with them."""
+    left = {seq: len(seq.output_token_ids) - n for seq, n in before.items()}
+    kept = []
+    for sample in samples:
+        if left[sample[0]] > 0:
+            left[sample[0]] -= 1
+            kept.append(sample)
+    return kept

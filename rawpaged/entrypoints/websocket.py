@@ -168,7 +168,10 @@ class WebSocketSession:
             raise ProtocolError(
                 f"message is larger than {self.state.max_body_size} bytes (--max-body-size)", status=413
             )
-        msg = decode_json(data, "message")
+        try:
+            msg = decode_json(data, "message")
+        except ProtocolError as e:  # a lone surrogate in a readable message: the error names its id
+            raise MessageError(e, _readable_id(data)) from None
         if not isinstance(msg, dict):
             raise ProtocolError("message must be a JSON object")
         if not self.authenticated:
@@ -176,7 +179,7 @@ class WebSocketSession:
         if msg.get("type") == "auth":
             raise ProtocolError("this socket is already authenticated", param="type")
         mid = msg.get("id")
-        if isinstance(mid, bool) or not isinstance(mid, (str, int)) or mid == "":
+        if not _valid_id(mid):
             raise ProtocolError("id must be a non-empty string", param="id")
         key = json.dumps(mid)  # 7 and "7" are two ids; replies carry the id as it was sent
         kind = msg.get("type")
@@ -337,3 +340,26 @@ class WebSocketSession:
             await self.send(error_message(job.id, str(e), status=e.status))
         finally:
             self._ended(job)
+
+
+def _valid_id(mid) -> bool:
+    """Whether ``mid`` can be a message's id: a non-empty string or an integer (not a bool)."""
+    return not isinstance(mid, bool) and isinstance(mid, (str, int)) and mid != ""
+
+
+def _readable_id(data: str) -> str | int | None:
+    """The id of a message that ``decode_json`` refused, where the JSON parses and its id is valid
+    Unicode (a lone surrogate elsewhere in it); None otherwise."""
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    mid = msg.get("id") if isinstance(msg, dict) else None
+    if not _valid_id(mid):
+        return None
+    if isinstance(mid, str):
+        try:
+            mid.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    return mid

@@ -65,19 +65,19 @@ class LogitsRules:
 
 
 def bad_words_token_ids(words, tokenizer) -> tuple:
-    """vLLM's ``SamplingParams.update_from_tokenizer``: each word, stripped of leading spaces, is encoded
-    without special tokens, then again after one space; the spaced form is banned too when it differs in
-    its first token and has as many tokens (a word that begins a text and one inside it). Returns a tuple of
-    token-id tuples, in that order. Raises InvalidRequestError ("bad_words") for a word with no tokens."""
+    """Each word, stripped of leading spaces, encoded without special tokens, then again after one space
+    (the form a word takes inside a text); both forms are banned whatever their token counts (vLLM's
+    ``SamplingParams.update_from_tokenizer`` drops a spaced form with another number of tokens, so a word
+    that is one token after a space but several bare is never banned). Returns a tuple of token-id tuples,
+    plain then spaced, without repeats. Raises InvalidRequestError ("bad_words") for a word with no
+    tokens."""
     out = []
     for word in words:
         plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         if not plain:
             raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens", "bad_words")
-        out.append(plain)
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(spaced)
+        out += [ids for ids in (plain, spaced) if ids and ids not in out]
     return tuple(out)
 
 

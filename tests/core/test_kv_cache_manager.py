@@ -582,3 +582,13 @@ def test_a_kv_cache_of_another_dtype_never_hits():
     b = KVCacheManager(8, 4, enable_prefix_caching=True, cache_keys=("fp8_e4m3",))
     b.block_pool = a.block_pool  # the same cached blocks, looked up with another dtype's hashes
     assert b.get_computed_blocks(again) == []
+
+
+def test_window_frees_count_each_block_once():
+    """A 4-token window over 12 computed tokens passes blocks 0 and 1: 2 frees, however often it is asked."""
+    kv = KVCacheManager(8, 4, sliding_window=4)
+    s = Sequence(0, "r0", 0, list(range(12)), SamplingParams(), None, 0.0)
+    assert kv.allocate_slots(s, 12)
+    s.num_computed_tokens = 12
+    assert [kv.remove_skipped_blocks(s) for _ in range(3)] == [2, 0, 0]
+    assert kv.num_window_frees == 2 and s.block_table.block_ids[:2] == [NULL_BLOCK, NULL_BLOCK]

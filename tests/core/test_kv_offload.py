@@ -95,6 +95,26 @@ def test_a_sequence_preempted_after_taking_this_steps_slots_swaps_only_its_compu
     assert tier.num_swap_blocks == 0
 
 
+def test_a_tier_prefix_hit_is_counted_when_loaded_not_at_each_lookup():
+    """A request waiting for blocks looks its prefix up at every scheduling attempt: only the load counts."""
+    tier = OffloadingManager(8)
+    writer = KVCacheManager(8, 4, True, offload=tier, write_through=True)
+    s = seq(range(9), 1)
+    assert writer.allocate_slots(s, 9)
+    s.num_computed_tokens = 9
+    writer.cache_full_blocks(s)
+    writer.end_transfers()
+    assert tier.stats.prefix_stores == 2
+    kv = KVCacheManager(8, 4, True, offload=tier)  # an empty pool: the prefix is in the tier only
+    again = seq(range(9), 2)
+    for _ in range(3):  # attempts that did not admit it
+        found = kv.get_offloaded_blocks(again, 0)
+        kv.end_transfers()
+    assert len(found) == 2 and tier.stats.prefix_hits == 0
+    assert kv.allocate_slots(again, 1, (), found)
+    assert tier.stats.prefix_hits == 2 and len(kv.take_transfers().loads) == 2
+
+
 # ------------------------------------------------------------------------------------------ the machine
 def _value(tokens, p) -> int:
     """The "KV" of position ``p``: a function of the tokens up to and including it."""

@@ -5,6 +5,7 @@ and ``update_from_output``'s bookkeeping and token-level stop checks."""
 import pytest
 
 from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.kv_offload import OffloadingManager
 from rawpaged.core.scheduler import Scheduler, SchedulerOutput
 from rawpaged.core.sequence import Sequence, SequenceStatus
 from rawpaged.sampling_params import SamplingParams
@@ -571,3 +572,44 @@ def test_drafts_never_preempt_and_tokens_after_a_stop_are_dropped():
     assert finished == [a] and a.output_token_ids[-1] == 42 and a.finish_reason == "stop"
     assert sched.stats.num_generation_tokens == 1 + 2 + 2 + 2  # a's 8 after its stop is not counted
     sched.kv_cache_manager.check_invariants([b])
+
+
+def test_a_request_waiting_for_blocks_is_one_prefix_cache_lookup():
+    """Counted when admitted, not at every scheduling attempt while it waits."""
+    sched = make(num_blocks=4, block_size=4, prefix_caching=True)
+    kv = sched.kv_cache_manager
+    a = seq(0, 8, SamplingParams(max_tokens=20))
+    sched.add(a)
+    run_step(sched)  # a's two prompt blocks are cached; with its first token it holds 3 of the 4 blocks
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1, 0)  # a missed at its first block
+    b = Sequence(1, "r1", 0, [*a.prompt_token_ids, *range(50, 58)], SamplingParams(max_tokens=4), None, 0.0)
+    sched.add(b)  # 16 tokens: the 2 cached blocks and 2 new ones, but 1 is free
+    for _ in range(5):
+        run_step(sched)
+        assert list(sched.waiting) == [b]
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1, 0)
+    sched.finish_seqs((a,), "stop")
+    out, _ = run_step(sched)
+    assert [s for s, _ in out.scheduled] == [b] and b.num_cached_tokens == 8
+    assert (kv.num_prefix_queries, kv.num_prefix_hits) == (1 + 3, 2)  # 2 hits and the miss after them
+
+
+def test_one_swap_out_and_one_swap_in_are_counted_once_each():
+    """b is swapped out once; its swap-in attempts while the pool is full count nothing; then one swap-in."""
+    kv = KVCacheManager(2, 4, False, offload=OffloadingManager(8))
+    sched = Scheduler(kv, 8, 64, 64, eos_token_ids=(EOS,), preemption_mode="swap")
+    a, b = seq(0, 4, SamplingParams(max_tokens=20)), seq(1, 4, SamplingParams(max_tokens=20))
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prompts: one block each
+    out, _ = run_step(sched)  # a's 5th token needs a block: b is swapped out
+    assert out.preempted == [b]
+    for _ in range(3):
+        run_step(sched)  # b cannot come back: a holds both blocks
+        assert list(sched.waiting) == [b]
+    s = sched.stats
+    assert (s.num_preemptions, s.num_swapped_out, s.num_swapped_in) == (1, 1, 0)
+    sched.finish_seqs((a,), "stop")
+    kv.end_transfers()
+    run_step(sched)
+    assert b in sched.running and (s.num_preemptions, s.num_swapped_out, s.num_swapped_in) == (1, 1, 1)

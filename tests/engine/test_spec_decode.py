@@ -10,6 +10,7 @@ import pytest
 
 from rawpaged import LLM, SamplingParams
 from rawpaged.testing.random_model import write_random_model
+from tests.scripted_model import write_scripted_model
 from tests.spec_decode.test_rejection_sampler import chi_square_critical, chi_square_homogeneity
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
@@ -283,3 +284,52 @@ def test_a_draft_model_that_cannot_be_loaded_is_named_in_the_error(model, tmp_pa
     for path, match in [(tmp_path / "missing", "neither"), (tmp_path, "no config.json")]:
         with pytest.raises(ValueError, match=f"speculative_config.model: .*{match}"):
             LLM(model=str(model), speculative_config={"model": str(path)})
+
+
+# A scripted model (SmolLM2's tokenizer, EOS 2) that answers 101 102 103 104 EOS after 100, then 105 106: a
+# prompt holding that answer once makes the n-gram proposer draft it again, past EOS.
+ANSWER = [100, 101, 102, 103, 104, 2, 105, 106]
+REPEAT = [*ANSWER, 7, 100]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory, model_dir):
+    script = dict(zip(ANSWER, ANSWER[1:]))
+    path = write_scripted_model(tmp_path_factory.mktemp("rep") / "m", model_dir, script, "LlamaForCausalLM", scale=1.5)
+    return LLM(model=str(path), speculative_config=SPEC, num_kv_blocks=64, max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    "params, want",
+    [
+        (dict(), [101, 102, 103, 104, 2]),  # drafts 102 103 104 2 and the bonus 105: EOS cuts 105
+        (dict(stop_token_ids=[103]), [101, 102, 103]),  # the same step, cut at 103
+        (dict(max_tokens=3, ignore_eos=True), [101, 102, 103]),
+        (dict(ignore_eos=True, max_tokens=7), [101, 102, 103, 104, 2, 105, 106]),
+    ],
+)
+def test_drafts_accepted_past_a_stop_leave_no_logprobs_behind(scripted, params, want):
+    """Token ids, logprobs and the cumulative logprob are cut at the same place."""
+    assert 2 in scripted.engine.eos_token_ids
+    before = scripted.stats()["spec_decode"]["num_accepted_tokens"]
+    params = {"max_tokens": 20, **params}
+    out = scripted.generate([{"prompt_token_ids": REPEAT}], SamplingParams(temperature=0.0, logprobs=1, **params))
+    c = out[0].outputs[0]
+    assert list(c.token_ids) == want
+    assert scripted.stats()["spec_decode"]["num_accepted_tokens"] > before  # the drafts were taken
+    assert len(c.logprobs) == len(c.token_ids), c.logprobs
+    chosen = [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
+    assert c.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
+    stats = scripted.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_one_verified_draft_counts_once(scripted):
+    """The repeat prompt: one draft of 4 tokens (102 103 104 EOS), all accepted, then EOS ends it."""
+    before = scripted.stats()["spec_decode"]
+    scripted.generate([{"prompt_token_ids": REPEAT}], SamplingParams(temperature=0.0, max_tokens=20))
+    after = scripted.stats()["spec_decode"]
+    got = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    assert got == {"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 4}
+    per_pos = [a - b for a, b in zip(after["num_accepted_tokens_per_pos"], before["num_accepted_tokens_per_pos"])]
+    assert per_pos == [1, 1, 1, 1]

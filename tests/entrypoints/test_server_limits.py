@@ -249,7 +249,8 @@ def test_websocket_ids_keep_their_json_type(server):
 
 
 def test_websocket_lone_surrogate_and_oversize_message_get_error_frames(server):
-    surrogate = '{"type": "generate", "id": "s", "prompt": "abc \\ud800", "max_tokens": 2}'
+    surrogate = '{"type": "generate", "id": "abc", "prompt": "abc \\ud800", "max_tokens": 2}'
+    unreadable_id = '{"type": "generate", "id": "\\udc00", "prompt": "abc", "max_tokens": 2}'
     oversize = json.dumps({"type": "generate", "id": "big", "prompt": "x" * (MAX_BODY + 10)})
     after = {"type": "generate", "id": "after", "prompt": "hi", "max_tokens": 1}
 
@@ -257,14 +258,18 @@ def test_websocket_lone_surrogate_and_oversize_message_get_error_frames(server):
         async with aiohttp.ClientSession() as s, s.ws_connect(server.url + "/v1/ws") as ws:
             await ws.send_str(surrogate)
             first = json.loads((await ws.receive(timeout=10)).data)
+            await ws.send_str(unreadable_id)
+            no_id = json.loads((await ws.receive(timeout=10)).data)
             await ws.send_str(oversize)
             second = json.loads((await ws.receive(timeout=10)).data)
             await ws.send_str(json.dumps(after))  # the socket still works
             rest = [json.loads((await ws.receive(timeout=30)).data) for _ in range(2)]
-            return first, second, rest
+            return first, no_id, second, rest
 
-    first, second, rest = run(main())
+    first, no_id, second, rest = run(main())
     assert first["type"] == "error" and first["status"] == 400 and "surrogate" in first["message"], first
+    assert first["id"] == "abc", first  # a client that multiplexes knows which request failed
+    assert no_id["type"] == "error" and no_id["id"] is None and "surrogate" in no_id["message"], no_id
     assert second["type"] == "error" and second["status"] == 413 and "--max-body-size" in second["message"]
     assert [r["type"] for r in rest] == ["delta", "done"] or rest[-1]["type"] == "done", rest
 

@@ -111,6 +111,29 @@ def plain(calls):
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
         ('a <tool_call>{"name": "get_ti', 'a <tool_call>{"name": "get_ti', []),  # cut off: content, as written
         ("before " + call("get_time", {}) + "\n after\n", "before\nafter", [("function", "get_time", {})]),
+        # an argument that holds the markup: read by the JSON's structure, not by the first closing tag
+        (
+            call("run", {"code": 'print("</tool_call>")'}) + call("run", {"code": "<tool_call>{}"}),
+            None,
+            [("function", "run", {"code": 'print("</tool_call>")'}), ("function", "run", {"code": "<tool_call>{}"})],
+        ),
+        (
+            '<tool_call>{"name": "run", "arguments": {"s": "a\\"</tool_call>"}}</tool_call>',
+            None,
+            [("function", "run", {"s": 'a"</tool_call>'})],
+        ),
+        # not a call: content through the first closing tag after its JSON, then parsing goes on
+        (
+            '<tool_call>{"name": "run"} junk</tool_call>' + call("get_time", {}),
+            '<tool_call>{"name": "run"} junk</tool_call>',
+            [("function", "get_time", {})],
+        ),
+        # a JSON that never ends: the block ends at its first closing tag, as before
+        (
+            '<tool_call>{"name": "get_ti</tool_call>' + call("get_time", {}),
+            '<tool_call>{"name": "get_ti</tool_call>',
+            [("function", "get_time", {})],
+        ),
     ],
 )
 def test_hermes_parser_separates_content_and_calls(text, content, calls):
@@ -152,6 +175,9 @@ PIECES = [
     " <tool_call>",
     "oops",
     "</tool_call>",
+    '{"name": "run", "arguments": {"code": "',
+    '\\"',
+    '"}}',
 ]
 
 

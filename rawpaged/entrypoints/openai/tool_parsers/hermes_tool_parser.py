@@ -34,9 +34,11 @@ def parse_call(body: str) -> tuple | None:
 class HermesToolParser(ToolParser):
     """``tool_choice: "auto"``: streams content while holding back text that may begin ``<tool_call>``
     (and trailing whitespace, dropped before a call), and emits each call whole once its closing tag
-    (or the end of the choice) arrives. A block that is not a valid call stays content, tags and all.
-    With ``max_calls`` (1 for ``parallel_tool_calls: false``), valid calls past it are dropped (vLLM
-    keeps only the first call there too)."""
+    (or the end of the choice) arrives. A call is read by structure: its JSON object first (a string in
+    it may hold ``</tool_call>``), then the closing tag after it. A block that is not a valid call stays
+    content, tags and all, through the first closing tag after its JSON (or, when its JSON never ends,
+    through the first closing tag). With ``max_calls`` (1 for ``parallel_tool_calls: false``), valid
+    calls past it are dropped (vLLM keeps only the first call there too)."""
 
     def __init__(self, max_calls: int | None = None):
         super().__init__()
@@ -44,6 +46,7 @@ class HermesToolParser(ToolParser):
         self.num_dropped = 0
         self._held = ""  # text not yet emitted: a call's body, or content that may begin one
         self._in_call = False
+        self._scan = None  # the open call's JSON scanner, once its first character came
         self._after_call = False  # whitespace right after a call is not content
         self._has_content = False
         self._gap = ""  # whitespace before the open call: content again if the call is not valid
@@ -53,11 +56,11 @@ class HermesToolParser(ToolParser):
         out = DeltaMessage()
         while True:
             if self._in_call:
-                end = self._held.find(CLOSE)
-                if end < 0:
+                end = self._call_end()
+                if end is None:
                     return out
                 body, self._held = self._held[:end], self._held[end + len(CLOSE) :]
-                self._in_call = False
+                self._in_call, self._scan = False, None
                 self._emit_call(body, out, closed=True)
                 continue
             start = self._held.find(OPEN)
@@ -78,13 +81,46 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> DeltaMessage:
         out = DeltaMessage()
+        while self._in_call:
+            held, self._held = self._held, ""
+            self._in_call, scan, self._scan = False, self._scan, None
+            end = held.find(CLOSE)
+            if scan is not None and scan.end is None and end >= 0:
+                # its JSON never ended: the block ends at its first closing tag, and the rest is read again
+                self._emit_call(held[:end], out, closed=True)
+                more = self.feed(held[end + len(CLOSE) :])
+                out.content += more.content
+                out.tool_calls += more.tool_calls
+                continue
+            self._emit_call(held, out, closed=False)  # no closing tag: still a call if its JSON is whole
+            return out
         held, self._held = self._held, ""
-        if self._in_call:  # no closing tag: still a call if its JSON is whole
-            self._in_call = False
-            self._emit_call(held, out, closed=False)
-        elif held.strip() or not self.num_calls:
+        if held.strip() or not self.num_calls:
             self._emit_content(held, out)
         return out
+
+    def _call_end(self) -> int | None:
+        """Where the open call's closing tag begins in ``_held``; None while more text is needed."""
+        held = self._held
+        if self._scan is None:
+            first = len(held) - len(held.lstrip())
+            if first == len(held):
+                return None
+            if held[first] != "{":  # not a JSON object: the block ends at the first closing tag
+                end = held.find(CLOSE)
+                return end if end >= 0 else None
+            self._scan = _ObjectScan(first)
+        obj_end = self._scan.advance(held)
+        if obj_end is None:
+            return None
+        rest = held[obj_end:]
+        tag = len(rest) - len(rest.lstrip())
+        if rest.startswith(CLOSE, tag):
+            return obj_end + tag
+        if CLOSE.startswith(rest[tag:]):  # only whitespace, or the tag's beginning, so far
+            return None
+        end = held.find(CLOSE, obj_end)  # not a call: content through the next closing tag
+        return end if end >= 0 else None
 
     def _emit_content(self, text: str, out: DeltaMessage) -> None:
         if self._after_call:
@@ -115,3 +151,39 @@ def _partial_tag_length(text: str) -> int:
         if OPEN.startswith(text[-k:]):
             return k
     return 0
+
+
+class _ObjectScan:
+    """Finds where a JSON object that begins at ``start`` ends, over a text that grows: brackets are
+    counted outside strings (escapes skipped). Whether the object is valid JSON is ``parse_call``'s to
+    say."""
+
+    def __init__(self, start: int):
+        self.pos = start
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.end = None  # index just past the object, once it closed
+
+    def advance(self, text: str) -> int | None:
+        """The index just past the object in ``text`` (a longer version of the text seen before), or None
+        while it is still open."""
+        while self.end is None and self.pos < len(text):
+            c = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos
+        return self.end
