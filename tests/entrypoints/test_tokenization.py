@@ -269,3 +269,20 @@ def test_default_model_tokenizer_chat_and_what_lm_eval_reads(model_dir, tmp_path
         assert call(srv, "POST", "/detokenize", {"tokens": chat["tokens"]}) == (200, {"prompt": text})
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}],
+)
+def test_chat_honours_the_template_options_as_tokenize_does(server, options):
+    body = {"messages": [*HI, {"role": "assistant", "content": "Sure, "}], **options}
+    status, done = call(server, "POST", "/v1/chat/completions", {**body, "max_tokens": 1})
+    assert status == 200, done
+    assert done["usage"]["prompt_tokens"] == tokenize(server, body)["count"]
+
+
+def test_chat_refuses_continue_final_message_with_add_generation_prompt(server):
+    body = {"messages": HI, "continue_final_message": True, "max_tokens": 1}
+    status, out = call(server, "POST", "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "continue_final_message"

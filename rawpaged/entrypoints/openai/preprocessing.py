@@ -95,7 +95,11 @@ def encode_conversation(tok, req, max_len: int | None = None, **options) -> tupl
 def _tokenize(tok, req, limits: Limits, max_len: int) -> list:
     """``[(text or None, token ids)]``, one per prompt; chat: the one rendered conversation."""
     if req.kind == "chat":
-        return [encode_conversation(tok, req, max_len)]
+        options = {
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+        }
+        return [encode_conversation(tok, req, max_len, **options)]
     prompts = req.prompts(limits)
     for p in prompts:
         if isinstance(p, str):

@@ -368,6 +368,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def kind(self) -> str:
@@ -443,6 +445,12 @@ class ChatCompletionRequest(GenerationRequest):
     def check(self, limits: Limits) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError(
+                "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
+                "to false)",
+                param="continue_final_message",
+            )
         self._check_tools()
         super().check(limits)
 
