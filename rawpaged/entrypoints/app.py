@@ -12,7 +12,7 @@ one is set (``middleware``). The protocol is described in docs/server.md.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -38,6 +38,7 @@ from rawpaged.entrypoints.openai.serving_tokenization import create_detokenize, 
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
 from rawpaged.entrypoints.websocket import websocket_handler
 from rawpaged.weights import DEFAULT_MODEL
+from rawpaged.weights.default_model import F32_GGUF_NAME, GGUF_NAME
 from rawpaged.weights.hub import is_repo_id
 
 #: every route but the playground's (``playground.add_routes``: its files are listed when the app is built)
@@ -61,13 +62,15 @@ ROUTES = (
 
 
 def model_name_of(config: EngineConfig) -> str:
-    """The name clients use for ``config.model``: the default model's name, a Hub id as given (as vLLM),
-    the directory's, or a GGUF file's without ``.gguf``."""
+    """The name clients use for ``config.model``: the default model's name (also for its kept Q4_1 or F32
+    GGUF file), a Hub id as given (as vLLM), the directory's, or a GGUF file's without ``.gguf``."""
     if config.model is None:
         return DEFAULT_MODEL
     if is_repo_id(config.model):
         return config.model
     path = Path(config.model).expanduser()
+    if path.name in (GGUF_NAME, F32_GGUF_NAME):
+        return DEFAULT_MODEL
     return (path.stem if path.suffix == ".gguf" else path.name) or str(config.model)
 
 
@@ -76,7 +79,7 @@ def create_app(
     *,
     engine=None,
     loader: Callable | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     api_key: str | None = None,
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     max_body_size: int = DEFAULT_MAX_BODY_SIZE,
@@ -91,19 +94,22 @@ def create_app(
     The model comes from ``engine`` (an ``LLMEngine`` or ``AsyncEngine``, ready now), ``loader`` (a
     callable returning an ``LLMEngine``, run in a thread at startup) or ``config`` (``LLMEngine(config)``
     plus a warm-up, in a thread). While loading, ``/health`` answers 503 and generation routes 503.
+    ``served_model_name``: the name, or names, clients may send as ``model`` (as vLLM's
+    ``--served-model-name``: the first is the one responses and ``/v1/models`` report); default
+    ``model_name_of(config)``. The model's own name and path are accepted too.
     ``allowed_origins``: origins (or ``"*"``) browsers may call from (``rawpaged.entrypoints.cors``).
     ``data_parallel_size`` > 1 serves ``config`` through that many Ray replicas
     (``rawpaged.engine.data_parallel``; ``ray_address`` joins a running cluster). ``server_config``: the
     timeouts and limits (``ServerConfig``'s defaults when None).
     """
     config = config or EngineConfig()
-    if engine is None and loader is None:
-        loader = lifecycle.default_loader(config, data_parallel_size, ray_address)
+    default_loader = engine is None and loader is None
     server_config = server_config or ServerConfig()
-    name = served_model_name or model_name_of(config)
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
+    names = names or [model_name_of(config)]
     state = AppState(
-        model_name=name,
-        model_aliases={name, model_name_of(config)} | ({config.model} if config.model else set()),
+        model_name=names[0],
+        model_aliases={*names, model_name_of(config)} | ({config.model} if config.model else set()),
         loader=loader,
         api_key=api_key or None,
         limits=Limits(
@@ -116,6 +122,10 @@ def create_app(
         responses=ResponseStore(),
         system_fingerprint=system_fingerprint(config, name),
     )
+    if default_loader:
+        state.loader = lifecycle.default_loader(
+            config, data_parallel_size, ray_address, report=functools.partial(setattr, state, "phase")
+        )
     state.gate = ConnectionGate(server_config.max_connections, functools.partial(health.health_status, state))
     app = web.Application(client_max_size=max_body_size, middlewares=[request_middleware])
     app[STATE] = state

@@ -210,7 +210,11 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         help="the model, as vllm serve takes it: a directory, a .gguf file or a Hub id (same as --model)",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="name clients use in 'model' (default: the model directory's name)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients may send as 'model'; the first is the one reported (default: the model's name)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 to accept connections from other machines"

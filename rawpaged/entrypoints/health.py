@@ -17,7 +17,8 @@ from rawpaged.errors import EngineDeadError
 
 
 def health_status(state: AppState) -> tuple:
-    """``(status, body)`` of ``GET /health``: 200 while the model serves; 503 while it loads, after it
+    """``(status, body)`` of ``GET /health``: 200 while the model serves; 503 while it loads (``phase``:
+    ``weights``, ``load`` or ``warm-up``, and ``seconds`` since start-up), after it
     failed to, while the server drains on shutdown, or (data parallel) while no replica takes requests."""
     if state.draining:
         return 503, {"status": "draining", "model": state.model_name}
@@ -34,11 +35,10 @@ def health_status(state: AppState) -> tuple:
         }
     if state.load_error:
         return 503, {"status": "error", "message": state.load_error}
-    return 503, {
-        "status": "loading",
-        "model": state.model_name,
-        "seconds": round(time.monotonic() - state.load_started, 1),
-    }
+    body = {"status": "loading", "model": state.model_name, "seconds": round(time.monotonic() - state.load_started, 1)}
+    if state.phase is not None:  # the default loader's phase (``lifecycle.PHASES``); a custom loader has none
+        body["phase"] = state.phase
+    return 503, body
 
 
 async def health(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ At start-up the app gets its engine: one given (``use_engine``), or the model lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -26,18 +27,48 @@ from rawpaged.weights import resolve_model_dir
 logger = logging.getLogger("rawpaged.server")
 
 
-def default_loader(config: EngineConfig, data_parallel_size: int = 1, ray_address: str | None = None) -> Callable:
-    """The loader of ``config``'s model: ``load_engine``, or ``load_replicas`` with ``data_parallel_size``
-    > 1."""
+#: the start-up phases ``load_engine`` reports, in order, with what each does (logged as it starts)
+PHASES = {
+    "weights": "download and convert the weights if they are not on disk yet",
+    "load": "read the weights and build the engine and its KV cache",
+    "warm-up": "compile every kernel, or load it from Numba's cache, by running short requests",
+}
+
+
+def default_loader(
+    config: EngineConfig,
+    data_parallel_size: int = 1,
+    ray_address: str | None = None,
+    report: Callable[[str], None] | None = None,
+) -> Callable:
+    """The loader of ``config``'s model: ``load_engine`` (telling ``report`` each phase it starts), or
+    ``load_replicas`` with ``data_parallel_size`` > 1."""
     if data_parallel_size > 1:
         return functools.partial(load_replicas, config, data_parallel_size, ray_address)
-    return functools.partial(load_engine, config)
+    return functools.partial(load_engine, config, report)
 
 
-def load_engine(config: EngineConfig) -> LLMEngine:
-    """``LLMEngine(config)``, warmed up (its kernels compiled or loaded from their cache)."""
-    engine = LLMEngine(config)
-    logger.info("warm-up run (kernels compiled or loaded from their cache) took %.1fs", engine.warmup())
+@contextlib.contextmanager
+def startup_phase(name: str, report: Callable[[str], None] | None = None):
+    """Log the start of phase ``name`` (one of ``PHASES``) and, at its end, its seconds; ``report(name)``
+    first (``/health`` shows the phase)."""
+    if report is not None:
+        report(name)
+    logger.info("start-up: %s (%s)...", name, PHASES[name])
+    t0 = time.monotonic()
+    yield
+    logger.info("start-up: %s took %.1fs", name, time.monotonic() - t0)
+
+
+def load_engine(config: EngineConfig, report: Callable[[str], None] | None = None) -> LLMEngine:
+    """``LLMEngine(config)``, warmed up (its kernels compiled or loaded from their cache), through the
+    ``PHASES``, each logged with its time and told to ``report`` as it starts."""
+    with startup_phase("weights", report):
+        resolve_model_dir(config.model, config.revision, config.gguf_file)
+    with startup_phase("load", report):
+        engine = LLMEngine(config)
+    with startup_phase("warm-up", report):
+        engine.warmup()
     return engine
 
 
