@@ -120,7 +120,7 @@ def create_app(
         server=server_config,
         reasoning_parser=config.reasoning_parser,
         responses=ResponseStore(),
-        system_fingerprint=system_fingerprint(config, name),
+        system_fingerprint=system_fingerprint(config, names[0]),
     )
     if default_loader:
         state.loader = lifecycle.default_loader(
