@@ -96,8 +96,8 @@ def _tokenize(tok, req, limits: Limits, max_len: int) -> list:
     """``[(text or None, token ids)]``, one per prompt; chat: the one rendered conversation."""
     if req.kind == "chat":
         options = {
-            "add_generation_prompt": req.add_generation_prompt,
-            "continue_final_message": req.continue_final_message,
+            "add_generation_prompt": getattr(req, "add_generation_prompt", True),  # the websocket's has neither
+            "continue_final_message": getattr(req, "continue_final_message", False),
         }
         return [encode_conversation(tok, req, max_len, **options)]
     prompts = req.prompts(limits)
