@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+
 from rawpaged.config import EngineConfig
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.entrypoints import cli as cli_mod
