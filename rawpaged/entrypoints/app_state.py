@@ -35,7 +35,7 @@ class AppState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's ``created``
     load_started: float = 0.0
-    phase: str | None = None  # the start-up phase under way while loading (``lifecycle.PHASES``)
+    phase: str | None = None  # the start-up phase under way while loading (``startup.PHASES``)
     server: ServerConfig = field(default_factory=ServerConfig)
     gate: object = None  # the ConnectionGate counting connections
     draining: bool = False  # shutting down: new requests get 503

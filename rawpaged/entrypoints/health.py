@@ -36,7 +36,7 @@ def health_status(state: AppState) -> tuple:
     if state.load_error:
         return 503, {"status": "error", "message": state.load_error}
     body = {"status": "loading", "model": state.model_name, "seconds": round(time.monotonic() - state.load_started, 1)}
-    if state.phase is not None:  # the default loader's phase (``lifecycle.PHASES``); a custom loader has none
+    if state.phase is not None:  # the default loader's phase (``startup.PHASES``); a custom loader has none
         body["phase"] = state.phase
     return 503, body
 

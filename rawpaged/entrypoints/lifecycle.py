@@ -8,7 +8,6 @@ At start-up the app gets its engine: one given (``use_engine``), or the model lo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import threading
@@ -22,17 +21,10 @@ from rawpaged.engine.async_engine import AsyncEngine
 from rawpaged.engine.data_parallel import DataParallelEngine
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.entrypoints.app_state import STATE, AppState
+from rawpaged.entrypoints.startup import load_engine
 from rawpaged.weights import resolve_model_dir
 
 logger = logging.getLogger("rawpaged.server")
-
-
-#: the start-up phases ``load_engine`` reports, in order, with what each does (logged as it starts)
-PHASES = {
-    "weights": "download and convert the weights if they are not on disk yet",
-    "load": "read the weights and build the engine and its KV cache",
-    "warm-up": "compile every kernel, or load it from Numba's cache, by running short requests",
-}
 
 
 def default_loader(
@@ -46,30 +38,6 @@ def default_loader(
     if data_parallel_size > 1:
         return functools.partial(load_replicas, config, data_parallel_size, ray_address)
     return functools.partial(load_engine, config, report)
-
-
-@contextlib.contextmanager
-def startup_phase(name: str, report: Callable[[str], None] | None = None):
-    """Log the start of phase ``name`` (one of ``PHASES``) and, at its end, its seconds; ``report(name)``
-    first (``/health`` shows the phase)."""
-    if report is not None:
-        report(name)
-    logger.info("start-up: %s (%s)...", name, PHASES[name])
-    t0 = time.monotonic()
-    yield
-    logger.info("start-up: %s took %.1fs", name, time.monotonic() - t0)
-
-
-def load_engine(config: EngineConfig, report: Callable[[str], None] | None = None) -> LLMEngine:
-    """``LLMEngine(config)``, warmed up (its kernels compiled or loaded from their cache), through the
-    ``PHASES``, each logged with its time and told to ``report`` as it starts."""
-    with startup_phase("weights", report):
-        resolve_model_dir(config.model, config.revision, config.gguf_file)
-    with startup_phase("load", report):
-        engine = LLMEngine(config)
-    with startup_phase("warm-up", report):
-        engine.warmup()
-    return engine
 
 
 def load_replicas(config: EngineConfig, data_parallel_size: int, ray_address: str | None) -> DataParallelEngine:

@@ -63,6 +63,7 @@ def test_health_and_the_log_say_each_start_up_phase(tiny_dir, monkeypatch, caplo
 
     monkeypatch.setattr(LLMEngine, "warmup", slow_warmup)
     caplog.set_level(logging.INFO, logger="rawpaged.server")
+    caplog.set_level(logging.INFO, logger="rawpaged.startup")
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
     srv = ServerThread(create_app(config)).start()
     try:
@@ -76,7 +77,7 @@ def test_health_and_the_log_say_each_start_up_phase(tiny_dir, monkeypatch, caplo
     finally:
         release.set()
         assert srv.stop() == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "rawpaged.server"]
+    lines = [r.getMessage() for r in caplog.records if r.name in ("rawpaged.server", "rawpaged.startup")]
     for phase in ("weights", "load", "warm-up"):
         assert any(line.startswith(f"start-up: {phase} (") for line in lines), (phase, lines)
         assert any(re.fullmatch(rf"start-up: {phase} took \d+\.\ds", line) for line in lines), (phase, lines)
