@@ -22,9 +22,9 @@ from pathlib import Path
 
 from rawpaged.config import EngineConfig, SpeculativeConfig
 from rawpaged.engine.data_parallel import init_ray, shutdown_ray
-from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
+from rawpaged.entrypoints.startup import load_engine
 from rawpaged.errors import import_optional
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.weights import DEFAULT_MODEL
@@ -193,6 +193,27 @@ def _check_model_arg(model: str | None, quantization: str | None = None) -> str 
     return None
 
 
+# ------------------------------------------------------------------------------------------ logging
+def add_log_level_arg(parser: argparse.ArgumentParser, what_info_shows: str) -> None:
+    """``--log-level {debug,info,warning,error}`` (default info; ``warning`` hides the start-up phases),
+    its help saying ``what_info_shows``."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help=f"logging level, on stderr ({what_info_shows})",
+    )
+
+
+def configure_logging(level: str) -> None:
+    """Log records of ``level`` and above to stderr, each line with its time, level and logger."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
 # ------------------------------------------------------------------------------------------ serve
 def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -246,12 +267,7 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="origins browsers may call the API from (e.g. https://example.com, or * for any); default: none",
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="logging level (info: one line per request)",
-    )
+    add_log_level_arg(p, "info: one line per request")
     p.add_argument(
         "--data-parallel-size",
         type=_positive_int,
@@ -300,9 +316,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
         if args.model not in (None, args.model_tag):
             parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         config = engine_config_from_args(args)
         server_config = config_from_args(ServerConfig, args)
@@ -360,19 +374,23 @@ def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentP
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the probability mass kept")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
+    add_log_level_arg(p, "info: each start-up phase with its time; stdout carries only the text")
     add_engine_args(p, exclude=("seed",))
     return p
 
 
 def generate_main(argv: list | None = None, prog: str = "rawpaged generate") -> int:
-    """``rawpaged generate``: prints the text as it is generated; exit code 1 with one ``error:`` line."""
+    """``rawpaged generate``: prints the text as it is generated, and nothing else, to stdout; the start-up
+    phases (``startup.load_engine``) and other log lines go to stderr; exit code 1 with one ``error:``
+    line."""
     args = build_generate_parser(prog).parse_args(argv)
+    configure_logging(args.log_level)
     try:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
         )
         config = engine_config_from_args(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "seed"}))
-        engine = LLMEngine(config)
+        engine = load_engine(config)
         prompt = args.prompt
         if args.chat:
             text, ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])

@@ -4,6 +4,7 @@ one-line failure without a GPU, sizes, and ``rawpaged generate``."""
 import argparse
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,41 +176,56 @@ def test_rawpaged_command_dispatches():
     assert r.returncode == 2 and "serve" in r.stderr
 
 
-def test_generate_streams_the_same_text_as_the_engine(tiny_dir):
+def _generate(model_dir, *args):
+    """``rawpaged generate`` on ``model_dir`` (greedy, 6 tokens of "hello", on the CPU) in a subprocess."""
+    argv = ["--prompt", "hello", "--max-tokens", "6", "--model", str(model_dir), "--device", "cpu"]
+    argv += ["--num-kv-blocks", "16", "--max-model-len", "64", *args]
+    return subprocess.run(
+        [sys.executable, "-m", "rawpaged", "generate", *argv], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def greedy_text(tiny_dir):
+    """The engine's own greedy 6 tokens of "hello" on the tiny model: what ``_generate`` must print."""
     from rawpaged import LLM, SamplingParams
 
-    want = (
-        LLM(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
-        .generate(["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0]
-        .outputs[0]
-        .text
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rawpaged",
-            "generate",
-            "--prompt",
-            "hello",
-            "--max-tokens",
-            "6",
-            "--model",
-            str(tiny_dir),
-            "--device",
-            "cpu",
-            "--num-kv-blocks",
-            "16",
-            "--max-model-len",
-            "64",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    llm = LLM(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
+    return llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text
+
+
+def test_generate_streams_the_engines_text_and_logs_each_start_up_phase_on_stderr(tiny_dir, greedy_text):
+    from rawpaged.entrypoints.startup import PHASES
+
+    r = _generate(tiny_dir)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == want + "\n"
+    assert r.stdout == greedy_text + "\n"  # a script piping stdout gets the text alone
+    tag = "INFO rawpaged.startup: "
+    lines = [line.split(tag, 1)[1] for line in r.stderr.splitlines() if tag in line]
+    assert len(lines) == 2 * len(PHASES), r.stderr
+    for i, (phase, what) in enumerate(PHASES.items()):  # each phase's start, then its end with its seconds
+        assert lines[2 * i] == f"start-up: {phase} ({what})...", r.stderr
+        assert re.fullmatch(rf"start-up: {phase} took \d+\.\ds", lines[2 * i + 1]), r.stderr
+
+
+def test_generate_log_level_warning_drops_the_phase_lines(tiny_dir, greedy_text):
+    r = _generate(tiny_dir, "--log-level", "warning")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == greedy_text + "\n"
+    assert "start-up" not in r.stderr and " INFO " not in r.stderr, r.stderr
+
+
+def test_generate_log_level_has_serves_choices_and_default(capsys):
+    def log_level(parser):
+        return next(a for a in parser._actions if "--log-level" in a.option_strings)
+
+    generate, serve = log_level(cli_mod.build_generate_parser()), log_level(cli_mod.build_serve_parser())
+    assert (generate.default, tuple(generate.choices)) == (serve.default, tuple(serve.choices))
+    assert (generate.default, tuple(generate.choices)) == ("info", ("debug", "info", "warning", "error"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_mod.generate_main(["--prompt", "hi", "--log-level", "loud"])
+    assert exit_info.value.code == 2
+    assert "argument --log-level: invalid choice: 'loud'" in capsys.readouterr().err
 
 
 def test_generate_help_documents_every_option():
