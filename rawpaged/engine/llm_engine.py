@@ -31,6 +31,7 @@ from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
+from rawpaged.engine.warmup import run_warmup
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
 from rawpaged.model_executor.logits_processors import logits_rules
@@ -273,26 +274,15 @@ class LLMEngine:
         return bool(self.requests)
 
     def warmup(self) -> float:
-        """Run two short requests (a 40-token prompt greedy, a 5-token one sampled one step longer; plain and
-        tiled prefill, decode, device sampling of two rows and of one) so every kernel is compiled or loaded
-        from its cache before serving, then
-        reset the counters ``stats`` reports. Call with no requests queued. Returns the seconds taken."""
-        if self.requests:
-            raise RuntimeError("warmup() needs an idle engine")
-        t0 = time.monotonic()
-        vocab = self.model_config.vocab_size
-        for n, params in (
-            (40, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
-            (5, SamplingParams(temperature=0.8, top_p=0.9, seed=0, max_tokens=4, ignore_eos=True)),
-        ):
-            self.add_request({"prompt_token_ids": [(7 * i + 3) % vocab for i in range(n)]}, params)
-        while self.has_unfinished_requests():
-            self.step()
+        """Run the warm-up requests (``rawpaged.engine.warmup``: every kernel variant this configuration can
+        call is compiled, or loaded from its cache, before serving), then reset the counters ``stats``
+        reports. Call with no requests queued (else RuntimeError). Returns the seconds taken."""
+        seconds = run_warmup(self)
         self.kv_cache_manager.reset_stats()
         self.scheduler.stats = SchedulerStats()
         if self.speculator is not None:
             self.speculator.reset_stats()
-        return time.monotonic() - t0
+        return seconds
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list:

@@ -30,6 +30,7 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu.intrinsics import exp_f64
+from rawpaged.kernels.cpu.jit import jit_serial_and_parallel
 
 _JIT = dict(cache=True, nogil=True)  # no fastmath: sums and comparisons as written
 #: the exact path's candidate threshold shrinks by this factor per pass
@@ -247,8 +248,7 @@ def _draw_kernel(logits, rows, temperature, top_k, top_p, min_p, uniforms, scrat
         out[j] = _filter_and_draw(p, imax, top_p[j], min_p[j], uniforms[j])
 
 
-_draw_serial = nb.njit(**_JIT)(_draw_kernel)
-_draw_parallel = nb.njit(parallel=True, **_JIT)(_draw_kernel)
+_draw_serial, _draw_parallel = jit_serial_and_parallel(_draw_kernel, **_JIT)
 
 
 def sample(logits, sample_rows, temperature, top_k, top_p, min_p, uniforms):
