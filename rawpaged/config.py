@@ -160,6 +160,9 @@ class EngineConfig:
     """prompt + generated tokens per sequence at most (default: the model's context)"""
     max_num_batched_tokens: int = 2048
     """token budget per engine step (prefill chunks + decodes)"""
+    max_logprobs: int = 20
+    """logprobs (and prompt_logprobs) a request may ask for per token at most (vLLM's default 20); -1:
+    the whole vocabulary, which a request asks for with -1"""
     max_prefill_tokens_while_decoding: int | None = None
     """prefill tokens per step at most while sequences decode: a prompt that arrives then is chunked
     instead of stalling their next token for its whole prefill (none: max_num_batched_tokens)"""
@@ -227,6 +230,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 (the whole vocabulary), got {self.max_logprobs}")
         if self.quantization not in (None, *Quantization.__args__):
             raise ValueError(f"quantization must be one of {Quantization.__args__} or None, got {self.quantization!r}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:

@@ -10,7 +10,9 @@ import numpy as np
 from rawpaged.errors import InvalidRequestError
 from rawpaged.structured_output.params import StructuredOutputsParams
 
-MAX_LOGPROBS = 20
+#: ``logprobs`` / ``prompt_logprobs`` value asking for the whole vocabulary (vLLM's); the engine's
+#: ``max_logprobs`` bounds both counts
+ALL_LOGPROBS = -1
 #: vLLM's thresholds: a temperature below ``SAMPLING_EPS`` is greedy; one in ``[SAMPLING_EPS, MIN_TEMPERATURE)``
 #: is raised to ``MIN_TEMPERATURE`` (``logits / T`` would overflow float32).
 SAMPLING_EPS = 1e-5
@@ -38,7 +40,8 @@ class SamplingParams:
         include_stop_str_in_output: keep the stop string, or the text of the stop token, at the end of
             the output (vLLM's field; such text is then streamed as it comes, not held back).
         ignore_eos: keep going after EOS.
-        logprobs: number of top logprobs to return per generated token (0..20), or None.
+        logprobs: number of top logprobs to return per generated token (>= 0; -1: the whole vocabulary), or
+            None. The engine refuses more than its ``max_logprobs`` (default 20) when the request is added.
         use_beam_search / beam_width / length_penalty: beam search (score = cumulative logprob /
             generated_length ** length_penalty, as in HF transformers; any finite length_penalty).
         structured_outputs: a ``StructuredOutputsParams`` (or the dict of its fields): the output follows
@@ -56,8 +59,8 @@ class SamplingParams:
             token of such a sequence is forbidden wherever the output so far ends with the others (vLLM's
             ``bad_words``).
         allowed_token_ids: only these token ids may be generated (a non-empty list).
-        prompt_logprobs: number of top logprobs to return per prompt token (0..20, plus the prompt token's
-            own), or None; the first prompt token has none. Such a request reads no prefix cache.
+        prompt_logprobs: number of top logprobs to return per prompt token (as ``logprobs``; plus the prompt
+            token's own), or None; the first prompt token has none. Such a request reads no prefix cache.
         The order on the logits is vLLM's: allowed_token_ids, bad_words, min_tokens, logit_bias, then the
         repetition, frequency and presence penalties, then temperature and the filters above. Logprobs are
         of the raw logits, before any of them.
@@ -143,8 +146,8 @@ class SamplingParams:
             bad("ignore_eos", "must be a boolean")
         if not isinstance(self.include_stop_str_in_output, bool):
             bad("include_stop_str_in_output", "must be a boolean")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < ALL_LOGPROBS):
+            bad("logprobs", "must be an integer >= 0, -1 (the whole vocabulary) or None")
         if self.beam_width is not None:
             if not is_int(self.beam_width) or self.beam_width < 1:
                 bad("beam_width", "must be an integer >= 1")
@@ -210,9 +213,9 @@ class SamplingParams:
         ):
             bad("allowed_token_ids", "must be a non-empty list of token ids")
         if self.prompt_logprobs is not None and (
-            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+            not is_int(self.prompt_logprobs) or self.prompt_logprobs < ALL_LOGPROBS
         ):
-            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+            bad("prompt_logprobs", "must be an integer >= 0, -1 (the whole vocabulary) or None")
         if self.use_beam_search and self.prompt_logprobs is not None:
             bad("prompt_logprobs", "cannot be combined with beam search")
 

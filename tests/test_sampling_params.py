@@ -54,10 +54,9 @@ REFUSED = [
     ),
     (dict(stop_token_ids=3), "stop_token_ids", "stop_token_ids must be a list of non-negative integers, got 3"),
     (dict(ignore_eos=1), "ignore_eos", "ignore_eos must be a boolean, got 1"),
-    (dict(logprobs=-1), "logprobs", "logprobs must be an integer in [0, 20] or None, got -1"),
-    (dict(logprobs=21), "logprobs", "logprobs must be an integer in [0, 20] or None, got 21"),
-    (dict(logprobs=1.0), "logprobs", "logprobs must be an integer in [0, 20] or None, got 1.0"),
-    (dict(logprobs=True), "logprobs", "logprobs must be an integer in [0, 20] or None, got True"),
+    (dict(logprobs=-2), "logprobs", "logprobs must be an integer >= 0, -1 (the whole vocabulary) or None, got -2"),
+    (dict(logprobs=1.0), "logprobs", "logprobs must be an integer >= 0, -1 (the whole vocabulary) or None, got 1.0"),
+    (dict(logprobs=True), "logprobs", "logprobs must be an integer >= 0, -1 (the whole vocabulary) or None, got True"),
     (dict(beam_width=0), "beam_width", "beam_width must be an integer >= 1, got 0"),
     (dict(beam_width=2.0), "beam_width", "beam_width must be an integer >= 1, got 2.0"),
     (dict(beam_width=True), "beam_width", "beam_width must be an integer >= 1, got True"),
@@ -81,7 +80,8 @@ def test_refused_values_name_the_field_exactly(kwargs, param, message):
     dict(n=1), dict(n=3, best_of=3), dict(temperature=0.0), dict(temperature=100.0), dict(temperature=100),
     dict(top_p=1.0), dict(top_p=1e-9), dict(top_k=-1), dict(top_k=0), dict(top_k=1), dict(top_k=1 << 70),
     dict(min_p=0.0), dict(min_p=1.0), dict(seed=0), dict(seed=MAX_SEED), dict(max_tokens=1),
-    dict(stop_token_ids=[0]), dict(logprobs=0), dict(logprobs=20), dict(beam_width=1), dict(n=2, beam_width=2),
+    dict(stop_token_ids=[0]), dict(logprobs=0), dict(logprobs=20), dict(logprobs=-1), dict(logprobs=21),
+    dict(prompt_logprobs=-1), dict(beam_width=1), dict(n=2, beam_width=2),
     dict(length_penalty=-1e308), dict(length_penalty=0), dict(stop=("a", "b")), dict(stop_token_ids=(1, 2)),
 ])  # fmt: skip
 def test_boundary_values_are_accepted(kwargs):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rawpaged.errors import InvalidRequestError
-from rawpaged.sampling_params import SamplingParams
+from rawpaged.sampling_params import ALL_LOGPROBS, SamplingParams
 from rawpaged.tokenizer import Tokenizer
 
 
@@ -18,6 +18,7 @@ class InputProcessor:
     block_size, num_blocks: the KV pool, which must hold a request's whole footprint when empty.
     sliding_window, max_num_batched_tokens: with a window W (every layer's), a sequence holds at most the
         blocks of W - 1 positions plus one step's tokens (at most ``max_num_batched_tokens``), plus one.
+    max_logprobs: ``logprobs`` and ``prompt_logprobs`` a request may ask for at most (-1: the vocabulary).
     """
 
     def __init__(
@@ -29,6 +30,7 @@ class InputProcessor:
         num_blocks: int,
         sliding_window: int | None = None,
         max_num_batched_tokens: int | None = None,
+        max_logprobs: int = 20,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -37,6 +39,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.sliding_window = sliding_window
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
 
     def tokenize(self, prompt) -> tuple:
         """``prompt`` (a string, ``{"prompt_token_ids": [...]}`` optionally with its ``"prompt"`` text, or
@@ -71,13 +74,25 @@ class InputProcessor:
                 "prompt",
             )
 
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """Raises InvalidRequestError (param "logprobs" or "prompt_logprobs", vLLM's words) for a count above
+        ``max_logprobs``; -1 counts as the whole vocabulary."""
+        for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
+            n = getattr(params, name)
+            n = self.vocab_size if n == ALL_LOGPROBS else n
+            if n is not None and n > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {what} of {n}, which is greater than max allowed: {self.max_logprobs}", name
+                )
+
     def process(self, prompt, params: SamplingParams) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
         footprint (prompt + ``max_tokens``, capped by ``max_model_len``; times ``beam_width`` for beam
         search; with a sliding window, only what the window and one step hold) must fit the empty pool
-        (InvalidRequestError, param "max_tokens")."""
+        (InvalidRequestError, param "max_tokens"); ``check_logprobs``."""
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
+        self.check_logprobs(params)
         total = min(len(ids) + params.max_tokens, self.max_model_len)
         need = -(-total // self.block_size)
         if self.sliding_window is not None:

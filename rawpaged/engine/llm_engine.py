@@ -148,6 +148,7 @@ class LLMEngine:
             num_blocks,
             sliding_window=mc.sliding_window,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_logprobs=config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.reasoning_end_token_id = reasoning_end_token_id(self.tokenizer, config.reasoning_parser)

@@ -29,11 +29,11 @@ def prompt_logprob_entries(scored: list, tokenizer) -> list:
 
 def top_logprobs(logprobs_row: np.ndarray, token_id: int, k: int) -> dict:
     """``{token_id: logprob}``: the chosen token first, then the ``k`` most likely ones in descending
-    order, equal values by lower id (the chosen one not repeated; ``k`` at most the vocabulary), from a
-    float32 ``log_softmax`` row."""
+    order, equal values by lower id (the chosen one not repeated; ``k`` at most the vocabulary, -1 all of
+    it), from a float32 ``log_softmax`` row."""
     out = {int(token_id): float(logprobs_row[token_id])}
     n = len(logprobs_row)
-    k = min(k, n)
+    k = n if k < 0 else min(k, n)
     if k > 0:
         kth = np.partition(logprobs_row, n - k)[n - k]  # the k-th largest value
         above = np.flatnonzero(logprobs_row > kth)

@@ -81,7 +81,7 @@ def create_app(
     loader: Callable | None = None,
     served_model_name: str | Sequence[str] | None = None,
     api_key: str | None = None,
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_tokens_limit: int | None = DEFAULT_MAX_TOKENS_LIMIT,
     max_body_size: int = DEFAULT_MAX_BODY_SIZE,
     max_n: int = 16,
     allowed_origins=(),

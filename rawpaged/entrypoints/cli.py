@@ -251,7 +251,8 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         "--max-tokens-limit",
         type=_positive_int,
         default=DEFAULT_MAX_TOKENS_LIMIT,
-        help="largest max_tokens a request may ask for (larger: HTTP 400); also the chat default",
+        help="largest max_tokens a request may ask for (larger: HTTP 400); also the chat default (default: "
+        "no cap beyond the context, as vLLM)",
     )
     p.add_argument(
         "--max-body-size",

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 #: bytes of a request body at most (``--max-body-size``)
 DEFAULT_MAX_BODY_SIZE = 4 << 20
-#: ``max_tokens`` a request may ask for at most (``--max-tokens-limit``)
-DEFAULT_MAX_TOKENS_LIMIT = 4096
+#: ``max_tokens`` a request may ask for at most (``--max-tokens-limit``); None: what the context leaves
+DEFAULT_MAX_TOKENS_LIMIT = None
 #: connections at most, whatever the open-file limit allows
 MAX_CONNECTIONS_CAP = 4096
 #: prompts in one ``/v1/completions`` request at most
@@ -80,7 +80,7 @@ class ServerConfig:
 class Limits:
     """Server-side limits applied while parsing a request (``rawpaged.entrypoints.openai.protocol``)."""
 
-    max_tokens: int = 4096  # a request asking for more generated tokens gets a 400
+    max_tokens: int | None = None  # a request asking for more generated tokens gets a 400 (None: no cap)
     max_n: int = 16  # n and best_of at most
     max_prompts: int = MAX_PROMPTS  # prompts per /v1/completions request at most
     reject_unknown_fields: bool = False  # a field the API does not define: a 400 (else logged, ignored)

@@ -32,12 +32,12 @@ def entries(target_ids, target_lp, ranks, top_ids, top_lp) -> list:
 def prompt_logprobs(compute_logits, logprob_rows, hidden, targets: list, k: int) -> list:
     """Logprob entries (see :func:`entries`) of ``targets`` (``len(targets)`` next-token ids) given ``hidden``
     rows (the same count, on the backend): the LM head ``compute_logits`` chunk by chunk, each chunk reduced by
-    the backend's ``logprob_rows(logits, targets, k)``."""
+    the backend's ``logprob_rows(logits, targets, k)`` (``k`` -1: the whole vocabulary)."""
     out = []
     targets = np.asarray(targets, dtype=np.int64)
     for a in range(0, len(targets), CHUNK_ROWS):
         b = min(a + CHUNK_ROWS, len(targets))
         logits = compute_logits(hidden[a:b])
-        out += entries(targets[a:b], *logprob_rows(logits, targets[a:b], k))
+        out += entries(targets[a:b], *logprob_rows(logits, targets[a:b], logits.shape[1] if k < 0 else k))
         del logits
     return out

@@ -120,7 +120,7 @@ def test_n_samples_share_prompt_blocks_and_differ(llm):
         (dict(max_tokens=0), "max_tokens"),
         (dict(n=0), "n"),
         (dict(stop=[1, 2]), "stop"),
-        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-2), "logprobs"),
         (dict(seed="x"), "seed"),
     ],
 )

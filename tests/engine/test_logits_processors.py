@@ -119,7 +119,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field():
         (dict(min_tokens=20, max_tokens=10), "min_tokens"),
         (dict(bad_words=["ok", ""]), "bad_words"),
         (dict(allowed_token_ids=[]), "allowed_token_ids"),
-        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=-2), "prompt_logprobs"),
     ],
 )
 def test_sampling_params_refuse_bad_values_naming_the_field(kw, field):

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from rawpaged import LLM, SamplingParams
+from rawpaged.kernels.cpu import logprobs as cpu_logprobs
 from rawpaged.model_executor import prompt_logprobs as prompt_logprobs_mod
 from tests.model_reference import forward
 
@@ -60,6 +61,29 @@ def test_tiny_model_prompt_logprobs_match_the_reference(tiny_dir, k):
     check_against_reference(out[0].prompt_logprobs, prompt, ref, k)
     plain = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, temperature=0))[0]
     assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_minus_one_prompt_logprobs_are_the_whole_vocabulary(tiny_dir):
+    """vLLM's ``prompt_logprobs=-1`` (allowed by ``max_logprobs=-1``): every id of the vocabulary, by the
+    CPU kernel's whole-row sort, against the reference."""
+    prompt = [(13 * i + 5) % 250 + 3 for i in range(20)]
+    ref = reference_logprobs(tiny_dir, prompt, 64)
+    llm = LLM(model=str(tiny_dir), device="cpu", num_kv_blocks=16, max_model_len=64, max_logprobs=-1)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=-1, logprobs=-1))
+    check_against_reference(out[0].prompt_logprobs, prompt, ref, ref.shape[1])
+    assert [len(e) for e in out[0].outputs[0].logprobs] == [ref.shape[1]]
+
+
+def test_the_whole_row_sort_orders_as_the_top_k_kernel():
+    """Above ``FULL_SORT_K`` the CPU kernel sorts whole rows: the same ids in the same order (descending,
+    equal values by lower id) as its top-k selection."""
+    rng = np.random.default_rng(3)
+    logits = np.round(rng.standard_normal((4, 300)) * 2).astype(np.float32)  # many equal values
+    k = cpu_logprobs.FULL_SORT_K + 1
+    selected = np.empty((4, k), dtype=np.int64)
+    cpu_logprobs._top_k_rows(logits.copy(), k, selected)
+    got = cpu_logprobs.logprob_rows(logits.copy(), np.zeros(4, np.int64), k)[2]
+    np.testing.assert_array_equal(got, selected)
 
 
 def test_chunked_prefill_and_prefix_cache_keep_every_prompt_logprob(tiny_dir, monkeypatch):

@@ -48,7 +48,7 @@ def refused(model, body) -> ProtocolError:
         ({"prompt": "hi", "min_p": 1.5}, "min_p"),
         ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of"),
-        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "logprobs": -2}, "logprobs"),
         ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
         ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
         ({"prompt": "hi", "max_tokens": 513}, "max_tokens"),  # the server's limits and OpenAI's rules
@@ -71,7 +71,7 @@ def refused(model, body) -> ProtocolError:
         ({"prompt": "hi", "bad_words": "x"}, "bad_words"),
         ({"prompt": "hi", "bad_words": [" "]}, "bad_words"),
         ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
-        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "hi", "prompt_logprobs": -2}, "prompt_logprobs"),
         ({"prompt": "hi", "suffix": "end"}, "suffix"),
         ({"prompt": "hi", "tools": [TOOL]}, "tools"),  # chat only
         ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
@@ -104,7 +104,7 @@ def test_completion_refusals_name_the_field(body, param):
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
         ({"messages": HI, "logprobs": "yes"}, "logprobs"),
         ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
-        ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": HI, "logprobs": True, "top_logprobs": -2}, "top_logprobs"),
         ({"messages": HI, "max_completion_tokens": -1}, "max_completion_tokens"),
         ({"messages": HI, "max_completion_tokens": 513}, "max_completion_tokens"),
         ({"messages": HI, "max_tokens": 0}, "max_tokens"),

@@ -59,17 +59,19 @@ async def prepare_prompts(engine: EngineClient, req, limits: Limits) -> list:
 
 
 def pick_max_tokens(req, limits: Limits, num_prompt_tokens: int, max_len: int) -> int:
-    """The client's ``max_tokens`` (a ProtocolError when the context cannot hold it); else, capped by the
-    room left in the context, 16 for completions and the server's limit for chat."""
+    """The client's ``max_tokens`` (a ProtocolError, in vLLM's words, when the prompt and it do not fit
+    the context); else, capped by the room left in the context, 16 for completions and for chat the
+    server's ``--max-tokens-limit`` (none by default: all the room left, as vLLM)."""
     room = max_len - num_prompt_tokens
     requested = req.requested_max_tokens
     if requested is None:
         default = DEFAULT_COMPLETION_MAX_TOKENS if req.kind == "completion" else limits.max_tokens
-        return min(default, room)
+        return room if default is None else min(default, room)
     if requested > room:
         raise ProtocolError(
-            f"this model's maximum context length is {max_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens and {req.max_tokens_param} asks for {requested} more",
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum context "
+            f"length is {max_len} tokens and your request has {num_prompt_tokens} input tokens ({requested} > "
+            f"{max_len} - {num_prompt_tokens}).",
             param=req.max_tokens_param,
         )
     return requested

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rawpaged.entrypoints.chat_utils import template_message
 from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.openai.protocol_extensions import ChatTemplateOptions, TokenIdOutputs
 from rawpaged.entrypoints.openai.sampling import to_sampling_params
 from rawpaged.entrypoints.openai.tool_parsers import ForcedToolParser, HermesToolParser, ToolParser, forced_tool_schema
 from rawpaged.entrypoints.server_config import Limits
@@ -34,6 +35,7 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, running usage in every chunk
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -184,6 +186,12 @@ class GenerationRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def include_continuous_usage(self) -> bool:
+        """Whether every chunk carries the running ``usage`` (vLLM: ``continuous_usage_stats`` counts only
+        with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     def template_tools(self) -> list | None:
         """The tools for the chat template (OpenAI's dicts), or None."""
         return None
@@ -251,7 +259,7 @@ class GenerationRequest(OpenAIBaseModel):
     def check(self, limits: Limits) -> None:
         """OpenAI's and this server's rules, then the engine's own checks on the whole parameter set."""
         max_tokens = self.requested_max_tokens
-        if max_tokens is not None and max_tokens > limits.max_tokens:
+        if max_tokens is not None and limits.max_tokens is not None and max_tokens > limits.max_tokens:
             raise ProtocolError(
                 f"{self.max_tokens_param} is {max_tokens}; this server allows at most {limits.max_tokens}",
                 param=self.max_tokens_param,
@@ -311,8 +319,8 @@ def _prompt_list(prompt, limits: Limits | None = None) -> list:
     return prompts
 
 
-class CompletionRequest(GenerationRequest):
-    """A ``POST /v1/completions`` body."""
+class CompletionRequest(GenerationRequest, TokenIdOutputs):
+    """A ``POST /v1/completions`` body (with vLLM's ``TokenIdOutputs``)."""
 
     prompt: PromptType
     echo: bool | None = None
@@ -349,8 +357,10 @@ class CompletionRequest(GenerationRequest):
         self.prompts(limits)
 
 
-class ChatCompletionRequest(GenerationRequest):
-    """A ``POST /v1/chat/completions`` body.
+class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions, TokenIdOutputs):
+    """A ``POST /v1/chat/completions`` body (with vLLM's ``ChatTemplateOptions``, ``TokenIdOutputs`` and
+    ``echo``: the last message's content, when its role is the response role, starts each choice's
+    content, as vLLM's).
 
     Tools: ``tools`` are rendered through the chat template (``rawpaged.entrypoints.chat_utils``), and
     ``tool_choice`` says what is done with them: ``"none"`` (no call is parsed), ``"auto"`` (the default
@@ -368,8 +378,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    echo: bool | None = None
 
     @property
     def kind(self) -> str:
@@ -390,6 +399,20 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def response_role(self) -> str:
+        """The role of the answer (vLLM's): "assistant" when a generation prompt opens its turn, else
+        that of the last message, which the answer continues."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echo_text(self) -> str:
+        """What ``echo`` puts before each choice's content: the last message's content when its role is
+        the response role (text parts joined as the template sees them), else ""."""
+        if not self.echo or self.messages[-1].role != self.response_role:
+            return ""
+        return template_message(self.messages[-1])["content"]
 
     @property
     def tool_mode(self) -> str:
@@ -445,12 +468,7 @@ class ChatCompletionRequest(GenerationRequest):
     def check(self, limits: Limits) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ProtocolError(
-                "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
-                "to false)",
-                param="continue_final_message",
-            )
+        self.check_template_options()
         self._check_tools()
         super().check(limits)
 

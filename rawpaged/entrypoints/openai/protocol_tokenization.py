@@ -16,6 +16,7 @@ from pydantic import Field
 from rawpaged.entrypoints.chat_utils import template_message
 from rawpaged.entrypoints.http_errors import ProtocolError
 from rawpaged.entrypoints.openai.protocol import ChatMessage, ChatTool, OpenAIBaseModel
+from rawpaged.entrypoints.openai.protocol_extensions import ChatTemplateOptions
 from rawpaged.entrypoints.server_config import Limits
 from rawpaged.tokenizer import RESERVED_TEMPLATE_KWARGS
 
@@ -37,7 +38,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
         """Nothing beyond the JSON types."""
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIBaseModel, ChatTemplateOptions):
     """A ``POST /tokenize`` body with chat ``messages``, rendered with the chat template as
     ``/v1/chat/completions`` renders them (contents literal, ``tools`` rendered or written into the
     system message). ``add_special_tokens`` (default false) adds the tokenizer's own on top of the
@@ -46,8 +47,6 @@ class TokenizeChatRequest(OpenAIBaseModel):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -56,12 +55,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     def check(self, limits: Limits) -> None:
         """Raises ProtocolError for ``continue_final_message`` with ``add_generation_prompt`` or
         ``chat_template_kwargs`` that set a variable the server sets."""
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ProtocolError(
-                "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
-                "to false)",
-                param="continue_final_message",
-            )
+        self.check_template_options()
         reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ProtocolError(f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")

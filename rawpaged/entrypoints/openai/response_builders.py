@@ -132,11 +132,12 @@ def chat_choice(
     logprobs: dict | None = None,
     tool_calls: list = (),
     reasoning: str | None = None,
+    role: str = "assistant",
 ) -> dict:
     """A chat choice; ``tool_calls`` (OpenAI's ``[{"id", "type", "function"}]``) when any were made;
     ``reasoning`` (vLLM's field) and ``reasoning_content`` (its older name) when a reasoning parser found
-    some."""
-    message = {"role": "assistant", "content": text, "refusal": None}
+    some; ``role``: the message's (vLLM: the last message's when no generation prompt opens a reply)."""
+    message = {"role": role, "content": text, "refusal": None}
     if reasoning is not None:
         message["reasoning"] = message["reasoning_content"] = reasoning
     if tool_calls:
@@ -167,17 +168,24 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: int = 0) -> dict:
+def token_label(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or with ``as_id`` (vLLM's ``return_tokens_as_token_ids``)
+    ``"token_id:<id>"``."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+
+
+def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: int = 0, as_ids: bool = False) -> dict:
     """OpenAI's completions ``logprobs`` object for tokens; ``entries[i]`` is the engine's ``{token_id:
     logprob}`` (or ``{token_id: Logprob}``: prompt tokens) for token i (the token itself first, then the top
     ones by rank), or None (the first prompt token: ``token_logprobs`` and ``top_logprobs`` null there, as
     in OpenAI's legacy API and vLLM). ``text_offset``: each token's first character in the text, counted
     from ``text_offset`` by the tokens' texts. Tokens whose texts collide (byte pieces of one character)
-    share a ``top_logprobs`` key: the token's own value wins, then the best-ranked."""
+    share a ``top_logprobs`` key: the token's own value wins, then the best-ranked. ``as_ids``: tokens and
+    keys are ``"token_id:<id>"`` (``token_label``); the offsets still count the texts."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         s = token_text(tokenizer, tid)
-        tokens.append(s)
+        tokens.append(token_label(tokenizer, tid, as_ids))
         offsets.append(text_offset)
         text_offset += len(s)
         if entry is None:
@@ -188,7 +196,7 @@ def completion_logprobs(tokenizer, token_ids: list, entries: list, text_offset: 
         lps.append(entry.get(tid))
         top: dict = {}  # entry: the token first, then by rank: where texts collide, the first stays
         for t, lp in entry.items():
-            top.setdefault(token_text(tokenizer, t), lp)
+            top.setdefault(token_label(tokenizer, t, as_ids), lp)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -208,21 +216,26 @@ def prompt_logprobs_json(entries: list | None) -> list | None:
     ]
 
 
-def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int) -> dict:
+def chat_logprobs(tokenizer, token_ids: list, entries: list, top_n: int, as_ids: bool = False) -> dict:
     """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal":
-    null}``.
+    null}``, ``top_n`` top entries per token (-1: all the entry holds).
     ``bytes`` are the token's own bytes (a piece of a character included), so a client can rebuild the
-    text from them where ``token`` shows U+FFFD."""
+    text from them where ``token`` shows U+FFFD. ``as_ids``: each ``token`` is ``"token_id:<id>"``."""
     content = []
     for tid, entry in zip(token_ids, entries):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        top = sorted(entry.items(), key=lambda kv: -kv[1])
+        top = top if top_n < 0 else top[:top_n]
         content.append(
             {
-                "token": token_text(tokenizer, tid),
+                "token": token_label(tokenizer, tid, as_ids),
                 "logprob": entry.get(tid),
                 "bytes": list(tokenizer.token_bytes(tid)),
                 "top_logprobs": [
-                    {"token": token_text(tokenizer, t), "logprob": lp, "bytes": list(tokenizer.token_bytes(t))}
+                    {
+                        "token": token_label(tokenizer, t, as_ids),
+                        "logprob": lp,
+                        "bytes": list(tokenizer.token_bytes(t)),
+                    }
                     for t, lp in top
                 ],
             }
@@ -253,8 +266,9 @@ class ResponseFormat(Protocol):
         system_fingerprint: str | None = None,
     ) -> dict: ...
 
-    def opening_choices(self, req, num_choices: int) -> list:
-        """Chunk choices sent before any token (chat: the role of every choice)."""
+    def opening_chunks(self, req, prompts: list, make_chunk) -> list:
+        """Chunks sent before any token (chat: the role of every choice, then with ``echo`` the echoed
+        content); ``make_chunk(choice)`` wraps one chunk choice in a chunk."""
 
     def chunk_choices(self, req, index: int, prompt, delta: CompletionDelta) -> list:
         """The chunk choices of one delta (its new text and logprobs; then its finish_reason), each sent
@@ -263,14 +277,35 @@ class ResponseFormat(Protocol):
     def logprobs(self, req, prompt, token_ids: list, entries: list, text_offset: int) -> dict | None:
         """This route's ``logprobs`` object for ``token_ids`` (None unless asked for)."""
 
-    def add_prompt_logprobs(self, req, response: dict, prompts: list) -> None:
-        """vLLM's ``prompt_logprobs`` field(s) in a full response, when the request asked for them."""
+    def add_prompt_fields(self, req, response: dict, prompts: list) -> None:
+        """vLLM's ``prompt_logprobs`` and ``prompt_token_ids`` field(s) in a full response, when the request
+        asked for them."""
+
+
+def _wants_ids(req) -> bool:
+    """vLLM's ``return_token_ids`` (the websocket's requests have no such field)."""
+    return bool(getattr(req, "return_token_ids", None))
+
+
+def _as_ids(req) -> bool:
+    """vLLM's ``return_tokens_as_token_ids``."""
+    return bool(getattr(req, "return_tokens_as_token_ids", None))
+
+
+def _with_ids(choice: dict, req, token_ids, prompt_ids=None) -> dict:
+    """``choice`` with vLLM's ``prompt_token_ids`` (when given) and ``token_ids``, if the request asks."""
+    if _wants_ids(req):
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_ids)
+        choice["token_ids"] = list(token_ids)
+    return choice
 
 
 class CompletionFormat:
     """``/v1/completions``' shapes: the prompt echoed with ``echo`` (with ``logprobs``, the prompt tokens'
     logprobs first, the first one null; with ``max_tokens`` 0, the prompt alone), integer ``logprobs``,
-    and each choice's ``prompt_logprobs`` (vLLM's field) when asked for."""
+    and each choice's ``prompt_logprobs``, ``prompt_token_ids`` and ``token_ids`` (vLLM's fields) when
+    asked for (a stream: ``prompt_token_ids`` in each choice's first chunk)."""
 
     response = staticmethod(completion_response)
     chunk = staticmethod(completion_chunk)
@@ -280,7 +315,7 @@ class CompletionFormat:
         """Completions' ``logprobs`` object for these tokens (None unless asked for)."""
         if req.num_logprobs is None or not token_ids:
             return None
-        return completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset)
+        return completion_logprobs(prompt.tokenizer, token_ids, entries or [], text_offset, _as_ids(req))
 
     @staticmethod
     def _echo_offset(req, prompt) -> int:
@@ -297,9 +332,8 @@ class CompletionFormat:
         """The logprobs of a choice's first piece: the echoed prompt's tokens, then ``token_ids``."""
         if req.num_logprobs is None or prompt.prompt_logprobs is None:
             return self.logprobs(req, prompt, token_ids, entries, text_offset + self._echo_offset(req, prompt))
-        return completion_logprobs(
-            prompt.tokenizer, prompt.ids + list(token_ids), list(prompt.prompt_logprobs) + list(entries or []), 0
-        )
+        ids, entries = prompt.ids + list(token_ids), list(prompt.prompt_logprobs) + list(entries or [])
+        return completion_logprobs(prompt.tokenizer, ids, entries, 0, _as_ids(req))
 
     def choice(self, req, index, prompt, output):
         token_ids, entries, text = output.token_ids, output.logprobs, output.text
@@ -314,14 +348,14 @@ class CompletionFormat:
             )
         if req.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs_json(prompt.prompt_logprobs)
-        return out
+        return _with_ids(out, req, token_ids, prompt.ids)
 
     @staticmethod
-    def add_prompt_logprobs(req, response, prompts):
+    def add_prompt_fields(req, response, prompts):
         return None  # per choice, in ``choice``
 
     @staticmethod
-    def opening_choices(req, num_choices):
+    def opening_chunks(req, prompts, make_chunk):
         return []
 
     def chunk_choices(self, req, index, prompt, delta):
@@ -334,10 +368,11 @@ class CompletionFormat:
         else:
             lp = self.logprobs(req, prompt, token_ids, entries, delta.text_offset + self._echo_offset(req, prompt))
         choices = []
-        if text or lp is not None or echo:
-            choices.append(completion_choice(index, prompt.echo_text + text if echo else text, None, lp))
+        if text or lp is not None or echo or (_wants_ids(req) and (token_ids or delta.first)):
+            choice = completion_choice(index, prompt.echo_text + text if echo else text, None, lp)
+            choices.append(_with_ids(choice, req, token_ids, prompt.ids if delta.first else None))
         if delta.finish_reason is not None:
-            choices.append(completion_choice(index, "", delta.finish_reason))
+            choices.append(_with_ids(completion_choice(index, "", delta.finish_reason), req, []))
         return choices
 
 
@@ -345,7 +380,10 @@ class ChatFormat:
     """Chat's shapes for one request. With a reasoning parser (``--reasoning-parser``), each choice's
     ``<think>`` text goes to ``reasoning`` (``reasoning_parsers``) and only the rest on. With tools, that
     text goes through the choice's own tool parser (``ChatCompletionRequest.tool_parser``): content and
-    ``tool_calls`` in the message or the deltas, and ``finish_reason`` "tool_calls" after a call."""
+    ``tool_calls`` in the message or the deltas, and ``finish_reason`` "tool_calls" after a call. The
+    message's role is the request's ``response_role``; with ``echo``, ``echo_text`` starts each choice's
+    content (a stream: in a chunk of its own after the roles). vLLM's ``token_ids`` are in each choice,
+    ``prompt_token_ids`` in the response (a stream: in each role chunk)."""
 
     response = staticmethod(chat_response)
     chunk = staticmethod(chat_chunk)
@@ -360,13 +398,16 @@ class ChatFormat:
         """Chat's ``logprobs`` object for these tokens (None unless asked for)."""
         if req.num_logprobs is None or not token_ids:
             return None
-        return chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs)
+        return chat_logprobs(prompt.tokenizer, token_ids, entries or [], req.num_logprobs, _as_ids(req))
 
     @staticmethod
-    def add_prompt_logprobs(req, response, prompts):
-        """vLLM's top-level ``prompt_logprobs`` of a chat response (one conversation: one prompt)."""
+    def add_prompt_fields(req, response, prompts):
+        """vLLM's top-level ``prompt_logprobs`` and ``prompt_token_ids`` of a chat response (one
+        conversation: one prompt)."""
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(prompts[0].prompt_logprobs)
+        if _wants_ids(req):
+            response["prompt_token_ids"] = list(prompts[0].ids)
 
     def choice(self, req, index, prompt, output):
         lp = self.logprobs(req, prompt, output.token_ids, output.logprobs)
@@ -374,20 +415,34 @@ class ChatFormat:
         if self.reasoning_parser is not None:
             reasoning, text = split_reasoning(self.reasoning_parser, text)
         parser = req.tool_parser()
-        if parser is None:
-            return chat_choice(index, text, output.finish_reason, lp, reasoning=reasoning)
-        content, tool_calls = extract_tool_calls(parser, text)
-        return chat_choice(index, content, parser.finish_reason(output.finish_reason), lp, tool_calls, reasoning)
+        finish_reason, tool_calls = output.finish_reason, ()
+        if parser is not None:
+            text, tool_calls = extract_tool_calls(parser, text)
+            finish_reason = parser.finish_reason(output.finish_reason)
+        if req.echo_text:
+            text = req.echo_text + (text or "")
+        out = chat_choice(index, text, finish_reason, lp, tool_calls, reasoning, req.response_role)
+        return _with_ids(out, req, output.token_ids)
 
     @staticmethod
-    def opening_choices(req, num_choices):
-        return [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None) for i in range(num_choices)]
+    def opening_chunks(req, prompts, make_chunk):
+        chunks = []
+        for i in range(req.num_choices):
+            chunk = make_chunk(chat_chunk_choice(i, {"role": req.response_role, "content": ""}, None))
+            if _wants_ids(req):
+                chunk["prompt_token_ids"] = list(prompts[0].ids)
+            chunks.append(chunk)
+        if req.echo_text:
+            chunks += [
+                make_chunk(chat_chunk_choice(i, {"content": req.echo_text}, None)) for i in range(req.num_choices)
+            ]
+        return chunks
 
     def chunk_choices(self, req, index, prompt, delta):
         lp = self.logprobs(req, prompt, delta.token_ids, delta.logprobs)
         message, finish_reason = self._parse(req, index, delta)
         choices = []
-        if message or lp is not None:
+        if message or lp is not None or (_wants_ids(req) and delta.token_ids):
             fields = {}
             if message.reasoning:
                 fields["reasoning"] = fields["reasoning_content"] = message.reasoning
@@ -395,9 +450,9 @@ class ChatFormat:
                 fields["content"] = message.content
             if message.tool_calls:
                 fields["tool_calls"] = message.tool_calls
-            choices.append(chat_chunk_choice(index, fields, None, lp))
+            choices.append(_with_ids(chat_chunk_choice(index, fields, None, lp), req, delta.token_ids))
         if finish_reason is not None:
-            choices.append(chat_chunk_choice(index, {}, finish_reason))
+            choices.append(_with_ids(chat_chunk_choice(index, {}, finish_reason), req, []))
         return choices
 
     def _parse(self, req, index: int, delta: CompletionDelta) -> tuple:

@@ -86,7 +86,7 @@ async def _full_response(state: AppState, req, fmt: ResponseFormat, rid, prompts
                 choices.append(fmt.choice(req, i * n + c.index, p, c))
         totals = usage(sum(len(p.ids) for p in prompts), completion_tokens, cached_tokens(state, final.values()))
         response = fmt.response(rid, created, state.model_name, choices, totals, state.system_fingerprint)
-        fmt.add_prompt_logprobs(req, response, prompts)
+        fmt.add_prompt_fields(req, response, prompts)
         return dumps_by_part(response, "choices")
 
     return web.Response(text=await asyncio.to_thread(render), content_type="application/json")
@@ -138,15 +138,25 @@ async def _stream_response(request, state: AppState, req, fmt: ResponseFormat, r
 
     trackers = [DeltaTracker() for _ in prompts]
     completion_tokens, finals, fingerprint = 0, {}, state.system_fingerprint
+    generated = [0] * (len(prompts) * n)  # tokens sent per choice (vLLM's continuous_usage_stats)
+
+    def chunk(choice: dict) -> dict:
+        """One choice's chunk; with ``continuous_usage_stats``, the running usage of that choice."""
+        index = choice["index"]
+        running = usage(len(prompts[index // n].ids), generated[index]) if req.include_continuous_usage else None
+        return fmt.chunk(rid, created, model, [choice], running, req.include_usage, fingerprint)
+
     try:
         # One choice per chunk, as OpenAI streams n > 1 (clients read choices[0]).
-        for choice in fmt.opening_choices(req, len(prompts) * n):
-            await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage, fingerprint))
+        for opening in fmt.opening_chunks(req, prompts, chunk):
+            await send(opening)
         async for i, out in merge_streams(streams):
             prompts[i].prompt_logprobs = out.prompt_logprobs
             for d in trackers[i].deltas(out):
+                if not req.echo_only:
+                    generated[i * n + d.index] += len(d.token_ids)
                 for choice in fmt.chunk_choices(req, i * n + d.index, prompts[i], d):
-                    await send(fmt.chunk(rid, created, model, [choice], None, req.include_usage, fingerprint))
+                    await send(chunk(choice))
             if out.finished:
                 finals[i] = out
                 if not req.echo_only:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+#: top-k sizes above this sort whole rows instead (``logprobs: -1`` asks for the whole vocabulary)
+FULL_SORT_K = 64
+
 
 @nb.njit(cache=True, nogil=True, parallel=True)
 def _top_k_rows(x, k, out):  # the k largest of each row, descending, equal values by lower id
@@ -45,9 +48,12 @@ def logprob_rows(logits: np.ndarray, targets: np.ndarray, k: int) -> tuple:
     rows = np.arange(x.shape[0])
     target_x = x[rows, targets]
     ranks = (x >= target_x[:, None]).sum(axis=1).astype(np.int64)
-    top = np.empty((x.shape[0], k), dtype=np.int64)
-    if k:
-        _top_k_rows(x, k, top)
+    if k > FULL_SORT_K:  # ``_top_k_rows`` costs k per candidate: a sort of the row is cheaper
+        top = np.argsort(-x, axis=1, kind="stable")[:, :k].astype(np.int64)
+    else:
+        top = np.empty((x.shape[0], k), dtype=np.int64)
+        if k:
+            _top_k_rows(x, k, top)
     top_x = np.take_along_axis(x, top, axis=1)
     peak = x.max(axis=1, keepdims=True)
     np.subtract(x, peak, out=x)  # in place: no second [m, vocab] buffer
