@@ -110,7 +110,7 @@ def test_a_missing_model_names_the_id_the_cache_and_the_variables(offline):
 
 def test_the_server_takes_the_id_as_its_first_argument_and_serves_it_by_name(offline):
     from rawpaged.config import EngineConfig
-    from rawpaged.entrypoints.app import model_name_of
+    from rawpaged.entrypoints.api_server import model_name_of
     from rawpaged.entrypoints.cli import build_serve_parser, engine_config_from_args
 
     args = build_serve_parser().parse_args([REPO, "--revision", "v1"])

@@ -12,6 +12,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rawpaged"
 
+#: What the server may import from below it.
+BELOW_ENTRYPOINTS = {
+    "base",
+    "face",
+    "structured_output",
+    "kernels",
+    "core",
+    "model_executor",
+    "weights",
+    "spec_decode",
+    "engine",
+}
+#: The folders of entrypoints/, each a layer of its own (``entrypoints.<folder>``).
+ENTRYPOINT_FOLDERS = ("server", "http", "generation", "openai", "websocket")
 #: Layers from the bottom up, each with the layers below it that it may import. A layer never imports one
 #: above it, so each can be read, tested and replaced without those above.
 LAYERS = {
@@ -25,17 +39,14 @@ LAYERS = {
     "spec_decode": {"base", "face", "kernels", "core", "model_executor"},  # proposers, acceptance rule, draft model
     "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights", "spec_decode"},
     "testing": {"base", "face", "kernels"},  # random models, reference sampler, random quantized blocks
-    "entrypoints": {
-        "base",
-        "face",
-        "structured_output",
-        "kernels",
-        "core",
-        "model_executor",
-        "weights",
-        "spec_decode",
-        "engine",
-    },
+    # entrypoints/, folder by folder: the server's state, HTTP plumbing, the shared generation pipeline, the
+    # OpenAI APIs and the websocket (each beside the other), and at the top the modules loose in entrypoints/
+    "entrypoints.server": BELOW_ENTRYPOINTS,
+    "entrypoints.http": BELOW_ENTRYPOINTS | {"entrypoints.server"},
+    "entrypoints.generation": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http"},
+    "entrypoints.openai": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
+    "entrypoints.websocket": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
+    "entrypoints": BELOW_ENTRYPOINTS | {f"entrypoints.{folder}" for folder in ENTRYPOINT_FOLDERS},
     "package": {"base", "face", "kernels", "engine", "entrypoints"},  # rawpaged/__init__.py, __main__.py
     "tools": {"base", "face", "kernels", "core", "model_executor", "weights", "engine", "testing", "package"},
 }
@@ -64,6 +75,8 @@ def module_names(package: Path) -> dict:
 def layer_of(module: str) -> str | None:
     """The layer of a dotted module name, or None for a root module that is not the library's face."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "entrypoints" and parts[2] in ENTRYPOINT_FOLDERS:
+        return f"entrypoints.{parts[2]}"
     if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS and parts[1] not in ("base", "face")):
         return parts[1] if parts[1] in LAYERS else None
     return ROOT_MODULES.get(module)
@@ -221,6 +234,38 @@ def test_the_checks_find_an_injected_circle_and_upward_import(tmp_path, where):
         f"rawpaged.stray is in no layer (the package root holds only {sorted(ROOT_MODULES)})",
     ]
     assert len(undeclared_deferred_imports(package)) == (3 if where == "function" else 0)
+
+
+def test_the_checks_find_an_upward_import_between_entrypoints_folders(tmp_path):
+    """Plumbing that imports a route, the pipeline that imports the app, and the websocket that imports an
+    OpenAI API are each refused; an API importing the pipeline is not."""
+    package = _write(
+        tmp_path,
+        {
+            "rawpaged/__init__.py": "",
+            "rawpaged/entrypoints/__init__.py": "",
+            "rawpaged/entrypoints/api_server.py": "from rawpaged.entrypoints.openai.chat import serving\n",
+            "rawpaged/entrypoints/http/__init__.py": "",
+            "rawpaged/entrypoints/http/body.py": "from rawpaged.entrypoints.openai.chat.serving import f\n",
+            "rawpaged/entrypoints/generation/__init__.py": "",
+            "rawpaged/entrypoints/generation/writer.py": "import rawpaged.entrypoints.api_server\n",
+            "rawpaged/entrypoints/openai/__init__.py": "",
+            "rawpaged/entrypoints/openai/chat/__init__.py": "",
+            "rawpaged/entrypoints/openai/chat/serving.py": "from rawpaged.entrypoints.generation import writer\n",
+            "rawpaged/entrypoints/websocket/__init__.py": "",
+            "rawpaged/entrypoints/websocket/serving.py": "from rawpaged.entrypoints.openai.chat import serving\n",
+        },
+    )
+    assert upward_imports(package) == [
+        "rawpaged.entrypoints.generation.writer:1 (entrypoints.generation) imports rawpaged.entrypoints.api_server"
+        " (entrypoints)",
+        "rawpaged.entrypoints.http.body:1 (entrypoints.http) imports rawpaged.entrypoints.openai.chat.serving"
+        " (entrypoints.openai)",
+        "rawpaged.entrypoints.websocket.serving:1 (entrypoints.websocket) imports"
+        " rawpaged.entrypoints.openai.chat.serving (entrypoints.openai)",
+    ]
+    assert layer_of("rawpaged.entrypoints.http") == "entrypoints.http"
+    assert layer_of("rawpaged.entrypoints.cli") == "entrypoints"
 
 
 def test_nothing_below_the_entrypoints_knows_http():

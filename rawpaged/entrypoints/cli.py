@@ -23,8 +23,8 @@ from pathlib import Path
 from rawpaged.config import EngineConfig, SpeculativeConfig
 from rawpaged.engine.data_parallel import init_ray, shutdown_ray
 from rawpaged.engine.outputs import DeltaTracker
-from rawpaged.entrypoints.server_config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
-from rawpaged.entrypoints.startup import load_engine
+from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
+from rawpaged.entrypoints.server.startup import load_engine
 from rawpaged.errors import import_optional
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.weights import DEFAULT_MODEL
@@ -308,7 +308,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from rawpaged.entrypoints.app import create_app  # deferred: pydantic, checked just above
+    from rawpaged.entrypoints.api_server import create_app  # deferred: pydantic, checked just above
     from rawpaged.entrypoints.launcher import serve  # deferred: pydantic, checked just above
 
     parser = build_serve_parser(prog)

@@ -8,11 +8,11 @@ import time
 
 from aiohttp import web
 
-from rawpaged.entrypoints.admission import require_engine
-from rawpaged.entrypoints.app_state import STATE, AppState
-from rawpaged.entrypoints.http_errors import ProtocolError, field_error
-from rawpaged.entrypoints.http_responses import json_response
-from rawpaged.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rawpaged.entrypoints.generation.admission import require_engine
+from rawpaged.entrypoints.http.errors import ProtocolError, field_error
+from rawpaged.entrypoints.http.json_reply import json_response
+from rawpaged.entrypoints.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rawpaged.entrypoints.server.state import STATE, AppState
 from rawpaged.errors import EngineDeadError
 
 

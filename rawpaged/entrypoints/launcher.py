@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from rawpaged.entrypoints import hosts
-from rawpaged.entrypoints.app_state import STATE, AppState
+from rawpaged.entrypoints.http import hosts
+from rawpaged.entrypoints.server.state import STATE, AppState
 from rawpaged.errors import EngineError, ServerShuttingDownError
 
 logger = logging.getLogger("rawpaged.server")

@@ -149,11 +149,11 @@ def test_a_killed_replica_fails_only_its_streams_and_comes_back(dp):
 def test_the_server_over_two_replicas(ray_cluster, tiny_dir):
     import aiohttp
 
-    from rawpaged.entrypoints.app import create_app
+    from rawpaged.entrypoints.api_server import create_app
     from tests.entrypoints.server_thread import ServerThread, run, sse
 
     config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=256)
-    from rawpaged.entrypoints.server_config import ServerConfig
+    from rawpaged.entrypoints.server.config import ServerConfig
 
     # killed replicas leave their requests for the drain to end: 2 s, not the default 30
     app = create_app(config, data_parallel_size=2, server_config=ServerConfig(shutdown_timeout=2.0))
@@ -237,7 +237,7 @@ def test_the_default_model_through_two_replicas(ray_cluster, model_dir, llm):
     greedy outputs equal a single engine's, and /metrics shows both replicas."""
     import openai
 
-    from rawpaged.entrypoints.app import create_app
+    from rawpaged.entrypoints.api_server import create_app
     from tests.entrypoints.server_thread import ServerThread
 
     config = EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=128, max_model_len=512)

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("prometheus_client")  # absent on some hosts (the GPU host has no package index)
 
 from rawpaged import SamplingParams
-from rawpaged.entrypoints.metrics import ServerMetrics
+from rawpaged.entrypoints.server.metrics import ServerMetrics
 from tests.conftest import tiny_engine
 
 BLOCK = 16

@@ -10,9 +10,9 @@ import time
 
 import aiohttp
 
-from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.app_state import STATE
+from rawpaged.entrypoints.api_server import create_app
 from rawpaged.entrypoints.launcher import serve
+from rawpaged.entrypoints.server.state import STATE
 
 
 class ServerThread:

@@ -80,7 +80,7 @@ def test_every_engine_config_field_is_an_option_with_its_docstring():
 
 
 def test_every_server_config_field_is_an_option_and_builds_the_config():
-    from rawpaged.entrypoints.server_config import ServerConfig
+    from rawpaged.entrypoints.server.config import ServerConfig
 
     parser = cli_mod.build_serve_parser()
     by_dest = {a.dest: a for a in parser._actions if a.option_strings}
@@ -195,7 +195,7 @@ def greedy_text(tiny_dir):
 
 
 def test_generate_streams_the_engines_text_and_logs_each_start_up_phase_on_stderr(tiny_dir, greedy_text):
-    from rawpaged.entrypoints.startup import PHASES
+    from rawpaged.entrypoints.server.startup import PHASES
 
     r = _generate(tiny_dir)
     assert r.returncode == 0, r.stderr

@@ -16,10 +16,10 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 from rawpaged.config import EngineConfig
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.entrypoints import cli as cli_mod
-from rawpaged.entrypoints.admission import check_model
-from rawpaged.entrypoints.app import create_app, model_name_of
-from rawpaged.entrypoints.app_state import STATE
-from rawpaged.entrypoints.http_errors import ProtocolError
+from rawpaged.entrypoints.api_server import create_app, model_name_of
+from rawpaged.entrypoints.generation.admission import check_model
+from rawpaged.entrypoints.http.errors import ProtocolError
+from rawpaged.entrypoints.server.state import STATE
 from rawpaged.weights import DEFAULT_MODEL
 from rawpaged.weights.default_model import F32_GGUF_NAME, GGUF_NAME
 from tests.entrypoints.server_thread import ServerThread, get_json, run

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.http_errors import ProtocolError
-from rawpaged.entrypoints.openai.protocol import WebSocketGenerateRequest
-from rawpaged.entrypoints.openai.request_body import parse_request
-from rawpaged.entrypoints.server_config import Limits
+from rawpaged.entrypoints.api_server import create_app
+from rawpaged.entrypoints.generation.protocol import WebSocketGenerateRequest
+from rawpaged.entrypoints.generation.request_body import parse_request
+from rawpaged.entrypoints.http.errors import ProtocolError
+from rawpaged.entrypoints.server.config import Limits
 from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
 
 FIELDS = (

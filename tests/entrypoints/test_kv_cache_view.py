@@ -15,8 +15,8 @@ import asyncio
 import aiohttp
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints import websocket
-from rawpaged.entrypoints.playground import CONTENT_SECURITY_POLICY
+from rawpaged.entrypoints.http.playground import CONTENT_SECURITY_POLICY
+from rawpaged.entrypoints.websocket import serving as websocket
 from tests.entrypoints.server_thread import run, served
 
 KEY = "sekret"

@@ -28,8 +28,8 @@ import json
 import aiohttp
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.openai.fingerprint import system_fingerprint
-from rawpaged.entrypoints.server_config import ServerConfig
+from rawpaged.entrypoints.generation.fingerprint import system_fingerprint
+from rawpaged.entrypoints.server.config import ServerConfig
 from tests.entrypoints.openai_schemas import errors, stream_event_schema
 from tests.entrypoints.server_thread import openai_client, run, served, sse
 

@@ -19,7 +19,7 @@ import shutil
 import time
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
+from rawpaged.entrypoints.api_server import create_app
 from tests.entrypoints.server_thread import ServerThread
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

@@ -14,7 +14,7 @@ pytest.importorskip("openai")
 import numpy as np
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_token_count, split_reasoning
+from rawpaged.entrypoints.generation.reasoning_parsers import ReasoningParser, reasoning_token_count, split_reasoning
 from tests.entrypoints.server_thread import openai_client, run, served, wait_pool_empty, ws_generate
 from tests.scripted_model import write_scripted_model
 from tests.tokenizer_files import tokenizer_dir

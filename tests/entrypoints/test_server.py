@@ -23,8 +23,8 @@ import aiohttp
 import openai
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.chat_utils import tools_system_prompt
+from rawpaged.entrypoints.api_server import create_app
+from rawpaged.entrypoints.generation.chat_utils import tools_system_prompt
 from tests.conftest import FIXTURES
 from tests.entrypoints.server_thread import (
     ServerThread,
@@ -804,7 +804,7 @@ def test_auto_tool_choice_streams_as_it_answers_and_tool_results_go_back(server,
     ]
     assert (finish == "tool_calls") == bool(calls)
     # A whole round: the call and its result go back; SmolLM2's template has no tools, so they are
-    # written into its messages (rawpaged.entrypoints.chat_utils).
+    # written into its messages (rawpaged.entrypoints.generation.chat_utils).
     conversation = [
         *WEATHER_ASK,
         {

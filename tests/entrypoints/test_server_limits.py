@@ -20,8 +20,8 @@ import time
 import aiohttp
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.openai.response_writer import dumps_by_part
-from rawpaged.entrypoints.server_config import ServerConfig
+from rawpaged.entrypoints.generation.reply_writer import dumps_by_part
+from rawpaged.entrypoints.server.config import ServerConfig
 from tests.entrypoints.server_thread import run, served, wait_pool_empty
 
 MAX_CONNECTIONS = 12

@@ -15,8 +15,8 @@ import logging
 import aiohttp
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
-from rawpaged.entrypoints.openai.response_builders import chat_logprobs, completion_logprobs, token_text
+from rawpaged.entrypoints.api_server import create_app
+from rawpaged.entrypoints.generation.output_json import chat_logprobs, completion_logprobs, token_text
 from tests.entrypoints.server_thread import ServerThread, run, served, sse, wait_pool_empty
 
 ORIGIN = "https://ok.example"

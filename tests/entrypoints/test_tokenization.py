@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from rawpaged.config import EngineConfig
-from rawpaged.entrypoints.app import create_app
+from rawpaged.entrypoints.api_server import create_app
 from rawpaged.testing.random_model import write_random_model
 from tests.entrypoints.server_thread import ServerThread, run, served
 

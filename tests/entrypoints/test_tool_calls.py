@@ -17,16 +17,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rawpaged.entrypoints.chat_utils import template_conversation, tools_system_prompt
-from rawpaged.entrypoints.openai.protocol import ChatCompletionRequest
-from rawpaged.entrypoints.openai.request_body import parse_request
-from rawpaged.entrypoints.openai.tool_parsers import (
+from rawpaged.entrypoints.generation.chat_utils import template_conversation, tools_system_prompt
+from rawpaged.entrypoints.generation.protocol import ChatCompletionRequest
+from rawpaged.entrypoints.generation.request_body import parse_request
+from rawpaged.entrypoints.generation.tool_parsers import (
     ForcedToolParser,
     HermesToolParser,
     extract_tool_calls,
     forced_tool_schema,
 )
-from rawpaged.entrypoints.server_config import Limits
+from rawpaged.entrypoints.server.config import Limits
 from rawpaged.structured_output import StructuredOutputsParams
 from rawpaged.structured_output.json_schema import no_additional_properties
 from rawpaged.tokenizer import Tokenizer

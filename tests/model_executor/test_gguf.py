@@ -147,7 +147,7 @@ def test_unsupported_gguf_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="no config.json \\(it holds model.gguf: pass that file as the model\\)"):
         LLM(model=str(holder), device="cpu")
     from rawpaged.config import EngineConfig
-    from rawpaged.entrypoints.app import model_name_of
+    from rawpaged.entrypoints.api_server import model_name_of
 
     assert model_name_of(EngineConfig(model=str(path))) == "x"
     bad = tmp_path / "bad.gguf"

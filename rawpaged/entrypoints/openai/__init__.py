@@ -1,5 +1,5 @@
-"""The OpenAI-compatible API: ``/v1/completions`` (``serving_completion``), ``/v1/chat/completions``
-(``serving_chat``), ``/v1/models`` (``serving_models``). A generation request goes one way through the steps
-each handler calls in order: ``request_body`` parses it into a ``protocol`` model, ``preprocessing`` makes its
-prompts the engine's inputs (``SamplingParams`` from ``sampling``), ``engine_requests`` submits them, and
-``response_writer`` answers in ``response_builders``' shapes."""
+"""The OpenAI-compatible API, one folder per API, each with its request model (``protocol``) and its
+route handlers (``serving``), as vLLM's ``entrypoints/openai/``: ``/v1/chat/completions``
+(``chat_completion``), ``/v1/completions`` (``completion``), ``/v1/responses`` (``responses``, with
+``output_items``), vLLM's ``/tokenize`` and ``/detokenize`` (``tokenize``) and ``/v1/models`` (``models``).
+Each handler runs the steps of ``rawpaged.entrypoints.generation``."""

@@ -1,0 +1,1 @@
+"""``POST /v1/completions``: the request (``protocol``) and its handler (``serving``)."""

@@ -1,0 +1,1 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}`` (``serving``)."""

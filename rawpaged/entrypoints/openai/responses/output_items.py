@@ -1,0 +1,262 @@
+"""The Responses API's answer (``serving``): the ``response`` object, its ``usage``, and a choice's
+text as output items (``reasoning``, ``message``, ``function_call``) together with the stream events that
+build them, in the order the ``openai`` SDK's stream helper rebuilds them; and output items as the chat
+messages a continuation (``previous_response_id``) sends back."""
+
+from __future__ import annotations
+
+import uuid
+
+from rawpaged.entrypoints.generation.output_json import chat_logprobs
+from rawpaged.entrypoints.generation.reasoning_parsers import ReasoningParser
+from rawpaged.entrypoints.openai.responses.protocol import ResponsesRequest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_object(req: ResponsesRequest, rid: str, created: int, model: str, status: str, output: list) -> dict:
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "tools": [t.model_dump() for t in req.tools or ()],  # strict and parameters: required, nullable
+        "tool_choice": req.tool_choice or "auto",
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "store": req.stores,
+        "text": {"format": fmt},
+        "metadata": req.metadata or {},
+        "reasoning": {"effort": None, "summary": None},
+        "truncation": "disabled",
+        "background": bool(req.background),
+        "top_logprobs": req.top_logprobs or 0,
+        "usage": None,
+    } | ({"user": req.user} if req.user is not None else {})  # an optional string: omitted, not null
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+    """The Responses API's ``usage``: ``cached_tokens`` of the input were served from the prefix cache
+    (none are written to a cache OpenAI bills: ``cache_write_tokens`` 0), ``reasoning_tokens`` of the output
+    were reasoning (``reasoning_parsers.reasoning_token_count``)."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+class OutputItems:
+    """A choice's text, fed piece by piece, as Responses output items and the stream events that build them
+    (``feed``, then ``finish``): the reasoning parser first, then the tool parser on the rest. ``items``
+    holds the items in output order, complete once ``finish`` returned."""
+
+    def __init__(self, reasoning_parser: str | None, tool_parser, next_event):
+        self.reasoner = ReasoningParser(reasoning_parser) if reasoning_parser else None
+        self.tool_parser = tool_parser
+        self.event = next_event  # (type, **fields) -> the event dict, numbered
+        self.items: list = []
+        self._reasoning = self._message = None
+        self._calls: dict = {}  # tool parser's call index -> item
+        self._logprobs: list = []  # output_text logprobs not yet sent with a delta
+
+    def _add(self, item: dict) -> list:
+        self.items.append(item)
+        return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
+
+    def _index(self, item) -> int:
+        return next(i for i, it in enumerate(self.items) if it is item)
+
+    def feed(self, text: str, logprobs: list = ()) -> list:
+        """Events for a piece of text; ``logprobs``: its tokens' ``output_text`` logprob entries (sent
+        with the next text delta)."""
+        self._logprobs += logprobs
+        reasoning, content = self.reasoner.feed(text) if self.reasoner else ("", text)
+        return self._emit(reasoning, content)
+
+    def _emit(self, reasoning: str, content: str, last: bool = False) -> list:
+        events = []
+        if reasoning:
+            if self._reasoning is None:
+                self._reasoning = {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "in_progress"}
+                events += self._add(self._reasoning)
+                self._reasoning["content"] = [{"type": "reasoning_text", "text": ""}]
+            self._reasoning["content"][0]["text"] += reasoning
+            events.append(
+                self.event(
+                    "response.reasoning_text.delta",
+                    item_id=self._reasoning["id"],
+                    output_index=self._index(self._reasoning),
+                    content_index=0,
+                    delta=reasoning,
+                )
+            )
+        if self.tool_parser is None:
+            text, calls = content, []
+        else:
+            message = self.tool_parser.feed(content)
+            text, calls = message.content, list(message.tool_calls)
+            if last:
+                rest = self.tool_parser.finish()
+                text, calls = text + rest.content, calls + list(rest.tool_calls)
+        if text:
+            if self._message is None:
+                self._message = {
+                    "type": "message",
+                    "id": new_id("msg"),
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                }
+                events += self._add(self._message)
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                self._message["content"].append(part)
+                events.append(
+                    self.event(
+                        "response.content_part.added",
+                        item_id=self._message["id"],
+                        output_index=self._index(self._message),
+                        content_index=0,
+                        part=dict(part),
+                    )
+                )
+            self._message["content"][0]["text"] += text
+            sent, self._logprobs = self._logprobs, []
+            self._message["content"][0]["logprobs"] += sent
+            events.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=self._message["id"],
+                    output_index=self._index(self._message),
+                    content_index=0,
+                    delta=text,
+                    logprobs=sent,
+                )
+            )
+        for d in calls:
+            item = self._calls.get(d["index"])
+            if item is None:
+                item = {
+                    "type": "function_call",
+                    "id": new_id("fc"),
+                    "call_id": d["id"],
+                    "name": d["function"]["name"],
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+                self._calls[d["index"]] = item
+                events += self._add(item)
+            delta = d["function"].get("arguments", "")
+            if delta:
+                item["arguments"] += delta
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self._index(item),
+                        delta=delta,
+                    )
+                )
+        return events
+
+    def finish(self, status: str = "completed") -> list:
+        """The held-back text, then every item's closing events, in output order; the items' ``status``
+        (``incomplete`` when ``max_output_tokens`` cut the output, as OpenAI marks them)."""
+        reasoning, content = self.reasoner.finish() if self.reasoner else ("", "")
+        events = self._emit(reasoning, content, last=True)
+        if self._message is not None:
+            self._message["content"][0]["logprobs"] += self._logprobs
+        self._logprobs = []
+        for index, item in enumerate(self.items):
+            item["status"] = status
+            if item["type"] == "reasoning":
+                events.append(
+                    self.event(
+                        "response.reasoning_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=item["content"][0]["text"],
+                    )
+                )
+            elif item["type"] == "message":
+                part = item["content"][0]
+                events.append(
+                    self.event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=part["text"],
+                        logprobs=part["logprobs"],
+                    )
+                )
+                events.append(
+                    self.event(
+                        "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                    )
+                )
+            else:
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+
+def output_text_logprobs(tokenizer, token_ids: list, entries: list | None, top_n: int) -> list:
+    """``output_text.logprobs`` entries for tokens: ``{token, logprob, bytes, top_logprobs}`` as chat's
+    (empty without ``entries``)."""
+    if not entries:
+        return []
+    return chat_logprobs(tokenizer, token_ids, entries, top_n)["content"]
+
+
+def conversation_of(items: list) -> list:
+    """A response's output items as the chat messages a continuation sends back (reasoning dropped)."""
+    text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
+    calls = [
+        {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+        for it in items
+        if it["type"] == "function_call"
+    ]
+    message = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def item_status(choice) -> str:
+    """An output item's final ``status`` for a choice that ended with ``choice.finish_reason``."""
+    return "incomplete" if choice.finish_reason == "length" else "completed"
+
+
+def finished_response(req, rid, created, model, items, choice, input_tokens, cached_tokens=0, reasoning_tokens=0):
+    """The final ``response`` object of a choice (``CompletionOutput``) that ended, its ``usage`` counted
+    from ``input_tokens`` prompt tokens (``cached_tokens`` of them from the prefix cache) and the choice's
+    tokens (``reasoning_tokens`` of them reasoning)."""
+    cut = choice.finish_reason == "length"
+    response = response_object(req, rid, created, model, "incomplete" if cut else "completed", items)
+    response["usage"] = usage(input_tokens, len(choice.token_ids), cached_tokens, reasoning_tokens)
+    if cut:
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    return response

@@ -1,0 +1,205 @@
+"""The Responses API's request (``POST /v1/responses``, OpenAI's newer API, which vLLM also serves) and its
+translation into the chat request the chat pipeline runs (``serving``).
+
+Taken: ``input`` (a string, or items: messages with string or ``input_text``/``output_text`` parts,
+``function_call`` and ``function_call_output``; ``reasoning`` items are skipped), ``instructions`` (a
+system message; not carried over from a previous response, as OpenAI), ``max_output_tokens``,
+``temperature``, ``top_p``, ``tools`` (function tools, Responses' flat shape), ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` (``text``, ``json_object``, ``json_schema``),
+``previous_response_id``, ``store``, ``stream``, ``background`` (with ``store``; not with ``stream``),
+``top_logprobs`` and ``include`` (``message.output_text.logprobs`` gives the message's logprobs; the other
+values name built-in tools' data this server has none of), ``metadata``, ``user``; ``reasoning`` is accepted and
+ignored (a reasoning model's thinking comes back as a ``reasoning`` item with ``--reasoning-parser``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rawpaged.entrypoints.generation.protocol import OpenAIBaseModel
+from rawpaged.entrypoints.http.errors import ProtocolError
+from rawpaged.entrypoints.server.config import Limits
+
+
+class ResponsesFunctionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+#: OpenAI's ``include`` values; only the logprobs one names data this server has
+INCLUDABLE = (
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "web_search_call.results",
+)
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """A ``POST /v1/responses`` body (see the module doc)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+
+    def check(self, limits: Limits) -> None:
+        """The rules the chat request does not check itself (it checks the rest, named back by
+        ``chat_param``)."""
+        if isinstance(self.input, list) and not self.input:
+            raise ProtocolError("input is empty", param="input")
+        if self.input == "":
+            raise ProtocolError("input is empty", param="input")
+        if isinstance(self.tool_choice, dict) and not (
+            self.tool_choice.get("type") == "function" and isinstance(self.tool_choice.get("name"), str)
+        ):
+            raise ProtocolError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "name"}', "tool_choice"
+            )
+        if self.background and self.store is False:
+            raise ProtocolError("background responses are kept: background needs store true", param="background")
+        if self.background and self.stream:
+            raise ProtocolError("background with stream is not supported; poll GET /v1/responses/{id}", "background")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ProtocolError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
+        for value in self.include or ():
+            if value not in INCLUDABLE:
+                raise ProtocolError(f"include: {value!r} is not one of {', '.join(INCLUDABLE)}", param="include")
+        fmt = (self.text or {}).get("format")
+        if fmt is not None and (
+            not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
+        ):
+            raise ProtocolError('text.format type must be "text", "json_object" or "json_schema"', param="text")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict):
+            raise ProtocolError('text.format json_schema needs a "schema" object', param="text")
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the message's ``output_text`` carries logprobs (``include`` names them, as vLLM)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    def input_messages(self) -> list:
+        """``input`` as chat messages. Raises ProtocolError naming ``input[i]`` for an item it cannot take."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages = []
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message" if "role" in item else None)
+            where = f"input[{i}]"
+            if kind == "message":
+                messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), where)})
+            elif kind == "function_call":
+                call = {
+                    "id": _str(item, "call_id", where),
+                    "type": "function",
+                    "function": {"name": _str(item, "name", where), "arguments": _str(item, "arguments", where)},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                content = output if isinstance(output, str) else _text_of(output, where)
+                messages.append({"role": "tool", "tool_call_id": _str(item, "call_id", where), "content": content})
+            elif kind == "reasoning":
+                continue  # thinking of an earlier turn: not sent back to the model, as chat templates drop it
+            else:
+                raise ProtocolError(
+                    f"{where} has type {kind!r}; this server takes message, function_call, function_call_output "
+                    "and reasoning items",
+                    param="input",
+                )
+        return messages
+
+    def chat_body(self, history: list) -> dict:
+        """The chat request body: ``instructions`` as the system message, then ``history`` (a previous
+        response's conversation), then this input."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
+        body: dict = {"messages": messages + self.input_messages()}
+        for field, chat_field in (("max_output_tokens", "max_tokens"), ("temperature", None), ("top_p", None),
+                                  ("parallel_tool_calls", None), ("user", None)):  # fmt: skip
+            if getattr(self, field) is not None:
+                body[chat_field or field] = getattr(self, field)
+        if self.wants_logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
+        if self.tools:
+            body["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
+                for t in self.tools
+            ]
+        if isinstance(self.tool_choice, dict):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice["name"]}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = (self.text or {}).get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            spec = {"name": fmt.get("name", "output"), "schema": fmt["schema"], "strict": fmt.get("strict")}
+            body["response_format"] = {"type": "json_schema", "json_schema": spec}
+        return body
+
+
+#: chat field -> the Responses field a client sent it as
+CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+
+
+def chat_param(param: str | None) -> str | None:
+    """The Responses field that a chat request's error ``param`` came from."""
+    if param is None:
+        return None
+    head = param.split(".")[0].split("[")[0]
+    return CHAT_PARAMS.get(head, head)
+
+
+def _str(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{where}.{key} must be a string", param="input")
+    return value
+
+
+def _text_of(content, where: str) -> str:
+    """A message's content as text: a string, or the texts of its ``input_text``/``output_text`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict)
+        and p.get("type") in ("input_text", "output_text", "text")
+        and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ProtocolError(f"{where}.content must be a string or a list of input_text parts", param="input")
