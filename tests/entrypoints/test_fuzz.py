@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints.api_server import create_app
-from rawpaged.entrypoints.generation.protocol import WebSocketGenerateRequest
 from rawpaged.entrypoints.generation.request_body import parse_request
 from rawpaged.entrypoints.http.errors import ProtocolError
 from rawpaged.entrypoints.server.config import Limits
+from rawpaged.entrypoints.websocket.protocol import WebSocketGenerateRequest
 from tests.entrypoints.server_thread import ServerThread, run, wait_pool_empty
 
 FIELDS = (

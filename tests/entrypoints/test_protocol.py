@@ -8,10 +8,12 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 
 import json
 
-from rawpaged.entrypoints.generation.protocol import ChatCompletionRequest, CompletionRequest, WebSocketGenerateRequest
 from rawpaged.entrypoints.generation.request_body import parse_request
 from rawpaged.entrypoints.http.errors import ProtocolError
+from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from rawpaged.entrypoints.openai.completion.protocol import CompletionRequest
 from rawpaged.entrypoints.server.config import Limits
+from rawpaged.entrypoints.websocket.protocol import WebSocketGenerateRequest
 from rawpaged.sampling_params import SamplingParams
 
 LIMITS = Limits(max_tokens=512, max_n=16, max_prompts=4)

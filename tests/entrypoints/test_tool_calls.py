@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rawpaged.entrypoints.generation.chat_utils import template_conversation, tools_system_prompt
-from rawpaged.entrypoints.generation.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.generation.request_body import parse_request
 from rawpaged.entrypoints.generation.tool_parsers import (
     ForcedToolParser,
@@ -26,6 +25,7 @@ from rawpaged.entrypoints.generation.tool_parsers import (
     extract_tool_calls,
     forced_tool_schema,
 )
+from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.server.config import Limits
 from rawpaged.structured_output import StructuredOutputsParams
 from rawpaged.structured_output.json_schema import no_additional_properties

@@ -110,7 +110,7 @@ def test_generation_config_defaults_and_eos_ids(tmp_path, tiny_dir):
     """generation_config.json: its eos list joins config.json's, its sampling fields become the defaults
     (``LLM`` with no params, and the server where a request leaves them unset), an explicit value wins,
     and what the engine does not apply is named."""
-    from rawpaged.entrypoints.generation.protocol import CompletionRequest
+    from rawpaged.entrypoints.openai.completion.protocol import CompletionRequest
 
     d = _copy_model(tiny_dir, tmp_path / "m")
     (d / "generation_config.json").write_text(

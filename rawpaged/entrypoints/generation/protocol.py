@@ -1,6 +1,9 @@
-"""The wire protocol's request side: request bodies as pydantic models (as vLLM's
-``entrypoints/openai/protocol.py``), each with the rules it must meet and what it asks of the engine
-(``sampling_params``). Knows JSON, not HTTP or the engine; the responses' shapes are ``output_json``'s.
+"""The wire protocol's request side, shared: the strict base model, ``GenerationRequest`` (the fields and
+rules of completions, chat and the websocket's ``generate``) and the prompt list (as vLLM's
+``entrypoints/openai/engine/protocol.py``). Each API's own request is its folder's ``protocol``
+(``openai/chat_completion``, ``openai/completion``, ``websocket``). A request says what it asks of the
+engine (``sampling_params``). Knows JSON, not HTTP or the engine; the responses' shapes are
+``output_json``'s.
 
 Parsing checks JSON types (strict: ``true`` is not a number, ``"1"`` is not an integer) and the rules
 that are OpenAI's or this server's (limits, streaming restrictions, refused parameters). Ranges and
@@ -11,19 +14,12 @@ bytes to a checked model: ``request_body.parse_request``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict
 
-from rawpaged.entrypoints.generation.chat_utils import template_message
-from rawpaged.entrypoints.generation.protocol_extensions import ChatTemplateOptions, TokenIdOutputs
 from rawpaged.entrypoints.generation.sampling import to_sampling_params
-from rawpaged.entrypoints.generation.tool_parsers import (
-    ForcedToolParser,
-    HermesToolParser,
-    ToolParser,
-    forced_tool_schema,
-)
+from rawpaged.entrypoints.generation.tool_parsers import ToolParser
 from rawpaged.entrypoints.http.errors import ProtocolError
 from rawpaged.entrypoints.server.config import Limits
 from rawpaged.errors import InvalidRequestError
@@ -41,66 +37,6 @@ class OpenAIBaseModel(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, running usage in every chunk
-
-
-class TextContentPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(OpenAIBaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(OpenAIBaseModel):
-    """A call in an assistant message sent back in the conversation."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(OpenAIBaseModel):
-    """One conversation message. An assistant message may carry ``tool_calls`` instead of content; a
-    ``tool`` message answers the call ``tool_call_id``."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _content_required(self):
-        if self.content is None and self.role != "assistant":
-            raise ValueError("content is required (a string or a list of text parts)")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls are only allowed in assistant messages")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id it answers")
-        return self
-
-
-class FunctionDefinition(OpenAIBaseModel):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema; None: the function takes any object
-    strict: bool | None = None
-
-
-class ChatTool(OpenAIBaseModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(OpenAIBaseModel):
-    name: str
-
-
-class NamedToolChoice(OpenAIBaseModel):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class GenerationRequest(OpenAIBaseModel):
@@ -309,7 +245,7 @@ class GenerationRequest(OpenAIBaseModel):
 PromptType = str | list[str] | list[int] | list[list[int]]
 
 
-def _prompt_list(prompt, limits: Limits | None = None) -> list:
+def prompt_list(prompt, limits: Limits | None = None) -> list:
     """``str | [str] | [int] | [[int]]`` -> a list of prompts (strings or token-id lists)."""
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -322,218 +258,3 @@ def _prompt_list(prompt, limits: Limits | None = None) -> list:
     if limits is not None and len(prompts) > limits.max_prompts:
         raise ProtocolError(f"{len(prompts)} prompts in one request; at most {limits.max_prompts}", param="prompt")
     return prompts
-
-
-class CompletionRequest(GenerationRequest, TokenIdOutputs):
-    """A ``POST /v1/completions`` body (with vLLM's ``TokenIdOutputs``)."""
-
-    prompt: PromptType
-    echo: bool | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    @property
-    def num_prompt_logprobs(self) -> int | None:
-        """``prompt_logprobs``, else with ``echo`` the ``logprobs`` count (the echoed tokens get theirs, as
-        in OpenAI's legacy API and vLLM)."""
-        if self.prompt_logprobs is None and self.echo:
-            return self.logprobs
-        return self.prompt_logprobs
-
-    @property
-    def echo_only(self) -> bool:
-        return bool(self.echo) and self.max_tokens == 0
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        """``max_tokens``; 0 with ``echo`` returns the prompt alone, from a one-token generation (vLLM's way),
-        so 1 here."""
-        return 1 if self.echo_only else self.max_tokens
-
-    def prompts(self, limits: Limits) -> list:
-        return _prompt_list(self.prompt, limits)
-
-    def check(self, limits: Limits) -> None:
-        super().check(limits)
-        self.prompts(limits)
-
-
-class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions, TokenIdOutputs):
-    """A ``POST /v1/chat/completions`` body (with vLLM's ``ChatTemplateOptions``, ``TokenIdOutputs`` and
-    ``echo``: the last message's content, when its role is the response role, starts each choice's
-    content, as vLLM's).
-
-    Tools: ``tools`` are rendered through the chat template (``rawpaged.entrypoints.generation.chat_utils``), and
-    ``tool_choice`` says what is done with them: ``"none"`` (no call is parsed), ``"auto"`` (the default
-    with tools: Hermes-style ``<tool_call>`` blocks in the output are parsed), ``"required"`` or
-    ``{"type": "function", "function": {"name"}}`` (generation is constrained to a valid call;
-    ``rawpaged.entrypoints.generation.tool_parsers.forced_tool_parser``)."""
-
-    accepts_tools: ClassVar[bool] = True
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    echo: bool | None = None
-
-    @property
-    def kind(self) -> str:
-        return "chat"
-
-    @property
-    def prompt_param(self) -> str:
-        return "messages"
-
-    @property
-    def max_tokens_param(self) -> str:  # max_completion_tokens wins, as in OpenAI's API
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def response_role(self) -> str:
-        """The role of the answer (vLLM's): "assistant" when a generation prompt opens its turn, else
-        that of the last message, which the answer continues."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
-
-    @property
-    def echo_text(self) -> str:
-        """What ``echo`` puts before each choice's content: the last message's content when its role is
-        the response role (text parts joined as the template sees them), else ""."""
-        if not self.echo or self.messages[-1].role != self.response_role:
-            return ""
-        return template_message(self.messages[-1])["content"]
-
-    @property
-    def tool_mode(self) -> str:
-        """ "none", "auto", "required" or "named": what ``tool_choice`` asks (OpenAI's default: "auto"
-        with tools, "none" without)."""
-        if not self.tools:
-            return "none"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return "named"
-        return self.tool_choice or "auto"
-
-    @property
-    def forced_tool(self) -> bool:
-        """Whether generation is constrained to a tool call."""
-        return self.tool_mode in ("required", "named")
-
-    def template_tools(self) -> list | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
-    def tool_parser(self) -> ToolParser | None:
-        mode = self.tool_mode
-        if mode == "auto":
-            return HermesToolParser(max_calls=1 if self.parallel_tool_calls is False else None)
-        if mode in ("required", "named"):
-            return ForcedToolParser(self.tool_choice.function.name if mode == "named" else None)
-        return None
-
-    def structured_outputs_fields(self) -> dict | None:
-        fields = super().structured_outputs_fields()
-        if not self.forced_tool:
-            return fields
-        name = self.tool_choice.function.name if self.tool_mode == "named" else None
-        return {"json": forced_tool_schema(self.template_tools(), name, self.parallel_tool_calls is not False)}
-
-    def client_param(self, param: str | None) -> str | None:
-        if param == "logprobs":
-            return "top_logprobs"
-        if param and param.startswith("structured_outputs") and self.forced_tool:
-            return "tools"
-        return super().client_param(param)
-
-    def client_error(self, e: InvalidRequestError) -> ProtocolError:
-        if not (self.forced_tool and e.param and e.param.startswith("structured_outputs")):
-            return super().client_error(e)
-        message = str(e)
-        rest = message[len(e.param) :] if message.startswith(e.param) else ": " + message
-        if self.tool_mode == "named":
-            what = f"the parameters schema of {self.tool_choice.function.name!r}"
-        else:
-            what = "one of the parameters schemas"
-        return ProtocolError(f"tools: {what}{rest}", param="tools")
-
-    def check(self, limits: Limits) -> None:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        self.check_template_options()
-        self._check_tools()
-        super().check(limits)
-
-    def _check_tools(self) -> None:
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise ProtocolError("tool_choice is only allowed when tools are given", param="tool_choice")
-        names = [t.function.name for t in self.tools or ()]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ProtocolError(f"function names in tools must be unique; {duplicates} repeat", param="tools")
-        if self.tool_mode == "named" and self.tool_choice.function.name not in names:
-            raise ProtocolError(
-                f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools",
-                param="tool_choice",
-            )
-        if self.forced_tool:
-            choice = '"required"' if self.tool_mode == "required" else "naming a function"
-            if self.response_format is not None or self.structured_outputs is not None:
-                raise ProtocolError(
-                    f"tool_choice {choice} constrains the output to a call, so response_format and "
-                    "structured_outputs cannot be set with it",
-                    param="tool_choice",
-                )
-            if self.use_beam_search:
-                raise ProtocolError(f"tool_choice {choice} cannot be combined with beam search", param="tool_choice")
-
-    def template_messages(self) -> list:
-        return [template_message(m) for m in self.messages]
-
-
-class WebSocketGenerateRequest(GenerationRequest):
-    """A websocket ``{"type": "generate", "id": ...}`` message: ``prompt`` (a string or token ids) or
-    ``messages`` (rendered with the chat template), plus the completions parameters (``logprobs`` an
-    integer). A socket always streams: the caller drops ``stream`` and ``stream_options``."""
-
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
-
-    @property
-    def kind(self) -> str:
-        return "chat" if self.messages is not None else "completion"
-
-    @property
-    def prompt_param(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return self.logprobs
-
-    def check(self, limits: Limits) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ProtocolError("exactly one of prompt and messages is required", param="prompt")
-        super().check(limits)
-
-    def prompts(self, limits: Limits) -> list:
-        return _prompt_list(self.prompt)
-
-    def template_messages(self) -> list:
-        return [template_message(m) for m in self.messages]

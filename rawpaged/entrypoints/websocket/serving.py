@@ -26,7 +26,6 @@ from rawpaged.entrypoints.generation.admission import admit, check_capacity, req
 from rawpaged.entrypoints.generation.engine_requests import add_requests
 from rawpaged.entrypoints.generation.output_json import ChatFormat, CompletionFormat, new_id, prompt_logprobs_json
 from rawpaged.entrypoints.generation.preprocessing import PreparedPrompt, prepare_prompts
-from rawpaged.entrypoints.generation.protocol import WebSocketGenerateRequest
 from rawpaged.entrypoints.generation.reasoning_parsers import ReasoningParser
 from rawpaged.entrypoints.generation.request_body import decode_json, parse_request
 from rawpaged.entrypoints.http.auth import authorization_matches, unauthorized
@@ -44,6 +43,7 @@ from rawpaged.entrypoints.websocket.messages import (
     refusal_message,
     utf8_size,
 )
+from rawpaged.entrypoints.websocket.protocol import WebSocketGenerateRequest
 from rawpaged.errors import EngineError, ReplicaUnavailableError
 
 #: a socket that must authenticate by message (``--api-key``, no header) is closed after this long without

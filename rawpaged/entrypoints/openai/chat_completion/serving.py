@@ -16,10 +16,10 @@ from rawpaged.entrypoints.generation.admission import admit, check_capacity
 from rawpaged.entrypoints.generation.engine_requests import submitted
 from rawpaged.entrypoints.generation.output_json import ChatFormat, new_id
 from rawpaged.entrypoints.generation.preprocessing import prepare_prompts
-from rawpaged.entrypoints.generation.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.generation.reply_writer import write_response
 from rawpaged.entrypoints.generation.request_body import parse_request
 from rawpaged.entrypoints.http.body import read_body
+from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.server.state import STATE
 
 

@@ -33,13 +33,13 @@ from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.generation.admission import admit, check_capacity
 from rawpaged.entrypoints.generation.engine_requests import add_requests, submitted
 from rawpaged.entrypoints.generation.preprocessing import prepare_prompts
-from rawpaged.entrypoints.generation.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.generation.reasoning_parsers import reasoning_token_count
 from rawpaged.entrypoints.generation.reply_writer import check_complete
 from rawpaged.entrypoints.generation.request_body import decode_json, parse_request
 from rawpaged.entrypoints.http.body import read_body
 from rawpaged.entrypoints.http.errors import ProtocolError, error_body
 from rawpaged.entrypoints.http.json_reply import json_response
+from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.responses.output_items import (
     OutputItems,
     conversation_of,

@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from rawpaged.entrypoints.generation.chat_messages import ChatMessage, ChatTool
 from rawpaged.entrypoints.generation.chat_utils import template_message
-from rawpaged.entrypoints.generation.protocol import ChatMessage, ChatTool, OpenAIBaseModel
+from rawpaged.entrypoints.generation.protocol import OpenAIBaseModel
 from rawpaged.entrypoints.generation.protocol_extensions import ChatTemplateOptions
 from rawpaged.entrypoints.http.errors import ProtocolError
 from rawpaged.entrypoints.server.config import Limits
