@@ -215,14 +215,8 @@ def configure_logging(level: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ serve
-def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        formatter_class=_HelpFormatter,
-        description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/responses, /v1/models, vLLM's /tokenize, /detokenize, /tokenizer_info), websocket streaming "
-        "(/v1/ws), /health and Prometheus /metrics.",
-    )
+def _add_model_name_args(p: argparse.ArgumentParser) -> None:
+    """The model (positional, as ``vllm serve`` takes it) and the names it is served as."""
     p.add_argument(
         "model_tag",
         nargs="?",
@@ -237,6 +231,10 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         metavar="NAME",
         help="names clients may send as 'model'; the first is the one reported (default: the model's name)",
     )
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """Where the server listens and what it lets in: host, port, key, sizes and origins."""
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 to accept connections from other machines"
     )
@@ -268,7 +266,10 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="origins browsers may call the API from (e.g. https://example.com, or * for any); default: none",
     )
-    add_log_level_arg(p, "info: one line per request")
+
+
+def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Engine replicas as Ray actors, and the Ray cluster they join."""
     p.add_argument(
         "--data-parallel-size",
         type=_positive_int,
@@ -282,6 +283,10 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
         help="with --data-parallel-size > 1: a running Ray cluster to join (e.g. 10.0.0.1:6379, from "
         "'ray start --head'); default: start a local Ray instance",
     )
+
+
+def _add_server_config_args(p: argparse.ArgumentParser) -> None:
+    """``ServerConfig``'s timeouts and limits, one flag per field."""
     seconds = (float, "SECONDS")
     add_config_args(
         p,
@@ -296,6 +301,21 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
             ),
         },
     )
+
+
+def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=_HelpFormatter,
+        description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/responses, /v1/models, vLLM's /tokenize, /detokenize, /tokenizer_info), websocket streaming "
+        "(/v1/ws), /health and Prometheus /metrics.",
+    )
+    _add_model_name_args(p)
+    _add_http_args(p)
+    add_log_level_arg(p, "info: one line per request")
+    _add_data_parallel_args(p)
+    _add_server_config_args(p)
     add_engine_args(p)
     return p
 
