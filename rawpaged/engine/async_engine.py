@@ -46,8 +46,8 @@ GATHER_RECENT_S = 0.050
 class AsyncEngine:
     """Drives an ``LLMEngine`` from asyncio. Create it inside a running event loop (or first use it there).
 
-    ``metrics`` is an optional ``rawpaged.entrypoints.metrics.ServerMetrics``; ``log_requests`` writes one INFO line
-    per finished or aborted request.
+    ``metrics`` is an optional ``rawpaged.entrypoints.server.metrics.ServerMetrics``; ``log_requests`` writes
+    one INFO line per finished or aborted request.
     """
 
     def __init__(self, engine: LLMEngine, metrics=None, log_requests: bool = True):

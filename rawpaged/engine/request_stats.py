@@ -23,7 +23,7 @@ class _RequestInfo:
 
 
 class RequestStatsTracker:
-    """``metrics``: a ``rawpaged.entrypoints.metrics.ServerMetrics`` or None; ``log_requests``: write the
+    """``metrics``: a ``rawpaged.entrypoints.server.metrics.ServerMetrics`` or None; ``log_requests``: write the
     INFO line. Times are ``time.monotonic()`` seconds."""
 
     def __init__(self, metrics=None, log_requests: bool = True):
