@@ -39,6 +39,7 @@ MODULES = {
     "rawpaged/core/block_table.py": ["tests/core"],
     "rawpaged/core/prefix_cache.py": ["tests/core"],
     "rawpaged/core/kv_cache_manager.py": ["tests/core"],
+    "rawpaged/core/kv_tier.py": ["tests/core"],
     "rawpaged/core/scheduler.py": ["tests/core/test_scheduler.py", "tests/core/test_kv_cache_snapshot.py"],
     "rawpaged/core/sequence.py": ["tests/core"],
     "rawpaged/core/kv_events.py": ["tests/core/test_kv_cache_snapshot.py"],

@@ -10,12 +10,10 @@ read are given back as it goes (vLLM v1's ``SlidingWindowManager``): the token a
 1 .. p, so once ``num_computed_tokens`` is n, a block wholly before n - W + 1 is released and its entry in
 the table becomes ``NULL_BLOCK``; a sequence holds at most ``ceil(W / block_size) + 1`` blocks.
 
-With a second tier (``offload``, a ``kv_offload.OffloadingManager``) it also decides what moves between the
-device pool and the tier's host slots, as ``(block, slot)`` stores and ``(slot, block)`` loads that the model
-runner copies before the step's kernels (``take_transfers``): a cached block evicted from the pool is stored
-under its hash; a prefix that misses in the pool but hits in the tier is loaded into fresh blocks; a
-preempted request's blocks are swapped out and back in (``swap_out``, ``swap_in``); with ``write_through``
-(a persistent tier) every newly cached full block is stored as well.
+A second KV tier (``kv_tier.KVTier``) sits beside it and uses its public methods: blocks found outside the
+pool (``external_blocks`` of ``allocate_slots``), tables rebuilt over fresh shared blocks
+(``allocate_shared_tables``), slots trimmed to the computed tokens (``trim_to_computed``), and what
+``cache_full_blocks`` just cached.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from itertools import count
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
 from rawpaged.core.block_table import NULL_BLOCK, BlockTable
 from rawpaged.core.kv_events import COPY, FORK, ROLLBACK, KVCacheEventLog
-from rawpaged.core.kv_offload import KVTransfers, SwappedTable
 from rawpaged.core.prefix_cache import find_longest_cache_hit, hash_block_tokens, root_hash
 
 
@@ -47,8 +44,6 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         cache_keys: tuple = (),
         sliding_window: int | None = None,
-        offload=None,
-        write_through: bool = False,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -56,15 +51,10 @@ class KVCacheManager:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.sliding_window = sliding_window
         self.num_window_frees = 0  # blocks given back because the window passed them
-        self.offload = offload
-        self.write_through = write_through and offload is not None
-        self._transfers = KVTransfers([], [])
         self.block_pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash(block_size, *cache_keys)
-        if offload is not None:
-            self.block_pool.on_evict = self._store_evicted
         self.num_prefix_queries = 0  # blocks looked up in the prefix cache
         self.num_prefix_hits = 0  # blocks found
         self.events = KVCacheEventLog()  # copies and forks here, preemptions by the scheduler
@@ -116,15 +106,17 @@ class KVCacheManager:
     def _max_cached_blocks(self, seq) -> int:
         return (len(seq.token_ids) - 1) // self.block_size
 
-    def cache_full_blocks(self, seq) -> None:
+    def cache_full_blocks(self, seq) -> list:
         """Hash the blocks of ``seq`` that ``seq.num_computed_tokens`` has filled since the last call and
-        make them findable (each block is hashed once per sequence)."""
+        make them findable (each block is hashed once per sequence). Returns the blocks just cached, as
+        ``(block_id, block_hash, token_ids)`` in table order (a write-through tier stores them)."""
         table = seq.block_table
         bs = self.block_size
         if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= len(table.block_hashes):
-            return
+            return []
         token_ids = seq.token_ids
         hashes = table.block_hashes
+        cached = []
         while len(hashes) < min(seq.num_computed_tokens, len(token_ids)) // bs:
             i = len(hashes)
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -132,131 +124,43 @@ class KVCacheManager:
             hashes.append(h)
             if table.block_ids[i] != NULL_BLOCK:
                 self.block_pool.cache_block(table.block_ids[i], h, tokens)
-                if self.write_through:
-                    self._store(table.block_ids[i], h, tokens)
+                cached.append((table.block_ids[i], h, tokens))
+        return cached
 
-    def get_offloaded_blocks(self, seq, num_computed_blocks: int) -> list:
-        """After ``num_computed_blocks`` pool hits: the next full blocks of ``seq``'s prefix found in the
-        second tier, as ``(block_hash, token_ids, slot)``, stopping at the first miss (the last token is
-        never taken, as in ``get_computed_blocks``). Empty without a tier or prefix caching."""
-        if self.offload is None or not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
-            return []
-        token_ids, bs = seq.token_ids, self.block_size
-        parent = self.root_hash
-        for i in range(num_computed_blocks):  # the chain up to the pool hits (hashed again: cheap)
-            parent = hash_block_tokens(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-        found = []
-        for i in range(num_computed_blocks, (len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = hash_block_tokens(parent, tokens)
-            slot = self.offload.lookup(parent, tokens)
-            if slot is None:
-                break
-            found.append((parent, tokens, slot))
-        return found
-
-    # ------------------------------------------------------------------ the second tier
-    def _store(self, block_id: int, block_hash: int, token_ids: tuple) -> None:
-        slot = self.offload.store_prefix(block_hash, token_ids)
-        if slot is not None:
-            self._transfers.stores.append((block_id, slot))
-
-    def _store_evicted(self, block_id: int, block_hash: int, token_ids: tuple) -> None:
-        """``BlockPool.on_evict``: a cached block about to be reused goes to the tier first."""
-        self._store(block_id, block_hash, token_ids)
-
-    def take_transfers(self) -> KVTransfers:
-        """The stores and loads recorded since the last call, for the runner to copy before the kernels."""
-        transfers, self._transfers = self._transfers, KVTransfers([], [])
-        return transfers
-
-    def end_transfers(self) -> None:
-        """The runner copied the step's transfers: their tier slots may be reused."""
-        if self.offload is not None:
-            self.offload.end_step()
-
-    def swap_out(self, seqs) -> bool:
-        """Preemption by swapping: copy the blocks of ``seqs`` (one request's running sequences) to swap
-        slots, each distinct block once, and free them in the pool; each sequence keeps a ``SwappedTable``
-        and its ``num_computed_tokens`` (slots already taken for tokens it has not computed, in the step that
-        preempts it, are given back, not swapped). Returns False, changing nothing, without a tier or without
-        room."""
-        if self.offload is None:
-            return False
-        bs = self.block_size
-        kept = [
-            b
-            for s in seqs
-            if s.block_table is not None
-            for b in s.block_table.block_ids[: -(-s.num_computed_tokens // bs)]
-        ]
-        distinct = list(dict.fromkeys(b for b in kept if b != NULL_BLOCK))
-        slots = self.offload.allocate_swap(len(distinct))
-        if slots is None:
-            return False
-        for seq in seqs:  # slots taken in this step for tokens not computed yet are not swapped
-            self._trim_to_computed(seq)
-        slot_of = dict(zip(distinct, slots))
-        self._transfers.stores.extend(zip(distinct, slots))
-        held = set()
-        for seq in seqs:
-            table = seq.block_table
-            if table is None:
-                continue
-            entries = [slot_of.get(b, NULL_BLOCK) for b in table.block_ids]
-            for slot in entries:
-                if slot != NULL_BLOCK and slot in held:
-                    self.offload.share_swap(slot)
-                held.add(slot)
-            seq.swapped_table = SwappedTable(entries, table.num_tokens, list(table.block_hashes))
-            self.free(seq)
-        return True
-
-    def num_blocks_to_swap_in(self, seqs) -> int:
-        """Pool blocks ``swap_in(seqs)`` takes: one per distinct swap slot."""
-        return len({s for seq in seqs for s in seq.swapped_table.slots if s != NULL_BLOCK})
-
-    def swap_in(self, seqs) -> bool:
-        """Bring swapped-out ``seqs`` back: a fresh block per distinct slot, shared again by the sequences
-        that shared it, loaded before the step's kernels. Returns False, changing nothing, when the pool has
-        too few free blocks."""
-        if self.num_blocks_to_swap_in(seqs) > self.block_pool.num_free_blocks:
-            return False
-        pool = self.block_pool
-        block_of: dict[int, int] = {}
-        for seq in seqs:
-            swapped = seq.swapped_table
-            table = seq.block_table = self._new_table([], swapped.num_tokens, list(swapped.block_hashes))
-            for i, slot in enumerate(swapped.slots):
-                if slot == NULL_BLOCK:
+    def allocate_shared_tables(self, seqs, layouts) -> dict:
+        """Give each of ``seqs`` (holding no blocks) a fresh table after its ``layouts`` entry ``(keys,
+        num_tokens, block_hashes)``: a key per logical block (``NULL_BLOCK`` for an entry a sliding window
+        had released), entries of equal keys sharing one fresh block across ``seqs``; the full blocks are
+        cached under ``block_hashes`` again. The caller fills the blocks (a swap-in loads them) and has
+        checked that the pool has one free block per distinct key. Returns ``{key: block_id}`` of the
+        fresh blocks, in the order taken."""
+        pool, bs = self.block_pool, self.block_size
+        block_of: dict = {}
+        for seq, (keys, num_tokens, block_hashes) in zip(seqs, layouts):
+            table = seq.block_table = self._new_table([], num_tokens, list(block_hashes))
+            for i, key in enumerate(keys):
+                if key == NULL_BLOCK:
                     table.block_ids.append(NULL_BLOCK)
                     continue
-                if slot in block_of:
-                    pool.share(block_of[slot], table.table_id)
+                if key in block_of:
+                    pool.share(block_of[key], table.table_id)
                 else:
-                    block_of[slot] = pool.take(table.table_id).block_id
-                    self.offload.load_swap(slot)
-                    self._transfers.loads.append((slot, block_of[slot]))
-                    if i < len(swapped.block_hashes):  # a full block: findable in the prefix cache again
-                        pool.cache_block(
-                            block_of[slot],
-                            swapped.block_hashes[i],
-                            tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]),
-                        )
-                table.block_ids.append(block_of[slot])
-                self.offload.release_swap(slot)
-            seq.swapped_table = None
-        return True
+                    block_of[key] = pool.take(table.table_id).block_id
+                    if i < len(block_hashes):  # a full block: findable in the prefix cache again
+                        tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                        pool.cache_block(block_of[key], block_hashes[i], tokens)
+                table.block_ids.append(block_of[key])
+        return block_of
 
     # ------------------------------------------------------------------ allocation
-    def num_blocks_to_allocate(self, seq, num_new_tokens: int, computed_blocks=(), offloaded=()) -> int:
-        """Free blocks ``allocate_slots(seq, num_new_tokens, computed_blocks, offloaded)`` would take: new
-        blocks (those loaded from the tier included), a copy of a shared, partly filled last block, and
+    def num_blocks_to_allocate(self, seq, num_new_tokens: int, computed_blocks=(), external_blocks=()) -> int:
+        """Free blocks ``allocate_slots(seq, num_new_tokens, computed_blocks, external_blocks)`` would take: new
+        blocks (those for external blocks included), a copy of a shared, partly filled last block, and
         computed (cached) blocks that are free now."""
         bs = self.block_size
         table = seq.block_table
         if table is None:
-            num_hits = len(computed_blocks) + len(offloaded)
+            num_hits = len(computed_blocks) + len(external_blocks)
             num_tokens = num_hits * bs + num_new_tokens
             pool = self.block_pool.blocks
             skip = self._num_skipped_blocks(num_hits * bs)
@@ -269,14 +173,15 @@ class KVCacheManager:
             need += 1
         return need
 
-    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=(), offloaded=()) -> bool:
+    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=(), external_blocks=()) -> bool:
         """Reserve KV slots for ``num_new_tokens`` more tokens of ``seq``.
 
         A sequence without blocks first gets a new table starting with ``computed_blocks`` (from
         ``get_computed_blocks``; ``ref_count`` + 1 each, but with a sliding window those wholly before the
-        first new token's window are not taken: ``NULL_BLOCK`` entries), then ``offloaded`` (from
-        ``get_offloaded_blocks``: fresh blocks, cached under their hashes, loaded from the tier before the
-        step's kernels). New blocks are taken as the table crosses block
+        first new token's window are not taken: ``NULL_BLOCK`` entries), then ``external_blocks``
+        (``(block_hash, token_ids)`` of the next full blocks, found outside the pool: fresh blocks, cached under
+        their hashes, which the finder fills before the step's kernels; ``kv_tier.KVTier.allocate_slots``).
+        New blocks are taken as the table crosses block
         boundaries; a shared, partly filled last block is copied first (copy-on-write, see
         ``take_block_copies``). Returns False, changing nothing, when the pool has too few free blocks
         (blocks a sliding window has passed are given back first, in any case: ``remove_skipped_blocks``).
@@ -288,19 +193,19 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if seq.block_table is not None:
-            if computed_blocks or offloaded:
+            if computed_blocks or external_blocks:
                 raise ValueError("computed_blocks apply only to a sequence without blocks")
             _check_live(seq.block_table)
             self.remove_skipped_blocks(seq)
         if (
-            self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks, offloaded)
+            self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks, external_blocks)
             > self.block_pool.num_free_blocks
         ):
             return False
         pool, bs = self.block_pool, self.block_size
         table = seq.block_table
         if table is None:
-            num_hits = len(computed_blocks) + len(offloaded)
+            num_hits = len(computed_blocks) + len(external_blocks)
             table = seq.block_table = self._new_table([], num_hits * bs, [])
             skip = self._num_skipped_blocks(num_hits * bs)  # hits before the window: not taken
             for i, bid in enumerate(computed_blocks):
@@ -310,15 +215,13 @@ class KVCacheManager:
                     continue
                 pool.share(bid, table.table_id)
                 table.block_ids.append(bid)
-            for block_hash, tokens, slot in offloaded:
+            for block_hash, tokens in external_blocks:
                 table.block_hashes.append(block_hash)
                 if len(table.block_ids) < skip:
                     table.block_ids.append(NULL_BLOCK)
                     continue
                 bid = pool.take(table.table_id).block_id
                 pool.cache_block(bid, block_hash, tokens)
-                self._transfers.loads.append((slot, bid))
-                self.offload.stats.prefix_hits += 1
                 table.block_ids.append(bid)
         if num_new_tokens == 0:
             return True
@@ -366,14 +269,14 @@ class KVCacheManager:
         Raises:
             BlockPoolError: the table was freed.
         """
-        released = self._trim_to_computed(seq)
+        released = self.trim_to_computed(seq)
         if released:
             self.events.record(ROLLBACK, seq, block_ids=released)
         return len(released)
 
-    def _trim_to_computed(self, seq) -> list:
-        """Give back ``seq``'s slots past ``num_computed_tokens`` (and the blocks only they used); the ids
-        released."""
+    def trim_to_computed(self, seq) -> list:
+        """Give back ``seq``'s slots past ``num_computed_tokens`` (and the blocks only they used, to the head of
+        the free queue); the ids released. Raises BlockPoolError for a freed table."""
         table = seq.block_table
         if table is None or table.num_tokens <= seq.num_computed_tokens:
             return []

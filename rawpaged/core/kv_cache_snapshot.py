@@ -126,7 +126,7 @@ def capture(scheduler, start: int = 0, count: int | None = None, since_event: in
         events=events,
         events_missed=missed,
         next_event_id=log.next_event_id,
-        offload=offload_summary(kv.offload),
+        offload=offload_summary(scheduler.kv_tier.manager if scheduler.kv_tier is not None else None),
     )
 
 

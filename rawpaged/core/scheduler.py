@@ -30,6 +30,7 @@ from typing import Protocol
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.kv_events import PREEMPT
 from rawpaged.core.kv_offload import KVTransfers
+from rawpaged.core.kv_tier import KVTier
 from rawpaged.core.sequence import Sequence, SequenceStatus
 
 
@@ -42,7 +43,7 @@ class SchedulerOutput:
         preempted: sequences preempted (by recompute or swapping) to make room this step.
         blocks_to_copy: copy-on-write ``(src, dst)`` block copies to run before the step's kernels.
         kv_transfers: copies between the pool and the second KV tier, run before those
-            (``kv_cache_manager.KVTransfers``).
+            (``kv_offload.KVTransfers``, from the ``KVTier``).
         spec_token_ids: ``seq_id -> drafts`` of the decoding sequences that verify drafts this step; such
             a sequence is scheduled for ``1 + len(drafts)`` tokens: its last token, then the drafts.
     """
@@ -97,8 +98,8 @@ class Scheduler:
         admission_policy: optional ``AdmissionPolicy``.
         max_prefill_tokens_while_decoding: prefill tokens per step at most while any running sequence
             decodes (None: only ``max_num_batched_tokens`` limits them).
-        preemption_mode: "recompute", or "swap" (with a tier in ``kv_cache_manager``; recompute where the
-            tier has no room).
+        preemption_mode: "recompute", or "swap" (with ``kv_tier``; recompute where the tier has no room).
+        kv_tier: the second KV tier beside ``kv_cache_manager``'s pool (``KVTier``), or None.
     Raises:
         ValueError: a limit below 1, or an unknown ``preemption_mode``.
     """
@@ -113,6 +114,7 @@ class Scheduler:
         admission_policy: AdmissionPolicy | None = None,
         max_prefill_tokens_while_decoding: int | None = None,
         preemption_mode: str = "recompute",
+        kv_tier: KVTier | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -127,6 +129,7 @@ class Scheduler:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         self.preemption_mode = preemption_mode
         self.kv_cache_manager = kv_cache_manager
+        self.kv_tier = kv_tier
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -209,7 +212,8 @@ class Scheduler:
         if out.scheduled:
             self.stats.num_steps += 1
         out.blocks_to_copy = kv.take_block_copies()
-        out.kv_transfers = kv.take_transfers()
+        if self.kv_tier is not None:
+            out.kv_transfers = self.kv_tier.take_transfers()
         return out
 
     def _schedule_drafts(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
@@ -247,10 +251,12 @@ class Scheduler:
             if self.admission_policy is not None and not self.admission_policy.can_admit(seq):
                 return
             computed = kv.get_computed_blocks(seq, count=False)
-            offloaded = kv.get_offloaded_blocks(seq, len(computed))
+            tier = self.kv_tier
+            offloaded = tier.get_offloaded_blocks(seq, len(computed)) if tier is not None else []
             num_cached = (len(computed) + len(offloaded)) * kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
-            if not kv.allocate_slots(seq, n, computed, offloaded):
+            allocate = tier.allocate_slots if offloaded else kv.allocate_slots  # the tier loads its hits
+            if not allocate(seq, n, computed, offloaded):
                 return
             kv.count_prefix_lookup(seq, len(computed))  # once per admission, not per attempt
             self.waiting.popleft()
@@ -271,7 +277,7 @@ class Scheduler:
         the request's running sequences together (their shared blocks are copied once)."""
         victim = self.running[-1]
         group = [s for s in self.running if s.request_id == victim.request_id]
-        swapped = self.preemption_mode == "swap" and self.kv_cache_manager.swap_out(group)
+        swapped = self.preemption_mode == "swap" and self.kv_tier is not None and self.kv_tier.swap_out(group)
         if swapped:
             victims = group
         elif victim.sampling_params.use_beam_search:
@@ -329,12 +335,11 @@ class Scheduler:
         the pool holds their blocks plus one more block each, so their next tokens fit. Their remaining
         tokens run from the next step (as running sequences)."""
         group = [s for s in self.waiting if s.request_id == head.request_id and s.swapped_table is not None]
-        kv = self.kv_cache_manager
-        if kv.num_blocks_to_swap_in(group) + len(group) > kv.block_pool.num_free_blocks:
+        if KVTier.num_blocks_to_swap_in(group) + len(group) > self.kv_cache_manager.block_pool.num_free_blocks:
             return False
         if len(self.running) + len(group) > self.max_num_seqs and self.running:
             return False
-        kv.swap_in(group)
+        self.kv_tier.swap_in(group)
         for s in group:
             self.waiting.remove(s)
             s.status = SequenceStatus.RUNNING
@@ -353,20 +358,22 @@ class Scheduler:
         their last token, and forks made this step; a sequence that verified drafts has its accepted
         tokens in order, and its rejected drafts' slots are freed); finishes a sequence whose token is EOS (unless
         ``ignore_eos``) or one of its ``stop_token_ids`` ("stop"), or that reached ``max_tokens`` or
-        ``max_model_len`` tokens ("length"), and frees its blocks.
+        ``max_model_len`` tokens ("length"), and frees its blocks. The one place a step's tier transfers end
+        (the runner has copied them): a step that ran no model is reported here too, with no tokens.
 
         Returns the sequences finished here, in ``sampled_token_ids`` order.
         """
         stats = self.stats
         kv = self.kv_cache_manager
-        kv.end_transfers()  # the runner has copied this step's transfers
+        if self.kv_tier is not None:
+            self.kv_tier.end_transfers()
         spec = scheduler_output.spec_token_ids
         for seq, n in scheduler_output.scheduled:
             if seq.seq_id in spec:  # advanced below, by its accepted tokens
                 continue
             stats.num_prompt_tokens += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_tokens += n
-            kv.cache_full_blocks(seq)
+            self._cache_full_blocks(seq)
         finished = []
         for seq, token in sampled_token_ids:
             if seq.is_finished:  # a token after this step's stop (speculative steps emit several)
@@ -383,8 +390,14 @@ class Scheduler:
                 # newest, which the next step computes. Slots written for rejected drafts go back.
                 seq.num_computed_tokens = seq.num_tokens - 1
                 kv.free_rejected_slots(seq)
-                kv.cache_full_blocks(seq)
+                self._cache_full_blocks(seq)
         return finished
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Make ``seq``'s newly full blocks findable; a write-through tier stores them."""
+        cached = self.kv_cache_manager.cache_full_blocks(seq)
+        if self.kv_tier is not None:
+            self.kv_tier.blocks_cached(cached)
 
     def _check_stop(self, seq: Sequence, token: int) -> str | None:
         """ "stop" at EOS (unless ``ignore_eos``) or a stop token id once ``min_tokens`` tokens exist (as

@@ -52,7 +52,7 @@ class Sequence:
     first_token_time: float | None = None
     grammar: object = None  # structured outputs: the matcher of this sequence's tokens, else None
     reasoning_ended: bool = True  # False while a reasoning model thinks: its grammar waits for </think>
-    swapped_table: object = None  # preempted by swapping: its blocks' swap slots (``KVCacheManager.swap_out``)
+    swapped_table: object = None  # preempted by swapping: its blocks' swap slots (``KVTier.swap_out``)
     # Speculative decoding: the drafts to verify in the next step (never part of ``token_ids``), and the
     # proposer's back-off after rejected drafts (``rawpaged.spec_decode.speculator``).
     spec_token_ids: list = field(default_factory=list)

@@ -1,5 +1,7 @@
-"""An engine's second KV tier, put together: its bookkeeping (``core.kv_offload.OffloadingManager``, given
-to the ``KVCacheManager``) and its bytes (``model_executor.kv_offload_store``, given to the model runner).
+"""An engine's second KV tier, put together: its bookkeeping (``core.kv_offload.OffloadingManager``, for the
+``core.kv_tier.KVTier`` beside the pool) and its bytes (``model_executor.kv_offload_store``, given to the model
+runner's constructor). Both are made before the pool and the runner, so a tier that cannot be made is never
+half attached: the engine runs without it.
 
 ``--kv-offloading-size GiB`` sizes it in blocks of the pool's size. On CUDA the slots are page-locked host
 memory; on the CPU a memory-mapped file, in ``--kv-offload-dir`` (kept: a restart finds the cached prefixes,
@@ -15,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rawpaged.core.kv_offload import OffloadingManager
-from rawpaged.model_executor.kv_offload_store import FileKVStore, HostKVStore
+from rawpaged.model_executor.kv_offload_store import FileKVStore, HostKVStore, SlotLayout
 
 logger = logging.getLogger("rawpaged.engine")
 
@@ -33,24 +35,26 @@ def fingerprint_dir(config) -> Path | None:
 class KVOffload:
     """The tier of one engine.
 
-    Args:
-        num_slots: blocks the tier holds.
-        path: the CPU's tier file (None on CUDA); persistent: whether it outlives the engine.
-        fingerprint: what the file's blocks depend on (model, dtypes, geometry); None without a file.
+    Attributes:
+        manager: the slots' bookkeeping (``OffloadingManager``).
+        store: the slots' bytes (``HostKVStore``, or ``FileKVStore`` over ``path``), a persistent store's
+            blocks already registered in ``manager``.
+        persistent: whether the file outlives the engine (then every newly cached block is written through).
     """
 
-    def __init__(self, num_slots: int, path: Path | None, persistent: bool, fingerprint: dict | None):
-        self.manager = OffloadingManager(num_slots)
+    def __init__(self, manager: OffloadingManager, store: HostKVStore, path: Path | None, persistent: bool):
+        self.manager = manager
+        self.store = store
         self.path = path
         self.persistent = persistent
-        self.fingerprint = fingerprint
-        self.store = None
 
     @classmethod
-    def from_config(cls, config, backend, key, block_bytes: int, geometry: dict):
+    def from_config(cls, config, backend, key, block_bytes: int, geometry: dict, kv_cache_dtype: str):
         """The tier ``config`` asks for (``kv_offloading_size``), or None. ``key``: the engine's
         ``KVCacheKey`` (a persistent file is named by its digest and keeps it in its header); ``geometry``:
-        the KV shapes its blocks have. Raises ValueError when the size holds no block."""
+        the KV shapes its blocks have (``num_layers``, ``num_kv_heads``, ``head_dim``), of ``kv_cache_dtype``
+        and ``config.block_size`` tokens. Also None, with a warning, when the file cannot be made (e.g. on a
+        full disk). Raises ValueError when the size holds no block."""
         if config.kv_offloading_size is None:
             return None
         num_slots = int(config.kv_offloading_size * 2**30) // block_bytes
@@ -58,41 +62,26 @@ class KVOffload:
             raise ValueError(
                 f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV block of {block_bytes} bytes"
             )
-        if backend.name != "cpu":
-            return cls(num_slots, None, False, None)
-        fingerprint = dict(geometry, **key.as_dict())
-        persistent = config.kv_offload_dir is not None
-        if persistent:
-            path = fingerprint_dir(config) / f"kv-{key.digest[:16]}.bin"
-        else:
-            fd, name = tempfile.mkstemp(prefix="rawpaged-kv-", suffix=".bin")
-            os.close(fd)
-            os.unlink(name)
-            path = Path(name)
-        return cls(num_slots, path, persistent, fingerprint)
-
-    def attach(self, runner, kv_cache_manager, block_size: int) -> bool:
-        """Make the store over ``runner``'s caches and hand it to the runner; a persistent store's blocks are
-        registered as tier hits. Returns False (the tier is taken out of ``kv_cache_manager``, with a warning)
-        when the file cannot be made, e.g. on a full disk."""
-        be, caches = runner.backend, (runner.key_caches, runner.value_caches)
+        manager = OffloadingManager(num_slots)
+        g = geometry
+        layout = SlotLayout.of(g["num_layers"], config.block_size, g["num_kv_heads"], g["head_dim"], kv_cache_dtype)
+        path, persistent = None, False  # CUDA: page-locked host memory
+        if backend.name == "cpu":
+            persistent = config.kv_offload_dir is not None
+            path = fingerprint_dir(config) / f"kv-{key.digest[:16]}.bin" if persistent else _temporary_path()
         try:
-            if self.path is None:
-                self.store = HostKVStore(be, *caches, self.manager.num_slots)
+            if path is None:
+                store = HostKVStore(backend, layout, num_slots)
             else:
-                self.store = FileKVStore(be, *caches, self.manager.num_slots, self.path, self.fingerprint, block_size)
+                fingerprint = dict(geometry, **key.as_dict())
+                store = FileKVStore(backend, layout, num_slots, path, fingerprint, manager.slot_info)
         except OSError as e:
-            logger.warning("second KV tier disabled: cannot make %s (%s)", self.path, e)
-            kv_cache_manager.offload = None
-            kv_cache_manager.write_through = False
-            kv_cache_manager.block_pool.on_evict = None
-            return False
-        self.store.restore(self.manager)
-        runner.kv_store = self.store
-        runner.slot_info = self.manager.slot_info
-        where = f"file {self.path}" if self.path is not None else "page-locked host memory"
-        logger.info("second KV tier: %d blocks in %s", self.manager.num_slots, where)
-        return True
+            logger.warning("second KV tier disabled: cannot make %s (%s)", path, e)
+            return None
+        store.restore(manager)
+        where = f"file {path}" if path is not None else "page-locked host memory"
+        logger.info("second KV tier: %d blocks in %s", num_slots, where)
+        return cls(manager, store, path, persistent)
 
     def stats(self) -> dict:
         """Blocks held and counters (``OffloadStats``)."""
@@ -107,7 +96,14 @@ class KVOffload:
 
     def close(self) -> None:
         """Flush the store (pending records, dirty pages); a temporary file is removed."""
-        if self.store is not None:
-            self.store.close()
+        self.store.close()
         if self.path is not None and not self.persistent:
             self.path.unlink(missing_ok=True)
+
+
+def _temporary_path() -> Path:
+    """A fresh name for a temporary tier file (the store makes the file)."""
+    fd, name = tempfile.mkstemp(prefix="rawpaged-kv-", suffix=".bin")
+    os.close(fd)
+    os.unlink(name)
+    return Path(name)

@@ -20,6 +20,7 @@ import numpy as np
 from rawpaged.config import EngineConfig, resolve_dtypes
 from rawpaged.core import kv_cache_snapshot
 from rawpaged.core.kv_cache_manager import KVCacheManager
+from rawpaged.core.kv_tier import KVTier
 from rawpaged.core.scheduler import Scheduler, SchedulerStats
 from rawpaged.core.sequence import Sequence
 from rawpaged.engine import beam_search
@@ -109,24 +110,25 @@ class LLMEngine:
             backend=self.backend.name,
             fingerprint_cache=tier_dir / "model-fingerprints.json" if tier_dir is not None else None,
         )
-        self.kv_offload = KVOffload.from_config(config, self.backend, self.kv_cache_key, self.kv_block_bytes, geometry)
-        tier = self.kv_offload
+        tier = self.kv_offload = KVOffload.from_config(
+            config, self.backend, self.kv_cache_key, self.kv_block_bytes, geometry, self.kv_cache_dtype
+        )
+        kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            cache_keys=(self.kv_cache_key.digest,),
+            sliding_window=mc.sliding_window,
+        )
         self.scheduler = Scheduler(
-            KVCacheManager(
-                num_blocks,
-                config.block_size,
-                config.enable_prefix_caching,
-                cache_keys=(self.kv_cache_key.digest,),
-                sliding_window=mc.sliding_window,
-                offload=tier.manager if tier else None,
-                write_through=bool(tier and tier.persistent),
-            ),
+            kv,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             self.eos_token_ids,
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
             preemption_mode=config.preemption_mode or ("swap" if tier else "recompute"),
+            kv_tier=KVTier(kv, tier.manager, write_through=tier.persistent) if tier else None,
         )
         self.runner = ModelRunner(
             self.model,
@@ -137,9 +139,8 @@ class LLMEngine:
             fused_decode=config.fused_decode,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            kv_store=tier.store if tier else None,
         )
-        if tier is not None and not tier.attach(self.runner, self.kv_cache_manager, config.block_size):
-            self.kv_offload = None
         self.input_processor = InputProcessor(
             self.tokenizer,
             mc.vocab_size,
@@ -297,7 +298,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:  # a swap-in runs no tokens until the next step; its copies run now
             self.runner.run_kv_transfers(sched_out.kv_transfers)
-            self.kv_cache_manager.end_transfers()
+            self.scheduler.update_from_output(sched_out, [])
             return []
         logits, sampling, scored = self.runner.execute_model(sched_out)
         for seq, (first, entries) in scored.items():

@@ -1,6 +1,7 @@
 """The second KV tier's bytes: host slots, each one block of every layer's K and V, and the copies between
-them and the device caches (``KVTransfers`` from the ``KVCacheManager``, run by the model runner before a
-step's kernels).
+them and the device caches (``KVTransfers`` from the ``KVTier``, run by the model runner before a step's
+kernels: ``run``). A store is made before the runner, from the caches' geometry (``SlotLayout``), and given
+to the runner's constructor; the runner hands it its caches at each copy.
 
 * ``HostKVStore``: slots in host memory (on CUDA, page-locked: the driver copies them asynchronously).
 * ``FileKVStore``: slots in a memory-mapped file (the CPU's tier: it can hold more than RAM, and a restart
@@ -23,10 +24,12 @@ import queue
 import struct
 import threading
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from rawpaged.dtypes import QuantizedKVType, kv_cache_type
 from rawpaged.kernels.kv_cache import QuantizedKVCache
 
 logger = logging.getLogger("rawpaged.kv_offload")
@@ -39,24 +42,42 @@ def _layer_arrays(cache) -> tuple:
     return cache, None
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """What one slot holds: values ``values_shape`` ``[num_layers, 2 (K, V), block_size, num_kv_heads,
+    head_dim]`` of ``value_dtype`` (the cache's host storage dtype), then for a quantized cache float32 scales
+    ``scales_shape`` ``[num_layers, 2, block_size, num_kv_heads]`` (else None)."""
+
+    values_shape: tuple
+    value_dtype: np.dtype
+    scales_shape: tuple | None
+
+    @classmethod
+    def of(cls, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str):
+        """The layout of caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``, one
+        K and one V per layer. Raises ValueError for an unknown ``kv_cache_dtype``."""
+        t = kv_cache_type(kv_cache_dtype)
+        quantized = isinstance(t, QuantizedKVType)
+        values_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
+        scales_shape = values_shape[:4] if quantized else None
+        return cls(values_shape, np.dtype(t.storage if quantized else t.numpy), scales_shape)
+
+
 class HostKVStore:
-    """``num_slots`` host slots for the blocks of ``key_caches``/``value_caches`` (the runner's, one per
-    layer), in memory.
+    """``num_slots`` host slots of ``layout``, in memory, for the blocks of the runner's caches.
 
     Args:
         backend: the caches' backend (``to_numpy``/``asarray`` move blocks to and from the host).
-        key_caches, value_caches: the per-layer caches (arrays or ``QuantizedKVCache``).
+        layout: what a slot holds (``SlotLayout``).
         num_slots: slots in the store.
     """
 
-    def __init__(self, backend, key_caches, value_caches, num_slots: int):
+    def __init__(self, backend, layout: SlotLayout, num_slots: int):
         self.backend = backend
-        self.caches = [(_layer_arrays(k), _layer_arrays(v)) for k, v in zip(key_caches, value_caches)]
         self.num_slots = num_slots
-        (values, scales), _ = self.caches[0]
-        self.values_shape = (len(self.caches), 2, *values.shape[1:])
-        self.value_dtype = np.dtype(backend.to_numpy(values[:1]).dtype)
-        self.scales_shape = (len(self.caches), 2, *scales.shape[1:]) if scales is not None else None
+        self.values_shape = layout.values_shape
+        self.value_dtype = layout.value_dtype
+        self.scales_shape = layout.scales_shape
         self.values, self.scales = self._allocate()
 
     @staticmethod
@@ -72,28 +93,37 @@ class HostKVStore:
         return values, scales
 
     # ------------------------------------------------------------------ copies
-    def store(self, pairs: list) -> None:
-        """Device blocks -> host slots, ``pairs`` of ``(block_id, slot)`` (blocks read, nothing changed)."""
+    def run(self, transfers, key_caches, value_caches) -> None:
+        """One step's ``KVTransfers`` between these slots and ``key_caches``/``value_caches`` (the runner's,
+        one per layer: arrays or ``QuantizedKVCache``): stores, then loads, then ``after_transfers``."""
+        caches = [(_layer_arrays(k), _layer_arrays(v)) for k, v in zip(key_caches, value_caches)]
+        self.store(transfers.stores, caches)
+        self.load(transfers.loads, caches)
+        self.after_transfers()
+
+    def store(self, pairs: list, caches: list) -> None:
+        """Device blocks -> host slots, ``pairs`` of ``(block_id, slot)`` (blocks read, nothing changed);
+        ``caches``: per layer, ``((values, scales or None), (values, scales or None))`` of K and V."""
         if not pairs:
             return
         blocks, slots = (np.array(x, dtype=np.int64) for x in zip(*pairs))
         self.before_store(slots)
         be = self.backend
         dev_blocks = be.asarray(blocks)
-        for layer, pair in enumerate(self.caches):
+        for layer, pair in enumerate(caches):
             for kv, (values, scales) in enumerate(pair):
                 self.values[slots, layer, kv] = be.to_numpy(values[dev_blocks])
                 if scales is not None:
                     self.scales[slots, layer, kv] = be.to_numpy(scales[dev_blocks])
 
-    def load(self, pairs: list) -> None:
-        """Host slots -> device blocks, ``pairs`` of ``(slot, block_id)``."""
+    def load(self, pairs: list, caches: list) -> None:
+        """Host slots -> device blocks, ``pairs`` of ``(slot, block_id)``; ``caches`` as in ``store``."""
         if not pairs:
             return
         slots, blocks = (np.array(x, dtype=np.int64) for x in zip(*pairs))
         be = self.backend
         dev_blocks = be.asarray(blocks)
-        for layer, pair in enumerate(self.caches):
+        for layer, pair in enumerate(caches):
             for kv, (values, scales) in enumerate(pair):
                 values[dev_blocks] = be.asarray(np.ascontiguousarray(self.values[slots, layer, kv]))
                 if scales is not None:
@@ -102,9 +132,8 @@ class HostKVStore:
     def before_store(self, slots) -> None:
         """Called with the slots about to be overwritten (a persistent store invalidates them first)."""
 
-    def after_transfers(self, slot_info) -> None:
-        """Called after a step's copies with ``slot_info(slot) -> (kind, block_hash, token_ids)`` for the
-        slots just stored (a persistent store records the prefix ones)."""
+    def after_transfers(self) -> None:
+        """Called after a step's copies (a persistent store records the prefix slots just stored)."""
 
     def restore(self, offload) -> None:
         """Register what a persistent store already holds with ``offload`` (nothing here)."""
@@ -128,13 +157,15 @@ class FileKVStore(HostKVStore):
     Args (besides ``HostKVStore``'s):
         path: the file.
         fingerprint: what the slots' bytes depend on besides the tokens.
-        block_size: tokens per block (each record keeps its block's token ids).
+        slot_info: ``slot_info(slot) -> (kind, block_hash, token_ids)`` of the tier's bookkeeping
+            (``OffloadingManager.slot_info``): which stored slots hold prefix blocks, and which.
     """
 
-    def __init__(self, backend, key_caches, value_caches, num_slots: int, path, fingerprint: dict, block_size: int):
+    def __init__(self, backend, layout: SlotLayout, num_slots: int, path, fingerprint: dict, slot_info):
         self.path = Path(path)
         self.fingerprint = fingerprint
-        self.block_size = block_size
+        self.slot_info = slot_info
+        self.block_size = block_size = layout.values_shape[2]  # tokens per block: each record keeps them
         self._record = struct.Struct(f"<IIQQ{block_size}i")
         self._lock = threading.Lock()
         self._generation = np.zeros(num_slots, np.int64)
@@ -143,7 +174,7 @@ class FileKVStore(HostKVStore):
         self._jobs: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_records, name="kv-offload-writer", daemon=True)
         self.num_ignored = 0  # records dropped at start-up (truncated, corrupted)
-        super().__init__(backend, key_caches, value_caches, num_slots)
+        super().__init__(backend, layout, num_slots)
         self._writer.start()
 
     # ------------------------------------------------------------------ layout
@@ -229,9 +260,9 @@ class FileKVStore(HostKVStore):
                 self._record_at(int(slot))[:4] = 0  # state: invalid, before the bytes change
         self._pending.extend(int(s) for s in slots)
 
-    def after_transfers(self, slot_info) -> None:
+    def after_transfers(self) -> None:
         for slot in self._pending:
-            kind, block_hash, token_ids = slot_info(slot)
+            kind, block_hash, token_ids = self.slot_info(slot)
             if kind == "prefix":
                 self._seq += 1
                 self._jobs.put((slot, int(self._generation[slot]), self._seq, block_hash, token_ids))

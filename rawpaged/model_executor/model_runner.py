@@ -40,6 +40,8 @@ class ModelRunner:
             ``kernels.cpu.gemm.SMALL_M`` rows) in one compiled call (``cpu_fused_decode``; the same kernels and
             results as op by op, without the per-op dispatch). Ignored on other backends; the static
             decode path, when enabled, takes the steps it covers first.
+        kv_store: the second KV tier's bytes (``kv_offload_store.HostKVStore``, its layout these caches'), or
+            None without a tier.
     """
 
     def __init__(
@@ -53,10 +55,9 @@ class ModelRunner:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         fused_decode: bool = True,
+        kv_store=None,
     ):
-        #: the second KV tier's bytes (``kv_offload_store``), set by the engine; ``slot_info`` names its slots
-        self.kv_store = None
-        self.slot_info = None
+        self.kv_store = kv_store
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
@@ -93,9 +94,7 @@ class ModelRunner:
         Called first by ``execute_model``; the engine calls it alone for a step that runs no model."""
         if self.kv_store is None or not transfers:
             return
-        self.kv_store.store(transfers.stores)
-        self.kv_store.load(transfers.loads)
-        self.kv_store.after_transfers(self.slot_info)
+        self.kv_store.run(transfers, self.key_caches, self.value_caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].

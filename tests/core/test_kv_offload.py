@@ -1,5 +1,5 @@
 """The second KV tier's bookkeeping: the ``OffloadingManager`` alone, and a hypothesis state machine over a
-``KVCacheManager`` with a tier (and sometimes a sliding window) whose every step runs its transfers on
+``KVCacheManager`` with a ``KVTier`` beside it (and sometimes a sliding window) whose every step runs its transfers on
 simulated device and host slot stores. Each position's "KV" is a function of the tokens up to it, so any
 block served from anywhere (the pool, a prefix hit, the tier, a swap-in) can be checked."""
 
@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from rawpaged.core.block_table import NULL_BLOCK
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.kv_offload import OffloadingManager
+from rawpaged.core.kv_tier import KVTier
 from rawpaged.core.sequence import Sequence
 from rawpaged.sampling_params import SamplingParams
 
@@ -76,21 +77,22 @@ def test_a_sequence_preempted_after_taking_this_steps_slots_swaps_only_its_compu
     """A request's sibling (or a sequence with drafts) scheduled before the step ran out of blocks and
     swapped its request out: the slots it took for this step are given back, not swapped."""
     tier = OffloadingManager(8)
-    kv = KVCacheManager(8, 4, True, offload=tier)
+    kv = KVCacheManager(8, 4, True)
+    kv_tier = KVTier(kv, tier)
     s = seq(range(6), 1)
     assert kv.allocate_slots(s, 6)
     s.num_computed_tokens = 6
     assert kv.allocate_slots(s, 5)  # this step's slots: positions 6..10, a third block
     assert len(s.block_table.block_ids) == 3
-    assert kv.swap_out([s])
+    assert kv_tier.swap_out([s])
     assert s.swapped_table.num_tokens == 6 and tier.num_swap_blocks == 2
     assert kv.block_pool.num_free_blocks == 8
-    kv.end_transfers()
-    assert kv.swap_in([s]) and s.block_table.num_tokens == 6
+    kv_tier.end_transfers()
+    assert kv_tier.swap_in([s]) and s.block_table.num_tokens == 6
     assert kv.allocate_slots(s, 1) and s.block_table.num_tokens == 7
     kv.check_invariants([s])
     kv.free(s)
-    kv.end_transfers()
+    kv_tier.end_transfers()
     tier.check_invariants()
     assert tier.num_swap_blocks == 0
 
@@ -98,21 +100,55 @@ def test_a_sequence_preempted_after_taking_this_steps_slots_swaps_only_its_compu
 def test_a_tier_prefix_hit_is_counted_when_loaded_not_at_each_lookup():
     """A request waiting for blocks looks its prefix up at every scheduling attempt: only the load counts."""
     tier = OffloadingManager(8)
-    writer = KVCacheManager(8, 4, True, offload=tier, write_through=True)
+    writer = KVCacheManager(8, 4, True)
+    writer_tier = KVTier(writer, tier, write_through=True)
     s = seq(range(9), 1)
     assert writer.allocate_slots(s, 9)
     s.num_computed_tokens = 9
-    writer.cache_full_blocks(s)
-    writer.end_transfers()
+    writer_tier.blocks_cached(writer.cache_full_blocks(s))
+    writer_tier.end_transfers()
     assert tier.stats.prefix_stores == 2
-    kv = KVCacheManager(8, 4, True, offload=tier)  # an empty pool: the prefix is in the tier only
+    kv = KVCacheManager(8, 4, True)  # an empty pool: the prefix is in the tier only
+    kv_tier = KVTier(kv, tier)
     again = seq(range(9), 2)
     for _ in range(3):  # attempts that did not admit it
-        found = kv.get_offloaded_blocks(again, 0)
-        kv.end_transfers()
+        found = kv_tier.get_offloaded_blocks(again, 0)
+        kv_tier.end_transfers()
     assert len(found) == 2 and tier.stats.prefix_hits == 0
-    assert kv.allocate_slots(again, 1, (), found)
-    assert tier.stats.prefix_hits == 2 and len(kv.take_transfers().loads) == 2
+    assert kv_tier.allocate_slots(again, 1, (), found)
+    assert tier.stats.prefix_hits == 2 and len(kv_tier.take_transfers().loads) == 2
+
+
+def test_the_tier_beside_the_pool_installs_its_eviction_hook_and_records_the_transfers():
+    """The pool's manager knows no tier; the tier hooks the pool's evictions itself, and it is what records a
+    step's stores (an evicted cached block; with write-through, each block the manager says it just cached)."""
+    kv = KVCacheManager(4, 2, True)
+    assert kv.block_pool.on_evict is None
+    assert not any(hasattr(kv, name) for name in ("offload", "write_through", "take_transfers", "swap_out"))
+    tier = OffloadingManager(4)
+    kv_tier = KVTier(kv, tier)
+    assert kv.block_pool.on_evict == kv_tier._store
+    s = seq(range(5), 1)
+    assert kv.allocate_slots(s, 5)
+    s.num_computed_tokens = 5
+    cached = kv.cache_full_blocks(s)
+    assert [(b, tokens) for b, _, tokens in cached] == [(0, (0, 1)), (1, (2, 3))]
+    assert cached == [(b, kv.block_pool.blocks[b].block_hash, t) for b, _, t in cached]
+    kv_tier.blocks_cached(cached)  # not write-through: nothing stored
+    assert not kv_tier.take_transfers()
+    kv.free(s)
+    t = seq(range(10, 18), 2)
+    assert kv.allocate_slots(t, 8)  # the 4 blocks: both cached ones evicted, stored under their hashes
+    assert sorted(b for b, _ in kv_tier.take_transfers().stores) == [0, 1]
+    assert all(tier.contains(h) for _, h, _ in cached)
+    kv_tier.end_transfers()
+    writer = KVTier(KVCacheManager(4, 2, True), OffloadingManager(4), write_through=True)
+    u = seq(range(20, 25), 3)
+    assert writer.kv_cache_manager.allocate_slots(u, 5)
+    u.num_computed_tokens = 5
+    writer.blocks_cached(writer.kv_cache_manager.cache_full_blocks(u))
+    assert writer.take_transfers().stores == [(0, 0), (1, 1)] and writer.manager.stats.prefix_stores == 2
+    tier.check_invariants()
 
 
 # ------------------------------------------------------------------------------------------ the machine
@@ -135,7 +171,8 @@ class TieredKVMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, num_slots, block_size, window):
         self.tier = OffloadingManager(num_slots)
-        self.kv = KVCacheManager(num_blocks, block_size, True, offload=self.tier, sliding_window=window)
+        self.kv = KVCacheManager(num_blocks, block_size, True, sliding_window=window)
+        self.kv_tier = KVTier(self.kv, self.tier)
         self.bs = block_size
         self.device = np.full(num_blocks * block_size, -1, np.int64)
         self.host = np.full(num_slots * block_size, -1, np.int64)
@@ -146,7 +183,7 @@ class TieredKVMachine(RuleBasedStateMachine):
     def _step(self, seqs_written, cache=True):
         """Run the transfers and copies, write each ``(seq, first new position)``, end the transfers, cache
         (unless not ``cache``: the caller settles what was computed)."""
-        t = self.kv.take_transfers()
+        t = self.kv_tier.take_transfers()
         bs = self.bs
         for block, slot in t.stores:
             self.host[slot * bs : (slot + 1) * bs] = self.device[block * bs : (block + 1) * bs]
@@ -158,7 +195,7 @@ class TieredKVMachine(RuleBasedStateMachine):
             table = s.block_table
             for p in range(first, table.num_tokens):
                 self.device[table.slots(p, p + 1)[0]] = _value(s.token_ids, p)
-        self.kv.end_transfers()
+        self.kv_tier.end_transfers()
         for s, _ in seqs_written if cache else ():
             s.num_computed_tokens = s.block_table.num_tokens
             self.kv.cache_full_blocks(s)
@@ -180,9 +217,9 @@ class TieredKVMachine(RuleBasedStateMachine):
             base = other.token_ids[: data.draw(st.integers(0, other.num_tokens))]
         s = seq(base + [data.draw(st.integers(0, 3)) for _ in range(n)], self.names)
         computed = self.kv.get_computed_blocks(s)
-        offloaded = self.kv.get_offloaded_blocks(s, len(computed))
+        offloaded = self.kv_tier.get_offloaded_blocks(s, len(computed))
         cached = (len(computed) + len(offloaded)) * self.bs
-        if self.kv.allocate_slots(s, s.num_tokens - cached, computed, offloaded):
+        if self.kv_tier.allocate_slots(s, s.num_tokens - cached, computed, offloaded):
             s.num_computed_tokens = cached
             self._step([(s, cached)])
             self.live[s.seq_id] = s
@@ -256,7 +293,7 @@ class TieredKVMachine(RuleBasedStateMachine):
         group = group if data.draw(st.booleans()) else [s]
         distinct = {b for o in group for b in o.block_table.block_ids if b != NULL_BLOCK}
         before = self.tier.stats.swap_out_blocks
-        if self.kv.swap_out(group):
+        if self.kv_tier.swap_out(group):
             assert self.tier.stats.swap_out_blocks - before == len(distinct)  # shared blocks once
             for o in group:
                 self.swapped[o.seq_id] = self.live.pop(o.seq_id)
@@ -267,7 +304,7 @@ class TieredKVMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         s = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
-        if self.kv.swap_in([s]):
+        if self.kv_tier.swap_in([s]):
             self.live[s.seq_id] = self.swapped.pop(s.seq_id)
         self._step([])
 

@@ -6,6 +6,7 @@ import pytest
 
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.kv_offload import OffloadingManager
+from rawpaged.core.kv_tier import KVTier
 from rawpaged.core.scheduler import Scheduler, SchedulerOutput
 from rawpaged.core.sequence import Sequence, SequenceStatus
 from rawpaged.sampling_params import SamplingParams
@@ -596,8 +597,9 @@ def test_a_request_waiting_for_blocks_is_one_prefix_cache_lookup():
 
 def test_one_swap_out_and_one_swap_in_are_counted_once_each():
     """b is swapped out once; its swap-in attempts while the pool is full count nothing; then one swap-in."""
-    kv = KVCacheManager(2, 4, False, offload=OffloadingManager(8))
-    sched = Scheduler(kv, 8, 64, 64, eos_token_ids=(EOS,), preemption_mode="swap")
+    kv = KVCacheManager(2, 4, False)
+    tier = KVTier(kv, OffloadingManager(8))
+    sched = Scheduler(kv, 8, 64, 64, eos_token_ids=(EOS,), preemption_mode="swap", kv_tier=tier)
     a, b = seq(0, 4, SamplingParams(max_tokens=20)), seq(1, 4, SamplingParams(max_tokens=20))
     sched.add(a)
     sched.add(b)
@@ -610,6 +612,6 @@ def test_one_swap_out_and_one_swap_in_are_counted_once_each():
     s = sched.stats
     assert (s.num_preemptions, s.num_swapped_out, s.num_swapped_in) == (1, 1, 0)
     sched.finish_seqs((a,), "stop")
-    kv.end_transfers()
+    tier.end_transfers()
     run_step(sched)
     assert b in sched.running and (s.num_preemptions, s.num_swapped_out, s.num_swapped_in) == (1, 1, 1)

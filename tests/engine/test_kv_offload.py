@@ -18,6 +18,10 @@ import numpy as np
 import pytest
 
 from rawpaged import LLM, SamplingParams
+from rawpaged.core.kv_offload import KVTransfers
+from rawpaged.kernels.kv_cache import QuantizedKVCache
+from rawpaged.model_executor.kv_offload_store import HostKVStore, SlotLayout
+from rawpaged.model_executor.model_runner import ModelRunner
 from rawpaged.testing.random_model import write_random_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -50,8 +54,9 @@ def _all_free(llm):
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     llm.engine.kv_cache_manager.check_invariants()
-    tier = llm.engine.kv_cache_manager.offload
+    tier = llm.engine.scheduler.kv_tier
     if tier is not None:
+        tier = tier.manager
         tier.check_invariants()
         assert tier.num_swap_blocks == 0
     return stats
@@ -256,6 +261,52 @@ def test_a_restart_with_one_kv_setting_changed_gets_no_hit(model, tmp_path, chan
     _all_free(again)
     again.close()
     assert len(list(tmp_path.glob("kv-*.bin"))) == 2  # one file per key; the first one's is left as it was
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+def test_a_runner_takes_its_store_in_its_constructor_and_a_block_comes_back_bit_for_bit(model, kv_cache_dtype):
+    """The store is made before the runner, from the caches' geometry alone (``SlotLayout``): a block of every
+    layer's K and V (values and scales) stored to a slot and loaded into another block is the same bytes."""
+    llm = LLM(model=str(model), num_kv_blocks=4, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    mc = engine.model_config
+    layout = SlotLayout.of(mc.num_hidden_layers, 16, mc.num_key_value_heads, mc.head_dim, kv_cache_dtype)
+    store = HostKVStore(engine.backend, layout, 2)
+    runner = ModelRunner(engine.model, 4, 16, kv_cache_dtype, kv_store=store)
+    assert runner.kv_store is store
+    rng = np.random.default_rng(0)
+    arrays = [a for c in runner.key_caches + runner.value_caches for a in _arrays(c)]
+    for a in arrays:
+        a[1] = rng.integers(0, 256, a[1].nbytes, dtype=np.uint8).view(a.dtype).reshape(a[1].shape)
+    runner.run_kv_transfers(KVTransfers([(1, 1)], [(1, 3)]))
+    assert all(a[3].tobytes() == a[1].tobytes() != bytes(a[1].nbytes) for a in arrays)
+    assert all(a[2].tobytes() == bytes(a[2].nbytes) for a in arrays)  # nothing else written
+
+
+def _arrays(cache) -> list:
+    return [cache.data, cache.scales] if isinstance(cache, QuantizedKVCache) else [cache]
+
+
+def test_every_step_ends_its_transfers_once_even_one_that_runs_no_model(model):
+    """Under swapping, a step that only swaps a request back in runs no model; its copies run and its slots'
+    pins end in the same one place as any step's (the scheduler's ``update_from_output``)."""
+    llm = LLM(model=str(model), num_kv_blocks=12, block_size=16, kv_offloading_size=0.01, enable_prefix_caching=False)
+    engine, ended = llm.engine, []
+    tier = engine.scheduler.kv_tier
+    end = tier.end_transfers
+    tier.end_transfers = lambda: (ended.append(1), end())
+    for i, p in enumerate(_prompts()):
+        engine.add_request(p, GREEDY, request_id=str(i))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        assert len(ended) == steps and tier.manager.check_invariants() is None
+        assert all(s.pins == 0 for s in tier.manager._slots)
+    assert engine.scheduler.stats.num_steps < steps, "no step without a model: the case is not covered"
+    assert engine.stats()["num_swapped_in"] > 0
+    _all_free(llm)
+    llm.close()
 
 
 def test_kv_offload_dir_without_a_tier_size_is_refused(model):
