@@ -98,10 +98,7 @@ def step(
     g = len(generated[0])
     totals = logprob_rows.astype(np.float64) + np.asarray(cum_logprobs, np.float64)[:, None]
     flat = totals.reshape(-1)
-    keep = min(2 * k, flat.size)
-    top = np.argpartition(-flat, keep - 1)[:keep]
-    # Order as torch.topk: by value, ties by lower flat index.
-    top = top[np.lexsort((top, -flat[top]))]
+    top = _top_candidates(flat, 2 * k)
     vocab = logprob_rows.shape[1]
     at_limit = g + 1 >= max_new_tokens
     running, new_finished = [], []
@@ -126,15 +123,31 @@ def step(
                 )
         elif len(running) < k:
             running.append(Candidate(parent, token, total))
+    _keep_best(state, new_finished, running, g + 1)
+    return running
+
+
+def _top_candidates(flat: np.ndarray, count: int) -> np.ndarray:
+    """Flat indices of the ``count`` largest of ``flat`` (all of them if fewer), ordered as torch.topk:
+    by value, ties by lower flat index."""
+    keep = min(count, flat.size)
+    top = np.argpartition(-flat, keep - 1)[:keep]
+    return top[np.lexsort((top, -flat[top]))]
+
+
+def _keep_best(state: BeamState, new_finished: list, running: list, length: int) -> None:
+    """Keep the ``state.width`` best hypotheses, old and new, and decide whether the search is done: no
+    beam runs on, or the best running beam (``running[0]``, of ``length`` tokens after this step)
+    cannot beat the worst kept hypothesis once there are ``width`` of them."""
+    k = state.width
     merged = state.finished + new_finished
     merged.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties, as in torch.topk on the concat
     state.finished = merged[:k]
     if running and len(state.finished) == k:
-        best_possible = length_normalized(running[0].cumulative_logprob, g + 1, state.length_penalty)
+        best_possible = length_normalized(running[0].cumulative_logprob, length, state.length_penalty)
         if best_possible <= state.finished[-1].score:
             state.improvement_possible = False
     state.done = not running or not state.improvement_possible
-    return running
 
 
 def stop_token_ids(params, eos_token_ids) -> set:

@@ -300,14 +300,14 @@ class LLMEngine:
             self.runner.run_kv_transfers(sched_out.kv_transfers)
             self.scheduler.update_from_output(sched_out, [])
             return []
-        logits, sampling, scored = self.runner.execute_model(sched_out)
+        logits, layout, scored = self.runner.execute_model(sched_out)
         for seq, (first, entries) in scored.items():
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)  # the first prompt token has no context
             if first == len(seq.prompt_logprobs):
                 seq.prompt_logprobs += prompt_logprob_entries(entries, self.tokenizer)
         now = time.monotonic()
-        selected = self.token_selector.select(logits, sampling, self.requests, now, sched_out.spec_token_ids)
+        selected = self.token_selector.select(logits, layout, self.requests, now)
         self._update_sequences(sched_out, selected, now)
         if self.speculator is not None:
             self._speculate(selected)

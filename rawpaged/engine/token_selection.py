@@ -11,7 +11,6 @@ part ends that request alone (``SelectedTokens.failed``); the others go on.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,33 +74,48 @@ class TokenSelector:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
 
-    def select(self, logits, sampling: list, requests: dict, now: float, spec_token_ids=None) -> SelectedTokens:
-        """The tokens of ``sampling`` for ``requests`` (id -> ``Request``): one logits row per sequence,
-        except a sequence with drafts in ``spec_token_ids`` (``seq_id -> drafts``), which has one row per
-        draft plus one and keeps the tokens ``rejection_sampler.accepted_tokens`` accepts."""
+    def select(self, logits, layout, requests: dict, now: float) -> SelectedTokens:
+        """The tokens of the sequences that sample, for ``requests`` (id -> ``Request``), from the rows
+        ``layout`` (``model_executor.step_input.LogitsLayout``) gives each: one logits row per sequence,
+        except a sequence with drafts, which has one row per draft plus one and keeps the tokens
+        ``rejection_sampler.accepted_tokens`` accepts."""
         out = SelectedTokens()
-        spec = spec_token_ids or {}
-        num_rows = [1 + len(spec.get(seq.seq_id, ())) for seq in sampling]
-        first_rows = list(itertools.accumulate(num_rows, initial=0))[:-1]
+        sampling = layout.seqs
         rows = self.runner.fetch_rows(  # logprobs are of the raw logits, as vLLM's default
             logits,
             [
                 r
-                for first, n, seq in zip(first_rows, num_rows, sampling)
+                for i, seq in enumerate(sampling)
                 if parallel_sampling.needs_logprobs(seq.sampling_params) and not seq.sampling_params.use_beam_search
-                for r in range(first, first + n)
+                for r in layout.rows(i)
             ],
         )
-        self._apply_logits_rules(logits, sampling, first_rows, requests, spec, out.failed)
+        self._apply_logits_rules(logits, layout, requests, out.failed)
         rows.update(  # beams choose by the edited logits (penalties apply, as in transformers)
             self.runner.fetch_rows(
-                logits, [f for f, seq in zip(first_rows, sampling) if seq.sampling_params.use_beam_search]
+                logits, [f for f, seq in zip(layout.first_rows, sampling) if seq.sampling_params.use_beam_search]
             )
         )
-        self._apply_grammars(logits, sampling, first_rows)
-        draws, samples = [], []  # per draw: its (row, params, uniform); per sample: (sequence, logprob row)
-        drafted = []  # (sequence, index of its first draw, drafts, its generator's state before them)
-        for first, seq in zip(first_rows, sampling):
+        self._apply_grammars(logits, sampling, layout.first_rows)
+        draws, samples, drafted = self._draws(layout, rows, requests, now, out)
+        tokens = self._sample(logits, draws, samples, out.failed)
+        keep = self._verify_drafts(drafted, tokens, out)
+        self._advance_grammars(samples, tokens, out.failed)
+        out.samples = [
+            (s, tok, lp)
+            for i, ((s, lp), tok) in enumerate(zip(samples, tokens))
+            if s.request_id not in out.failed and keep[i]
+        ]
+        return out
+
+    def _draws(self, layout, rows: dict, requests: dict, now: float, out: SelectedTokens) -> tuple:
+        """Each sampling sequence's draws (beams advance instead): ``(draws, samples, drafted)``, per draw
+        its ``(row, params, uniform)``, per sample its ``(sequence, logprob row or None)``, and per
+        sequence with drafts ``(sequence, index of its first draw, drafts, its generator's state before
+        them)``. ``n > 1`` samples fork here on their first token. A request whose part fails is recorded
+        in ``out.failed`` and draws nothing."""
+        draws, samples, drafted = [], [], []
+        for first, seq, drafts in layout.by_seq():
             req = requests[seq.request_id]
             if req.request_id in out.failed:
                 continue
@@ -111,7 +125,6 @@ class TokenSelector:
                     continue
                 params = req.params
                 needs_lp = parallel_sampling.needs_logprobs(params)
-                drafts = spec.get(seq.seq_id)
                 if drafts:
                     state = seq.rng.bit_generator.state if not params.greedy else None
                     drafted.append((seq, len(draws), drafts, state))
@@ -129,15 +142,7 @@ class TokenSelector:
             draws += req_draws
             samples += [(t, lp_row) for t in targets]
             out.touched[req.request_id] = req
-        tokens = self._sample(logits, draws, samples, out.failed)
-        keep = self._verify_drafts(drafted, tokens, out)
-        self._advance_grammars(samples, tokens, out.failed)
-        out.samples = [
-            (s, tok, lp)
-            for i, ((s, lp), tok) in enumerate(zip(samples, tokens))
-            if s.request_id not in out.failed and keep[i]
-        ]
-        return out
+        return draws, samples, drafted
 
     @staticmethod
     def _verify_drafts(drafted: list, tokens: list, out: SelectedTokens) -> list:
@@ -172,19 +177,19 @@ class TokenSelector:
             out.beams_done.append(req)
             out.touched[req.request_id] = req
 
-    def _apply_logits_rules(self, logits, sampling: list, first_rows: list, requests: dict, spec: dict, failed: dict):
+    def _apply_logits_rules(self, logits, layout, requests: dict, failed: dict):
         """Penalties, logit bias, min_tokens, bad_words and allowed_token_ids on the rows of the requests that
         set them (``model_executor.logits_processors``): a row's history is its sequence's output plus the
         drafts before it. Costs nothing when no request sets them; a request whose edits cannot be built
         fails alone."""
         entries, masks, mask_rows = [], [], []
-        for first, seq in zip(first_rows, sampling):
+        for first, seq, seq_drafts in layout.by_seq():
             req = requests.get(seq.request_id)
             rules = req.logits_rules if req is not None else None
             if rules is None:
                 continue
             try:
-                drafts = list(spec.get(seq.seq_id, ()))
+                drafts = list(seq_drafts)
                 for j in range(len(drafts) + 1):
                     history = seq.output_token_ids + drafts[:j] if j else seq.output_token_ids
                     entries.append((first + j, rules, history))

@@ -28,6 +28,7 @@ from numba import typed
 
 from rawpaged.kernels.backend import sliding_window_arg
 from rawpaged.kernels.cpu import fused_decode, gemm
+from rawpaged.model_executor.forward_paths import sampled_logits
 
 
 def _typed_list(items):
@@ -96,9 +97,15 @@ class CPUFusedDecode:
         #: attention takes the parallel kernel from this much work (query rows x positions; module docstring)
         self.parallel_attention_min_work = 0
 
-    def can_run(self, num_decodes: int) -> bool:
-        """Whether a pure-decode step of ``num_decodes`` rows runs here."""
-        return self.supported and 0 < num_decodes <= self.max_batch_size
+    def can_run(self, step) -> bool:
+        """Whether ``step`` (a ``StepInput``) runs here: pure decode (drafts included) of 1 to
+        ``max_batch_size`` rows, on a model whose layers share their formats."""
+        return self.supported and not step.prefills and 0 < step.num_decode_tokens <= self.max_batch_size
+
+    def forward_step(self, step) -> tuple:
+        """``(logits of the step's logits rows, hidden states)`` of a ``StepInput`` that :meth:`can_run`."""
+        hidden = self.forward(*step.device_inputs(self.model.backend))
+        return sampled_logits(self.model, hidden, step.layout), hidden
 
     def forward(self, input_ids, positions, attn):
         """Final-norm hidden states float32 ``[M, hidden]`` of a pure-decode step, as

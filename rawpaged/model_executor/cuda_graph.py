@@ -93,29 +93,40 @@ class DecodeInputBuffers:
 
     def fill(self, seqs: list, bucket: int) -> None:
         """Write the decode inputs of ``seqs`` (each computes its last token) into rows ``0 .. len-1`` of
-        the host buffer and padding into rows ``len .. bucket-1``: token 0 at position 0, slot -1,
-        context length 0, an all-zero block table. Raises ValueError when the batch exceeds ``bucket``
-        or a block table the width."""
-        n = len(seqs)
+        the host buffer and padding into rows ``len .. bucket-1`` (see :meth:`write`)."""
+        pos = [seq.num_computed_tokens for seq in seqs]
+        self.write(
+            bucket,
+            [seq.token_at(p) for seq, p in zip(seqs, pos)],
+            pos,
+            [seq.block_table.slots(p, p + 1)[0] for seq, p in zip(seqs, pos)],
+            [seq.num_tokens for seq in seqs],
+            [seq.block_table.block_ids for seq in seqs],
+        )
+
+    def write(self, bucket: int, input_ids, positions, slot_mapping, context_lens, block_ids: list) -> None:
+        """Write one decode row per entry (int sequences of equal length; ``block_ids``: each row's
+        block table) into rows ``0 .. len-1`` of the host buffer and padding into rows ``len .. bucket-1``:
+        token 0 at position 0, slot -1, context length 0, an all-zero block table. Raises ValueError when
+        the batch exceeds ``bucket`` or a block table the width."""
+        n = len(block_ids)
         if not n <= bucket <= self.max_batch_size:
             raise ValueError(f"{n} sequences do not fit a bucket of {bucket} (max {self.max_batch_size})")
-        ids, positions, slots, ctx, tables = self.host_views
-        pos = [seq.num_computed_tokens for seq in seqs]
-        positions[:n] = pos
-        ids[:n] = [seq.token_at(p) for seq, p in zip(seqs, pos)]
-        slots[:n] = [seq.block_table.slots(p, p + 1)[0] for seq, p in zip(seqs, pos)]
-        ctx[:n] = [seq.num_tokens for seq in seqs]
-        for row, seq in enumerate(seqs):
-            block_ids = seq.block_table.block_ids
-            width = len(block_ids)
+        ids, positions_, slots, ctx, tables = self.host_views
+        positions_[:n] = positions
+        ids[:n] = input_ids
+        slots[:n] = slot_mapping
+        ctx[:n] = context_lens
+        for row, row_blocks in enumerate(block_ids):
+            width = len(row_blocks)
             if width > self.max_blocks_per_seq:
                 raise ValueError(f"a block table of {width} blocks exceeds the width {self.max_blocks_per_seq}")
-            tables[row, :width] = block_ids
+            tables[row, :width] = row_blocks
             if self._row_width[row] > width:
                 tables[row, width : self._row_width[row]] = 0
             self._row_width[row] = width
         ids[n:bucket] = 0
-        positions[n:bucket] = 0
+        positions_[n:bucket] = 0
         slots[n:bucket] = -1
         ctx[n:bucket] = 0
         for row in range(n, bucket):
@@ -202,15 +213,38 @@ class CUDAGraphRunner:
         """Logits ``[len(seqs), vocab]`` (float32, on the backend) of one decode step of ``seqs``, each
         computing its last token, in their order. With graphs the array is the graph's output buffer:
         read it before the next step. Raises ValueError above the largest size."""
-        bucket = padded_batch_size(len(seqs), self.capture_sizes)
-        if bucket is None or not seqs:
-            raise ValueError(f"{len(seqs)} sequences: the static decode path takes 1 to {self.max_batch_size}")
+        bucket = self._bucket(len(seqs))
         self.buffers.fill(seqs, bucket)
+        return self._replay(bucket, len(seqs), max(seq.num_tokens for seq in seqs))
+
+    def can_run(self, step) -> bool:
+        """Whether ``step`` (a ``StepInput``) runs here: pure decode, no drafts, 1 to ``max_batch_size`` rows."""
+        return not step.prefills and not step.has_drafts and 0 < len(step.decodes) <= self.max_batch_size
+
+    def forward_step(self, step) -> tuple:
+        """``(logits, None)`` of a ``StepInput`` that :meth:`can_run` (as :meth:`run` of its decodes; the
+        step's host arrays fill the buffers). No hidden states: no row of such a step scores its prompt."""
+        n = len(step.decodes)
+        bucket = self._bucket(n)
+        tables = [s.block_table.block_ids for s, _ in step.decodes]
+        lens = step.decode_context_lens
+        self.buffers.write(bucket, step.input_ids, step.positions, step.slot_mapping, lens, tables)
+        return self._replay(bucket, n, int(lens.max())), None
+
+    def _bucket(self, num_seqs: int) -> int:
+        bucket = padded_batch_size(num_seqs, self.capture_sizes)
+        if bucket is None or not num_seqs:
+            raise ValueError(f"{num_seqs} sequences: the static decode path takes 1 to {self.max_batch_size}")
+        return bucket
+
+    def _replay(self, bucket: int, n: int, max_context_len: int):
+        """Upload the filled buffers and run the step: the graph of ``bucket`` if captured, else kernel by
+        kernel. Logits of the first ``n`` rows."""
         self.buffers.upload(bucket)
         self.num_steps[bucket] += 1
         graph = self.graphs.get(bucket)
         if graph is None:
-            return self.forward(bucket, max(seq.num_tokens for seq in seqs))[: len(seqs)]
+            return self.forward(bucket, max_context_len)[:n]
         replay, logits = graph
         replay()
-        return logits[: len(seqs)]
+        return logits[:n]

@@ -1,5 +1,5 @@
-"""Turns a scheduled batch into arrays (input ids, positions, ``slot_mapping``, block tables), runs the
-copy-on-write block copies, the model, the LM head and the sampling kernel. Owns the paged KV caches.
+"""Runs a scheduled batch: the copy-on-write block copies, the step's inputs (``step_input``), the model on one
+of its forward paths (``forward_paths``), the LM head and the sampling kernel. Owns the paged KV caches.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from rawpaged.dtypes import kv_row_bytes
 from rawpaged.kernels.backend import split_block_mapping
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
-from rawpaged.model_executor.models.llama import AttentionMetadata, LlamaModel
+from rawpaged.model_executor.forward_paths import EagerForward
+from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.prompt_logprobs import prompt_logprobs
 from rawpaged.model_executor.sampler import sampling_arrays
+from rawpaged.model_executor.step_input import StepInput, build_step_input
 
 logger = logging.getLogger(__name__)
 
@@ -99,87 +101,31 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
 
-        Copies the copy-on-write blocks (``blocks_to_copy``) first. Returns ``(logits, sampling_seqs,
-        prompt_logprobs)``: logits on the backend (see ``sample``, ``fetch_rows``) for the sequences whose
-        scheduled tokens reach their last token (they sample next), in ``scheduled`` order: one row each,
-        except that a sequence verifying drafts (``spec_token_ids``: it computes its last token and its k
-        drafts, as k + 1 decode rows) has k + 1 consecutive rows, one per position; and, for each sequence
-        whose ``prompt_logprobs`` is set and whose prompt positions ran, ``{sequence: (index of the first
+        Runs the step's KV transfers and copies the copy-on-write blocks (``blocks_to_copy``) first, then
+        makes the step's ``StepInput`` once and runs it on the first forward path that can
+        (``forward_paths``: CUDA graph, CPU fused decode, op by op). Returns ``(logits, layout,
+        prompt_logprobs)``: logits on the backend (see ``sample``, ``fetch_rows``) of the rows
+        ``layout`` (``step_input.LogitsLayout``) lays out: for each sequence whose scheduled tokens reach
+        its last token (it samples next), in ``scheduled`` order, one row, or k + 1 consecutive rows for a
+        sequence verifying k drafts (``spec_token_ids``); and, for each sequence whose
+        ``prompt_logprobs`` is set and whose prompt positions ran, ``{sequence: (index of the first
         prompt token scored, [its logprobs entry, ...])}`` (``prompt_logprobs.prompt_logprobs``).
         """
-        be = self.backend
-        scheduled = scheduler_output.scheduled
-        spec = scheduler_output.spec_token_ids
         self.run_kv_transfers(scheduler_output.kv_transfers)
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
-            be.copy_blocks(self.key_caches, self.value_caches, group)
-        decodes, prefills = [], []
-        for s, n in scheduled:  # a decode computes exactly the last token, and any drafts after it
-            decoding = s.num_computed_tokens == s.num_tokens - 1 and n == 1 + len(spec.get(s.seq_id, ()))
-            (decodes if decoding else prefills).append((s, n))
-        graph = self.cuda_graph
-        if graph is not None and not prefills and not spec and 0 < len(decodes) <= graph.max_batch_size:
-            seqs = [s for s, _ in decodes]  # every decode samples, in scheduled order
-            return graph.run(seqs), seqs, {}
-        ordered = decodes + prefills
-        ids, positions, slots = [], [], []
-        for seq, n in ordered:
-            start = seq.num_computed_tokens
-            positions.extend(range(start, start + n))
-            drafts = spec.get(seq.seq_id, ())
-            ids.extend(seq.token_at(p) for p in range(start, start + n - len(drafts)))
-            ids.extend(drafts)
-            slots.extend(seq.block_table.slots(start, start + n))
+            self.backend.copy_blocks(self.key_caches, self.value_caches, group)
+        step = build_step_input(scheduler_output)
+        logits, hidden = self._forward_path(step).forward_step(step)
+        scored = {} if hidden is None else self._prompt_logprobs(hidden, step.ordered)
+        return logits, step.layout, scored
 
-        def tables(group, rows_each):
-            width = max((len(s.block_table.block_ids) for s, _ in group), default=0)
-            bt = np.zeros((sum(rows_each(n) for _, n in group), max(width, 1)), dtype=np.int32)
-            row = 0
-            for s, n in group:
-                rows = rows_each(n)
-                bt[row : row + rows, : len(s.block_table.block_ids)] = s.block_table.block_ids
-                row += rows
-            return bt
-
-        # A decode row per new token: a sequence verifying k drafts is k + 1 decode rows over its one block
-        # table, row i attending its context plus the first i new tokens (causal, as its prefill would),
-        # since each layer writes every row's K and V before any row attends.
-        decode_lens = [s.num_computed_tokens + i + 1 for s, n in decodes for i in range(n)]
-        qsl = np.zeros(len(prefills) + 1, dtype=np.int32)
-        qsl[1:] = np.cumsum([n for _, n in prefills])
-        attn = AttentionMetadata(
-            slot_mapping=be.asarray(np.array(slots, dtype=np.int64)),
-            num_decode_tokens=len(decode_lens),
-            decode_block_tables=be.asarray(tables(decodes, lambda n: n)),
-            decode_context_lens=be.asarray(np.array(decode_lens, dtype=np.int32)),
-            prefill_block_tables=be.asarray(tables(prefills, lambda n: 1)),
-            query_start_loc=be.asarray(qsl),
-            prefill_seq_lens=be.asarray(np.array([s.num_computed_tokens + n for s, n in prefills], dtype=np.int32)),
-            max_query_len=max((n for _, n in prefills), default=0),
-            max_context_len=max(decode_lens, default=0),
-        )
-        input_ids = be.asarray(np.array(ids, dtype=np.int64))
-        input_positions = be.asarray(np.array(positions, dtype=np.int64))
-        fused = self.fused_decode
-        if fused is not None and not prefills and fused.can_run(len(decode_lens)):
-            hidden = fused.forward(input_ids, input_positions, attn)
-        else:
-            hidden = self.model.forward(input_ids, input_positions, attn, self.key_caches, self.value_caches)
-        # Row of each sequence's last new token; only sequences that reach their end sample (with drafts:
-        # their last k + 1 rows).
-        last_row, row = {}, 0
-        for seq, n in ordered:
-            row += n
-            last_row[id(seq)] = row - 1
-        scored = self._prompt_logprobs(hidden, ordered)
-        sampling = [s for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens + len(spec.get(s.seq_id, ()))]
-        if not sampling:
-            return np.zeros((0, self.model.config.vocab_size), np.float32), [], scored
-        rows = []
-        for s in sampling:
-            last = last_row[id(s)]
-            rows.extend(range(last - len(spec.get(s.seq_id, ())), last + 1))
-        return self.model.compute_logits(hidden[be.asarray(np.array(rows, dtype=np.int64))]), sampling, scored
+    def _forward_path(self, step: StepInput):
+        """The first of the static decode path, the CPU's fused decode and the op-by-op forward that
+        runs ``step``."""
+        for path in (self.cuda_graph, self.fused_decode):
+            if path is not None and path.can_run(step):
+                return path
+        return EagerForward(self.model, self.key_caches, self.value_caches)
 
     def _prompt_logprobs(self, hidden, ordered: list) -> dict:
         """Prompt logprobs of this step's prompt positions, for the sequences that ask (see

@@ -128,11 +128,11 @@ class DraftModelProposer:
     def _forward(self, scheduled: list) -> list:
         """One forward pass of the draft model over ``scheduled`` = [(mirror, new tokens)]; each mirror's
         greedy next token. The mirrors' computed counts advance."""
-        logits, sampling, _ = self.runner.execute_model(SchedulerOutput(scheduled=list(scheduled)))
-        assert len(sampling) == len(scheduled)  # every mirror's new tokens reach its end
+        logits, layout, _ = self.runner.execute_model(SchedulerOutput(scheduled=list(scheduled)))
+        assert len(layout.seqs) == len(scheduled)  # every mirror's new tokens reach its end
         for mirror, n in scheduled:
             mirror.num_computed_tokens += n
-        draws = [(row, _GREEDY, 0.0) for row in range(len(sampling))]
+        draws = [(row, _GREEDY, 0.0) for row in range(layout.num_rows)]
         return [int(t) for t in self.runner.sample(logits, draws)]
 
     def check_invariants(self) -> None:

@@ -164,9 +164,9 @@ def _record_raw_logits(llm):
     steps = []
 
     def recording(out):
-        logits, sampling, scored = execute(out)
-        steps.append([[(s, list(s.output_token_ids)) for s in sampling], np.array(logits, dtype=np.float64), None])
-        return logits, sampling, scored
+        logits, layout, scored = execute(out)
+        steps.append([[(s, list(s.output_token_ids)) for s in layout.seqs], np.array(logits, dtype=np.float64), None])
+        return logits, layout, scored
 
     def sampling(logits, draws):
         steps[-1][2] = np.array(logits, dtype=np.float64)
