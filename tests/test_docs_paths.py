@@ -52,3 +52,8 @@ def test_the_checks_fail_on_a_path_that_does_not_exist():
         str(ROOT / "rawpaged" / "nowhere/")
     ]
     assert not exists("kernels/nowhere.py")
+
+
+def test_readme_is_the_front_door_of_at_most_250_lines():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to a page under docs/"
