@@ -153,6 +153,15 @@ def build_tokenizer(
             ignore_merges=pre == "llama-bpe",
         )
     )
+    _byte_level_pipeline(tok, pre, bos, vocab)
+    if token_types is not None:
+        _add_typed_tokens(tok, tokens, token_types)
+    return tok
+
+
+def _byte_level_pipeline(tok: Any, pre: str, bos: str | None, vocab: dict) -> None:
+    """Give ``tok`` the normalizer, pre-tokenizer, decoder and post-processor of family ``pre``'s
+    tokenizer.json (``build_tokenizer``'s arguments)."""
     split = PRE_TOKENIZERS[pre]
     tok.normalizer = normalizers.NFC() if pre == "qwen2" else None
     if split is None:
@@ -174,19 +183,21 @@ def build_tokenizer(
                 ),
             ]
         )
-    if token_types is not None:
-        special = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
-        user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
-        if special:
-            tok.add_special_tokens(
-                [
-                    AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-                    for s in special
-                ]
-            )
-        if user:
-            tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
-    return tok
+
+
+def _add_typed_tokens(tok: Any, tokens: list[str], token_types: list[int]) -> None:
+    """Control tokens (type 3) become special tokens of ``tok``, user-defined ones (type 4) added tokens."""
+    special = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
+    user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
+    if special:
+        tok.add_special_tokens(
+            [
+                AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
+                for s in special
+            ]
+        )
+    if user:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
 
 
 def read_metadata(reader: Any, source: str) -> tuple:
@@ -196,16 +207,55 @@ def read_metadata(reader: Any, source: str) -> tuple:
         ValueError naming the file: an architecture other than llama/qwen2, missing metadata, RoPE
         scaling, or a pre-tokenizer this loader cannot reproduce (its token ids would be wrong).
     """
+    arch, pre = _supported(reader, source)
+    hidden = int(_need(reader, f"{arch}.embedding_length", source))
+    n_head = int(_need(reader, f"{arch}.attention.head_count", source))
+    tokens = list(_need(reader, "tokenizer.ggml.tokens", source))
+    token_types = field(reader, "tokenizer.ggml.token_type")
+    token_types = [int(t) for t in token_types] if token_types is not None else None
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"{source}: rope_freqs.weight (Llama 3.1 RoPE scaling in GGUF form) is not supported; "
+            "load the safetensors checkpoint, whose rope_scaling is"
+        )
+    config = _hf_config(reader, arch, hidden, n_head, len(tokens), names, source)
+    # Llama 3's BOS comes from its tokenizer's post-processor; the others' from add_bos_token (below).
+    bos_id = config["bos_token_id"]
+    bos = tokens[bos_id] if pre == "llama-bpe" and field(reader, "tokenizer.ggml.add_bos_token", False) else None
+    tok = build_tokenizer(tokens, list(_need(reader, "tokenizer.ggml.merges", source)), token_types, pre, bos)
+    pad_id = config.get("pad_token_id")
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[bos_id],
+        "eos_token": tokens[config["eos_token_id"]],
+        "pad_token": tokens[pad_id if pad_id is not None else config["eos_token_id"]],
+        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is None,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    template = field(reader, "tokenizer.chat_template")
+    if template is not None:
+        tok_config["chat_template"] = template
+    return config, tok, tok_config
+
+
+def _need(reader: Any, key: str, source: str) -> Any:
+    """A metadata value that must be there. Raises ValueError naming the file and the key."""
+    v = field(reader, key)
+    if v is None:
+        raise ValueError(f"{source}: missing metadata {key}")
+    return v
+
+
+def _supported(reader: Any, source: str) -> tuple:
+    """(architecture, ``tokenizer.ggml.pre``) of a GGUF this loader reads.
+
+    Raises ValueError naming the file: another architecture, RoPE scaling, or another tokenizer."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{source}: architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
-
-    def need(key: str) -> Any:
-        v = field(reader, key)
-        if v is None:
-            raise ValueError(f"{source}: missing metadata {key}")
-        return v
-
     scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported in GGUF files")
@@ -216,17 +266,13 @@ def read_metadata(reader: Any, source: str) -> tuple:
             f"{source}: tokenizer.ggml.model {model!r} / tokenizer.ggml.pre {pre!r} is not supported "
             f"(supported: 'gpt2' with {sorted(PRE_TOKENIZERS)}); convert the model to safetensors instead"
         )
-    hidden = int(need(f"{arch}.embedding_length"))
-    n_head = int(need(f"{arch}.attention.head_count"))
-    tokens = list(need("tokenizer.ggml.tokens"))
-    token_types = field(reader, "tokenizer.ggml.token_type")
-    token_types = [int(t) for t in token_types] if token_types is not None else None
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(
-            f"{source}: rope_freqs.weight (Llama 3.1 RoPE scaling in GGUF form) is not supported; "
-            "load the safetensors checkpoint, whose rope_scaling is"
-        )
+    return arch, pre
+
+
+def _hf_config(reader: Any, arch: str, hidden: int, n_head: int, n_tokens: int, names: set, source: str) -> dict:
+    """The HF ``config.json`` dict of a GGUF's ``arch.*`` metadata and tensor ``names``.
+
+    Raises ValueError naming the file for missing metadata."""
     bos_id = int(field(reader, "tokenizer.ggml.bos_token_id", 1))
     eos_id = int(field(reader, "tokenizer.ggml.eos_token_id", 2))
     pad_id = field(reader, "tokenizer.ggml.padding_token_id")
@@ -234,8 +280,8 @@ def read_metadata(reader: Any, source: str) -> tuple:
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(need(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(need(f"{arch}.block_count")),
+        "intermediate_size": int(_need(reader, f"{arch}.feed_forward_length", source)),
+        "num_hidden_layers": int(_need(reader, f"{arch}.block_count", source)),
         "num_attention_heads": n_head,
         "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", n_head)),
         "head_dim": int(field(reader, f"{arch}.attention.key_length", 0) or hidden // n_head),
@@ -243,7 +289,7 @@ def read_metadata(reader: Any, source: str) -> tuple:
         "rope_theta": shortest_f32(float(field(reader, f"{arch}.rope.freq_base", 10000.0))),
         "rope_scaling": None,
         "max_position_embeddings": int(field(reader, f"{arch}.context_length", 2048)),
-        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", n_tokens)),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
@@ -254,23 +300,7 @@ def read_metadata(reader: Any, source: str) -> tuple:
     }
     if pad_id is not None:
         config["pad_token_id"] = int(pad_id)
-    # Llama 3's BOS comes from its tokenizer's post-processor; the others' from add_bos_token (below).
-    bos = tokens[bos_id] if pre == "llama-bpe" and field(reader, "tokenizer.ggml.add_bos_token", False) else None
-    tok = build_tokenizer(tokens, list(need("tokenizer.ggml.merges")), token_types, pre, bos)
-    tok_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[bos_id],
-        "eos_token": tokens[eos_id],
-        "pad_token": tokens[int(pad_id)] if pad_id is not None else tokens[eos_id],
-        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is None,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-    }
-    template = field(reader, "tokenizer.chat_template")
-    if template is not None:
-        tok_config["chat_template"] = template
-    return config, tok, tok_config
+    return config
 
 
 def read_tensors(reader: Any, config: dict, source: str, native: bool = True, progress: bool = False) -> dict:

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from rawpaged.kernels.cpu import quant as cpu_quant
+from rawpaged.kernels.cpu import quant_weights
 from rawpaged.kernels.cpu.backend import CPUBackend
 from rawpaged.kernels.cpu.int_dot import quantize_activation
 from rawpaged.kernels.cpu.quant_subblock import INT_MAX_ROWS
@@ -83,7 +84,7 @@ def test_own_dequantize_is_ggufs_bit_for_bit(qtype):
     q = _weight(qtype)
     ref = _gguf_dequantize(q).astype(np.float32)
     np.testing.assert_array_equal(q.dequantize().view(np.uint32), ref.view(np.uint32))
-    packed = cpu_quant.repack(q)
+    packed = quant_weights.repack(q)
     np.testing.assert_array_equal(packed.dequantize().view(np.uint32), ref.view(np.uint32))
     planes, back = subblock_planes(q), packed.to_planes()
     for name in ("qs", "qh", "scales", "mins", "sub"):
@@ -102,7 +103,7 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(qtype, M):
     data[7] = data[8]  # keep the product's scale sane (row 7's extreme field is for the dequantize test)
     q = QuantizedTensor.from_blocks(qtype, q.shape, data)
     x = np.random.default_rng(M).standard_normal((M, COLS)).astype(np.float32)
-    got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
+    got = cpu_quant.quant_linear(x, quant_weights.repack(q))
     want = _expected(q, x)
     assert got.dtype == np.float32 and got.shape == (M, 300)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -116,7 +117,7 @@ def test_odd_row_counts_and_partial_tiles(qtype, M, monkeypatch):
     monkeypatch.setattr(cpu_quant, "TILE_BYTES", 64 * COLS * 4)
     q = QuantizedTensor.from_blocks(qtype, (233, COLS), random_blocks(qtype, 233, COLS, np.random.default_rng(3)))
     x = np.random.default_rng(M).standard_normal((M, COLS)).astype(np.float32)
-    got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
+    got = cpu_quant.quant_linear(x, quant_weights.repack(q))
     assert got.shape == (M, 233)
     np.testing.assert_allclose(got, _expected(q, x), rtol=1e-5, atol=1e-5 * np.abs(got).max())
 
@@ -125,7 +126,7 @@ def test_odd_row_counts_and_partial_tiles(qtype, M, monkeypatch):
 def test_embedding_rows_are_dequantized_on_lookup(qtype):
     q = _weight(qtype)
     ids = np.array([299, 0, 5, 7, 7, 16], np.int64)
-    got = cpu_quant.quant_embedding(ids, cpu_quant.repack(q))
+    got = cpu_quant.quant_embedding(ids, quant_weights.repack(q))
     np.testing.assert_allclose(got, _gguf_dequantize(q)[ids], rtol=1e-6, atol=0)
 
 
@@ -138,7 +139,7 @@ def test_fused_parts_of_mixed_formats_compute_part_by_part():
         for t, n in (("Q4_K", 64), ("Q4_K", 40), ("Q6_K", 40))
     ]
     w = CPUBackend().load_linear(parts)
-    assert isinstance(w, cpu_quant.StackedQuantized) and w.qtype == "Q4_K+Q6_K" and w.shape == (144, COLS)
+    assert isinstance(w, quant_weights.StackedQuantized) and w.qtype == "Q4_K+Q6_K" and w.shape == (144, COLS)
     assert w.nbytes <= 1.03 * sum(p.nbytes for p in parts) + 16 * 2 * COLS  # padding rows of the 104-row part
     for M in (1, 3, 40):
         x = rng.standard_normal((M, COLS)).astype(np.float32)
@@ -155,4 +156,4 @@ def test_sub_block_formats_refuse_bad_shapes():
         random_blocks("Q5_0", 2, 48, np.random.default_rng(0))
     q = _weight("Q5_1", rows=16)
     with pytest.raises(ValueError, match="to_planes"):
-        cpu_quant.repack(q).to_quantized()
+        quant_weights.repack(q).to_quantized()

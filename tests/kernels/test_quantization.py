@@ -10,6 +10,7 @@ import numba as nb
 import numpy as np
 
 from rawpaged.kernels.cpu import quant as cpu_quant
+from rawpaged.kernels.cpu import quant_weights
 from rawpaged.kernels.cpu.backend import CPUBackend
 from rawpaged.kernels.cpu.intrinsics import q4_block_rows, q8_block_rows
 from rawpaged.kernels.quantization import FORMATS, QuantizedTensor
@@ -38,7 +39,7 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(weights, qtype, M):
     ref_w = gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[qtype]).astype(np.float64)
     assert ref_w.shape == weights.shape and np.abs(ref_w - weights).max() < (0.05 if qtype == "Q8_0" else 0.5)
     x = np.random.default_rng(M).standard_normal((M, 96)).astype(np.float32)
-    got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
+    got = cpu_quant.quant_linear(x, quant_weights.repack(q))
     want = x.astype(np.float64) @ ref_w.T
     assert got.dtype == np.float32 and got.shape == (M, 300)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
@@ -53,7 +54,7 @@ def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
     q = QuantizedTensor.quantize(weights[:233], qtype)
     ref_w = q.dequantize().astype(np.float64)
     x = np.random.default_rng(M).standard_normal((M, 96)).astype(np.float32)
-    got = cpu_quant.quant_linear(x, cpu_quant.repack(q))
+    got = cpu_quant.quant_linear(x, quant_weights.repack(q))
     assert got.shape == (M, 233)
     np.testing.assert_allclose(got, x.astype(np.float64) @ ref_w.T, rtol=1e-5, atol=1e-4 * np.abs(got).max())
 
@@ -62,14 +63,14 @@ def test_odd_row_counts_and_partial_tiles(weights, qtype, M, monkeypatch):
 def test_embedding_rows_are_dequantized_on_lookup(weights, qtype):
     q = QuantizedTensor.quantize(weights, qtype)
     ids = np.array([299, 0, 5, 7, 7], np.int64)
-    np.testing.assert_array_equal(cpu_quant.quant_embedding(ids, cpu_quant.repack(q)), q.dequantize()[ids])
+    np.testing.assert_array_equal(cpu_quant.quant_embedding(ids, quant_weights.repack(q)), q.dequantize()[ids])
 
 
 def test_backend_keeps_blocks_fuses_one_format_and_stacks_mixed(weights):
     be = CPUBackend()
     a, b = QuantizedTensor.quantize(weights, "Q4_1"), QuantizedTensor.quantize(weights[:64], "Q4_1")
     fused = be.load_linear([a, b])
-    assert isinstance(fused, cpu_quant.RepackedQuantized) and fused.shape == (364, 96)
+    assert isinstance(fused, quant_weights.RepackedQuantized) and fused.shape == (364, 96)
     assert fused.nbytes == (a.nbytes + b.nbytes) * 368 // 364  # 364 rows padded to 23 groups of 16
     x = np.random.default_rng(1).standard_normal((2, 96)).astype(np.float32)
     bias = np.arange(364, dtype=np.float32)
@@ -81,7 +82,7 @@ def test_backend_keeps_blocks_fuses_one_format_and_stacks_mixed(weights):
     )
     c = QuantizedTensor.quantize(weights[:64], "Q8_0")
     mixed = be.load_linear([a, b, c])  # a and b concatenated, c beside them
-    assert isinstance(mixed, cpu_quant.StackedQuantized) and mixed.shape == (428, 96) and mixed.qtype == "Q4_1+Q8_0"
+    assert isinstance(mixed, quant_weights.StackedQuantized) and mixed.shape == (428, 96) and mixed.qtype == "Q4_1+Q8_0"
     want = np.concatenate([x @ a.dequantize().T, x @ b.dequantize().T, x @ c.dequantize().T], 1)
     np.testing.assert_allclose(be.linear(x, mixed), want, rtol=1e-5, atol=1e-4)
     dense = be.load_linear([a, weights[:64]])  # quantized beside float: dequantized
@@ -104,7 +105,7 @@ def test_invalid_quantized_tensors_raise():
         QuantizedTensor.from_blocks("Q4_0", (2, 64), np.zeros((2, 35), np.uint8))
     q = QuantizedTensor.quantize(np.ones((4, 64), np.float32), "Q8_0")
     with pytest.raises(ValueError, match="columns"):
-        cpu_quant.quant_linear(np.ones((1, 32), np.float32), cpu_quant.repack(q))
+        cpu_quant.quant_linear(np.ones((1, 32), np.float32), quant_weights.repack(q))
     with pytest.raises(ValueError, match="RepackedQuantized"):
         cpu_quant.quant_linear(np.ones((1, 64), np.float32), q)
     with pytest.raises(ValueError, match="share format"):
@@ -114,9 +115,9 @@ def test_invalid_quantized_tensors_raise():
 @pytest.mark.parametrize("qtype", PLANAR)
 def test_repacking_round_trips_the_gguf_bytes(weights, qtype):
     q = QuantizedTensor.quantize(weights[:233], qtype)
-    packed = cpu_quant.repack(q)
+    packed = quant_weights.repack(q)
     assert packed.qs.shape[0] == 15 and packed.qs.shape[3] == cpu_quant.R
-    assert cpu_quant.repack(packed) is packed
+    assert quant_weights.repack(packed) is packed
     np.testing.assert_array_equal(packed.to_quantized().blocks(), q.blocks())
 
 
@@ -157,9 +158,9 @@ def test_block_rows_intrinsics_equal_gguf_dequantization(weights, qtype):
     """The vector-IR block dequantizers write exactly gguf's values, each row's 32 positions in order, at
     the given row and column of a poisoned matrix, and nothing else."""
     q = QuantizedTensor.quantize(weights, qtype)
-    packed = cpu_quant.repack(q)
+    packed = quant_weights.repack(q)
     out = np.full((packed.qs.shape[0] * cpu_quant.R, 96 + 2), np.nan, np.float32)
-    qs, _, scales, mins, _ = cpu_quant._planes(packed)
+    qs, _, scales, mins, _ = quant_weights.kernel_planes(packed)
     _dequantize_with_block_rows(cpu_quant._FMT[qtype], qs, scales, mins, out)
     ref = gguf.quants.dequantize(q.blocks(), gguf.GGMLQuantizationType[qtype])
     np.testing.assert_array_equal(out[:300, 1:97], ref)

@@ -16,7 +16,8 @@ from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_em
 from rawpaged.kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.logprobs import logprob_rows
-from rawpaged.kernels.cpu.quant import RepackedQuantized, StackedQuantized, quant_embedding, quant_linear, repack
+from rawpaged.kernels.cpu.quant import quant_embedding, quant_linear
+from rawpaged.kernels.cpu.quant_weights import RepackedQuantized, StackedQuantized, repack
 from rawpaged.kernels.cpu.sampling import apply_logits_edits, apply_token_bitmask, sample
 from rawpaged.kernels.kv_cache import allocate_kv_cache
 from rawpaged.kernels.quantization import QuantizedTensor
@@ -131,8 +132,8 @@ class CPUBackend:
     def load_linear(self, parts: list, dtype: str = "float32"):
         """HF ``[out_i, in]`` weights fused along ``out`` -> one C-contiguous float32 ``[sum out_i, in]``
         (the layout ``linear`` takes); ``QuantizedTensor`` parts of one format stay in their blocks (rows
-        concatenated, then repacked: ``quant.RepackedQuantized``), parts of different formats too, stacked
-        (``quant.StackedQuantized``); quantized parts mixed with float ones are dequantized. A single part
+        concatenated, then repacked: ``quant_weights.RepackedQuantized``), parts of different formats too, stacked
+        (``quant_weights.StackedQuantized``); quantized parts mixed with float ones are dequantized. A single part
         already loaded (a tied LM head) is the same array."""
         _check_cpu_dtype(dtype)
         if len(parts) == 1:

@@ -21,7 +21,7 @@ import numpy as np
 from numba import types as nb_types
 from numba.extending import overload
 
-from rawpaged.kernels.cpu import attention, cache, elementwise, gemm, quant
+from rawpaged.kernels.cpu import attention, cache, elementwise, gemm, quant, quant_weights
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -202,14 +202,14 @@ MAX_PARTS = 3
 
 def linear_weight(w):
     """A linear weight as ``decode_layers`` takes it: a float32 ``[out, in]`` array as it is; a quantized
-    one (``quant.RepackedQuantized`` or ``quant.StackedQuantized``) as ``MAX_PARTS`` tuples ``(format,
+    one (``quant_weights.RepackedQuantized`` or ``StackedQuantized``) as ``MAX_PARTS`` tuples ``(format,
     first row, rows, qs, qh, scales, mins, sub)``, unused ones with format -1, so every layer's entry
     has one Numba type whatever its parts' formats.
 
     Raises ValueError for more than ``MAX_PARTS`` parts."""
-    if isinstance(w, quant.RepackedQuantized):
+    if isinstance(w, quant_weights.RepackedQuantized):
         parts = (w,)
-    elif isinstance(w, quant.StackedQuantized):
+    elif isinstance(w, quant_weights.StackedQuantized):
         parts = w.parts
     else:
         return w
@@ -217,9 +217,9 @@ def linear_weight(w):
         raise ValueError(f"a quantized weight of {len(parts)} parts (at most {MAX_PARTS})")
     entries, row = [], 0
     for p in parts:
-        entries.append((quant._FMT[p.qtype], row, p.shape[0], *quant._planes(p)))
+        entries.append((quant._FMT[p.qtype], row, p.shape[0], *quant_weights.kernel_planes(p)))
         row += p.shape[0]
-    empty = (-1, 0, 0, *quant._planes(parts[0]))
+    empty = (-1, 0, 0, *quant_weights.kernel_planes(parts[0]))
     return tuple(entries) + (empty,) * (MAX_PARTS - len(entries))
 
 

@@ -1,11 +1,7 @@
 """CPU (Numba) products with GGUF block-quantized weights (``rawpaged.kernels.quantization``: the
 formats and their planes), dequantized in registers.
 
-Layout. On load the CPU backend repacks a ``QuantizedTensor`` into a ``RepackedQuantized``: ``R`` = 16
-rows interleaved (llama.cpp's CPU backend repacks its Q4_0 the same way, ``block_q4_0x8``). For group g
-of 16 rows and block b, the quant bytes of position j of all 16 rows are adjacent (``qs[g, b, j, :]``),
-and so are their fp16 scales (``scales[g, b, :]``) and Q4_1 minimums. Nothing is expanded: the bytes are
-the GGUF ones in another order (rows padded to a multiple of 16 with zero blocks).
+Weights are ``quant_weights.RepackedQuantized`` (16 rows interleaved) or ``StackedQuantized``.
 
 ``quant_linear(x, w)`` computes ``x @ dequantize(w).T`` for x float32 ``[M, K]``:
 
@@ -30,8 +26,6 @@ loops are compiled without floating-point reassociation, so LLVM keeps the indep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numba as nb
 import numpy as np
 
@@ -46,17 +40,9 @@ from rawpaged.kernels.cpu.intrinsics import (
     q8_block_rows,
     signed_byte,
 )
-from rawpaged.kernels.cpu.quant_layout import CHUNKS, JIT, PREFETCH_BYTES, ROWS_PER_PASS, R, interleave
-from rawpaged.kernels.quantization import (
-    FORMAT_CODES,
-    QK,
-    SUBBLOCK,
-    QuantizedTensor,
-    SubBlockPlanes,
-    _pack_values,
-    runs_of_one_format,
-    subblock_planes,
-)
+from rawpaged.kernels.cpu.quant_layout import CHUNKS, JIT, PREFETCH_BYTES, ROWS_PER_PASS, R
+from rawpaged.kernels.cpu.quant_weights import RepackedQuantized, StackedQuantized, kernel_planes
+from rawpaged.kernels.quantization import FORMAT_CODES, QK
 
 _JIT = JIT
 #: up to this many x rows (from 2) a product dequantizes 48 weight rows at a time into a row-major
@@ -70,117 +56,6 @@ ROWS_MAX_BATCH = 256
 #: product is one dequantization and one SGEMM (the 49152-row head takes 14).
 TILE_BYTES = 8 << 20
 _FMT = FORMAT_CODES
-
-
-@dataclass(frozen=True)
-class RepackedQuantized:
-    """A ``[rows, cols]`` GGUF block-quantized weight with ``R`` rows interleaved (module docstring).
-
-    ``qs`` uint8 ``[groups, cols / 32, L, R]`` (L = 32 bytes per block for Q8_0, whose bytes are int8;
-    16 nibble bytes for Q4_0/Q4_1: byte j holds position j in its low and 16 + j in its high nibble);
-    ``scales`` and ``mins`` (Q4_1 only) the fp16 bit patterns, uint16 ``[groups, cols / 32, R]``.
-    The sub-block formats (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) hold ``quant_subblock.repack_subblock``'s planes,
-    with ``qh`` and ``sub`` besides.
-    """
-
-    qtype: str
-    shape: tuple
-    qs: np.ndarray
-    scales: np.ndarray
-    mins: np.ndarray | None = None
-    qh: np.ndarray | None = None
-    sub: np.ndarray | None = None
-
-    @classmethod
-    def from_quantized(cls, q: QuantizedTensor) -> RepackedQuantized:
-        """Repack a ``QuantizedTensor`` (rows padded with zero blocks to a multiple of ``R``)."""
-        if q.qtype in SUBBLOCK:
-            p = sb.repack_subblock(subblock_planes(q))
-            return cls(q.qtype, tuple(q.shape), p["qs"], p["scales"], p["mins"], p["qh"], p["sub"])
-        rows, cols = q.shape
-        nblk = cols // QK
-        groups = -(-rows // R)
-
-        def by_block(plane, inner):  # [rows, nblk * inner] -> [groups, nblk, inner, R]
-            return interleave(plane.reshape(rows, nblk, inner), groups)
-
-        qs = by_block(q.qs, q.qs.shape[1] // nblk)
-        scales = by_block(q.scales, 1)[:, :, 0, :].copy()
-        mins = by_block(q.mins, 1)[:, :, 0, :].copy() if q.mins is not None else None
-        return cls(q.qtype, (rows, cols), qs, scales, mins)
-
-    @property
-    def nbytes(self) -> int:
-        planes = (self.qs, self.scales, self.mins, self.qh, self.sub)
-        return sum(p.nbytes for p in planes if p is not None)
-
-    def to_quantized(self) -> QuantizedTensor:
-        """The GGUF row-major planes back (padding dropped). Raises ValueError for a sub-block format
-        (its planes are regrouped bits, see ``to_planes``)."""
-        if self.qtype in SUBBLOCK:
-            raise ValueError(f"a repacked {self.qtype} weight gives its planes back (to_planes), not GGUF blocks")
-        rows, cols = self.shape
-
-        def rowmajor(p):  # [groups, nblk, inner, R] -> [rows, nblk * inner]
-            groups, nblk, inner, _ = p.shape
-            return np.ascontiguousarray(p.transpose(0, 3, 1, 2).reshape(groups * R, nblk * inner)[:rows])
-
-        qs = rowmajor(self.qs)
-        scales = rowmajor(self.scales[:, :, None, :])
-        mins = rowmajor(self.mins[:, :, None, :]) if self.mins is not None else None
-        return QuantizedTensor(self.qtype, self.shape, qs, scales, mins)
-
-    def to_planes(self) -> SubBlockPlanes:
-        """A sub-block format's ``SubBlockPlanes`` back (padding dropped)."""
-        rows = self.shape[0]
-
-        def rowmajor(p):  # [groups, n, inner, R] -> [rows, n, inner]
-            return np.ascontiguousarray(p.transpose(0, 3, 1, 2).reshape(p.shape[0] * R, *p.shape[1:3])[:rows])
-
-        mins = rowmajor(self.mins[:, :, None, :])[:, :, 0] if self.mins.shape[1] else None
-        sub = rowmajor(self.sub) if self.sub.shape[1] else None
-        scales = rowmajor(self.scales[:, :, None, :])[:, :, 0]
-        values = sb.unpack_values(self.qs, self.qh, rows)
-        return _pack_values(self.qtype, self.shape, values, scales, mins, sub)
-
-    def dequantize(self) -> np.ndarray:
-        """float32 ``[rows, cols]``, as ``QuantizedTensor.dequantize`` computes it."""
-        if self.qtype in SUBBLOCK:
-            return self.to_planes().dequantize()
-        return self.to_quantized().dequantize()
-
-
-@dataclass(frozen=True)
-class StackedQuantized:
-    """Quantized weights of different formats stacked along their rows (``[sum rows_i, cols]``): a fused
-    projection whose parts differ in format, as K-quant mixes give (Q4_K_M files keep ``attn_v`` and some
-    ``ffn_down`` in Q6_K, Q8_0 or Q5_0 beside Q4_K). Each part is a ``RepackedQuantized``; a product
-    computes part by part into its columns of the output."""
-
-    parts: tuple
-    shape: tuple
-
-    @classmethod
-    def from_parts(cls, parts: list) -> StackedQuantized:
-        """Adjacent parts of one format are concatenated first (one product each)."""
-        packed = tuple(repack(QuantizedTensor.concat(run)) for run in runs_of_one_format(parts))
-        return cls(packed, (sum(p.shape[0] for p in packed), parts[0].shape[1]))
-
-    @property
-    def qtype(self) -> str:
-        return "+".join(p.qtype for p in self.parts)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    def dequantize(self) -> np.ndarray:
-        return np.concatenate([p.dequantize() for p in self.parts])
-
-
-def repack(q: QuantizedTensor | RepackedQuantized) -> RepackedQuantized:
-    """``q`` in the CPU kernels' layout (a ``RepackedQuantized`` is returned as it is)."""
-    return q if isinstance(q, RepackedQuantized) else RepackedQuantized.from_quantized(q)
 
 
 @nb.njit(inline="always")
@@ -298,36 +173,45 @@ def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
                 w[16 + j, col + r] = dm[0, r] * high_nibble(q) + dm[1, r]
 
 
+@nb.njit(inline="always")
+def _group_rows(fmt, qs, scales, mins, g, dm, w, row0):
+    """``w[row0 + r, :]`` = row r of group g (Q8_0, Q4_0, Q4_1), a block of 16 rows at a time in vector
+    registers (``intrinsics.q4_block_rows``); ``dm``: C-contiguous float32 ``[2 or more, R]`` scratch."""
+    nblk, L = qs.shape[1], qs.shape[2]
+    for b in range(nblk):
+        _block_scales(fmt, scales, mins, g, b, dm)
+        if fmt == 0:
+            q8_block_rows(qs, (g * nblk + b) * L * R, dm, w, row0, b * QK)
+        else:
+            q4_block_rows(qs, (g * nblk + b) * L * R, dm, w, row0, b * QK)
+
+
 @nb.njit(parallel=True, **_JIT)
-def _gemm_rows(fmt, x, qs, scales, mins, out, max_chunks):
+def _gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
-    rounded up to ROWS_PER_PASS: 48 rows at a time are dequantized into an ``[48, K]`` row-major float32
-    scratch (one vector-IR block at a time, ``intrinsics.q4_block_rows``), then multiplied by
-    ``gemm``'s 4 x 6 tiles (rows past the weight's groups are zero). ``max_chunks``: passes are split
-    into at most this many chunks, each with its own 110 KB scratch (at K = 576), so it is sized to the
-    threads, not to CHUNKS."""
-    groups, nblk, L = qs.shape[0], qs.shape[1], qs.shape[2]
-    K = nblk * QK
+    rounded up to ROWS_PER_PASS, in every format: 48 rows at a time are dequantized into an ``[48, K]``
+    row-major float32 scratch (``_group_rows``; the sub-block formats' ``quant_subblock.group_rows``),
+    then multiplied by ``gemm.rows_tiles`` (rows past the weight's groups are zero). ``max_chunks``:
+    passes are split into at most this many chunks, each with its own 110 KB scratch (at K = 576), so it
+    is sized to the threads, not to CHUNKS."""
+    groups, nblk = qs.shape[0], qs.shape[1]
     gpp = ROWS_PER_PASS // R
     passes = -(-groups // gpp)
     nchunks = min(passes, max_chunks)
-    rows = np.empty((nchunks, ROWS_PER_PASS, K), np.float32)
-    dms = np.empty((nchunks, 2, R), np.float32)
+    rows = np.empty((nchunks, ROWS_PER_PASS, nblk * QK), np.float32)
+    cfs = np.empty((nchunks, 4, R), np.float32)
     for c in nb.prange(nchunks):
         w = rows[c]
-        dm = dms[c]
+        cf = cfs[c]
         for p in range(c * passes // nchunks, (c + 1) * passes // nchunks):
             for gi in range(gpp):
                 g = p * gpp + gi
                 if g >= groups:
                     w[gi * R : (gi + 1) * R, :] = 0.0
-                    continue
-                for b in range(nblk):
-                    _block_scales(fmt, scales, mins, g, b, dm)
-                    if fmt == 0:
-                        q8_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
-                    else:
-                        q4_block_rows(qs, (g * nblk + b) * L * R, dm, w, gi * R, b * QK)
+                elif fmt >= 3:
+                    sb.group_rows(fmt, qs, qh, scales, mins, sub, g, cf, w, gi * R)
+                else:
+                    _group_rows(fmt, qs, scales, mins, g, cf, w, gi * R)
             rows_tiles(x, w, out, p * ROWS_PER_PASS)
 
 
@@ -362,18 +246,6 @@ def _dequant_rows(fmt, qs, scales, mins, rows, out):
                     out[i, b * QK + 16 + j] = d * high_nibble(q) + m
 
 
-_NO_U8 = np.zeros((0, 0, 0, R), np.uint8)
-
-
-def _planes(w: RepackedQuantized):
-    """``(qs, qh, scales, mins, sub)``: every format's planes with one type each (absent ones empty or
-    standing in; the kernels never read them)."""
-    mins = w.mins if w.mins is not None else w.scales  # unread for Q8_0/Q4_0 (and Q5_0, Q6_K's empty plane)
-    qh = w.qh if w.qh is not None else _NO_U8
-    sub = w.sub if w.sub is not None else _NO_U8
-    return w.qs, qh, w.scales, mins, sub
-
-
 def quant_linear(x: np.ndarray, w: RepackedQuantized | StackedQuantized) -> np.ndarray:
     """float32 ``x [M, K] @ dequantize(w).T`` -> ``[M, N]`` (see the module docstring for the paths; a
     ``StackedQuantized`` weight part by part).
@@ -383,14 +255,15 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized | StackedQuantized) -> np.n
         outs = [quant_linear(x, p) for p in w.parts]
         return np.concatenate(outs, axis=1)
     if not isinstance(w, RepackedQuantized):
-        raise ValueError(f"quant_linear takes a RepackedQuantized weight (quant.repack), not {type(w).__name__}")
+        kind = type(w).__name__
+        raise ValueError(f"quant_linear takes a RepackedQuantized weight (quant_weights.repack), not {kind}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, K = x.shape
     N, cols = w.shape
     if K != cols:
         raise ValueError(f"x has {K} columns, the {w.qtype} weight {cols}")
     fmt = _FMT[w.qtype]
-    qs, qh, scales, mins, sub = _planes(w)
+    qs, qh, scales, mins, sub = kernel_planes(w)
     if M <= ROWS_MAX_BATCH:
         xp = x if M == 1 else pad_rows(x)
         out = np.empty((xp.shape[0], N), np.float32)
@@ -418,23 +291,16 @@ def quant_linear(x: np.ndarray, w: RepackedQuantized | StackedQuantized) -> np.n
 @nb.njit(**_JIT)
 def rows_into(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, N] = x [Mp, K] @ dequantize(W).T`` for one row (the GEMVs) or Mp a multiple of TILE_M up
-    to ROWS_MAX_BATCH (``_gemm_rows``), W given as its format code (``_FMT``) and planes (``_planes``):
-    what ``quant_linear`` runs for those rows, callable from compiled code (``fused_decode``).
+    to ROWS_MAX_BATCH (``_gemm_rows``), W given as its format code (``_FMT``) and planes
+    (``quant_weights.kernel_planes``): what ``quant_linear`` runs for those rows, callable from compiled
+    code (``fused_decode``).
     ``max_chunks``: as ``_gemm_rows`` takes it (Numba's thread count is read by the caller: reading it
-    in compiled code keeps that code from being cached). The sub-block formats (``fmt`` >= 3) go
-    through ``quant_subblock``'s kernels, which also read ``qh`` and ``sub``."""
-    if fmt >= 3:
-        if x.shape[0] <= sb.INT_MAX_ROWS:
-            sb.gemv(fmt, x, qs, qh, scales, mins, sub, out)
-            return
-        passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
-        res = np.empty((x.shape[0], passes * ROWS_PER_PASS), np.float32)
-        sb.gemm_rows(fmt, x, qs, qh, scales, mins, sub, res, max_chunks)
-        n = out.shape[1]
-        for r in range(x.shape[0]):
-            out[r, :] = res[r, :n]
+    in compiled code keeps that code from being cached). Up to ``quant_subblock.INT_MAX_ROWS`` rows the
+    sub-block formats (``fmt`` >= 3) go through ``quant_subblock.gemv``; only they read ``qh`` and ``sub``."""
+    if fmt >= 3 and x.shape[0] <= sb.INT_MAX_ROWS:
+        sb.gemv(fmt, x, qs, qh, scales, mins, sub, out)
         return
-    if x.shape[0] == 1:
+    if fmt < 3 and x.shape[0] == 1:
         if fmt == 0:
             _gemv_q8_0(x[0], qs, scales, out[0])
         else:
@@ -442,7 +308,7 @@ def rows_into(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
         return
     passes = -(-qs.shape[0] * R // ROWS_PER_PASS)
     res = np.empty((x.shape[0], passes * ROWS_PER_PASS), np.float32)
-    _gemm_rows(fmt, x, qs, scales, mins, res, max_chunks)
+    _gemm_rows(fmt, x, qs, qh, scales, mins, sub, res, max_chunks)
     n = out.shape[1]
     for r in range(x.shape[0]):
         out[r, :] = res[r, :n]
@@ -452,7 +318,7 @@ def quant_embedding(token_ids: np.ndarray, w: RepackedQuantized) -> np.ndarray:
     """float32 rows ``token_ids`` of a quantized ``[vocab, hidden]`` table, dequantized on lookup."""
     ids = np.asarray(token_ids, dtype=np.int64)
     out = np.empty((ids.shape[0], w.shape[1]), np.float32)
-    qs, qh, scales, mins, sub = _planes(w)
+    qs, qh, scales, mins, sub = kernel_planes(w)
     fmt = _FMT[w.qtype]
     if fmt >= 3:
         sb.dequant_rows(fmt, qs, qh, scales, mins, sub, ids, out)

@@ -21,7 +21,7 @@ four coefficients of 16 rows at once), so the products are:
   is the only difference from the float product: at most ``dx / 2`` per activation.
 - more rows up to ``quant.ROWS_MAX_BATCH`` (larger batches, short prefills): 48 weight rows at a time
   dequantized into a row-major float32 scratch (``int_dot.sub_block_rowsN``: a sub-block of 16 rows in
-  vector registers) and multiplied with ``gemm``'s register tiles, as ``quant._gemm_rows``.
+  vector registers, ``group_rows``) and multiplied with ``gemm``'s register tiles in ``quant._gemm_rows``.
 - many rows (prefill): the transposed weight dequantized a tile at a time into float32, then SGEMM
   (``quant.quant_linear`` drives the tiles).
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu.gemm import rows_tiles
 from rawpaged.kernels.cpu.int_dot import (
     dot1,
     dot4,
@@ -43,7 +42,7 @@ from rawpaged.kernels.cpu.int_dot import (
     sub_block_rows6,
 )
 from rawpaged.kernels.cpu.intrinsics import half_to_float, prefetch, quant_bits, signed_byte
-from rawpaged.kernels.cpu.quant_layout import CHUNKS, JIT, PREFETCH_BYTES, ROWS_PER_PASS, R, interleave
+from rawpaged.kernels.cpu.quant_layout import CHUNKS, JIT, PREFETCH_BYTES, R, interleave
 from rawpaged.kernels.quantization import QK, QK_K, SUBBLOCK_BITS, SubBlockPlanes
 
 _JIT = JIT
@@ -239,41 +238,24 @@ def _dequant_sub_t(bits, fmt, qs, qh, scales, mins, sub, g, s, cf, w, col):
             w[j, col + r] = cf[1, r] * _value(bits, qs, qh, g, s, j, r) + cf[3, r]
 
 
-@nb.njit(parallel=True, **_JIT)
-def gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
-    """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
-    rounded up to ROWS_PER_PASS, as ``quant._gemm_rows``: 48 rows at a time dequantized into a row-major
-    scratch (a sub-block of 16 rows in vector registers, ``int_dot.sub_block_rowsN``) and multiplied by
-    ``gemm.rows_tiles``."""
+@nb.njit(inline="always")
+def group_rows(fmt, qs, qh, scales, mins, sub, g, cf, w, row0):
+    """``w[row0 + r, :]`` = row r of group g, a sub-block of 16 rows at a time in vector registers
+    (``int_dot.sub_block_rowsN``), for ``quant._gemm_rows``'s passes; ``cf``: C-contiguous float32
+    ``[4, R]`` scratch."""
     bits = _bits(fmt)
-    groups, nsub = qs.shape[0], qs.shape[1]
-    K = nsub * QK
-    gpp = ROWS_PER_PASS // R
-    passes = -(-groups // gpp)
-    nchunks = min(passes, max_chunks)
+    nsub = qs.shape[1]
     hstep = qh.shape[2] * qh.shape[3]
-    rows = np.empty((nchunks, ROWS_PER_PASS, K), np.float32)
-    cfs = np.empty((nchunks, 4, R), np.float32)
-    for c in nb.prange(nchunks):
-        w = rows[c]
-        cf = cfs[c]
-        for p in range(c * passes // nchunks, (c + 1) * passes // nchunks):
-            for gi in range(gpp):
-                g = p * gpp + gi
-                if g >= groups:
-                    w[gi * R : (gi + 1) * R, :] = 0.0
-                    continue
-                for s in range(nsub):
-                    _coeffs(fmt, scales, mins, sub, g, s, cf)
-                    off = (g * nsub + s) * 16 * R
-                    hoff = (g * nsub + s) * hstep
-                    if bits == 4:
-                        sub_block_rows4(qs, off, qh, hoff, cf, w, gi * R, s * QK)
-                    elif bits == 5:
-                        sub_block_rows5(qs, off, qh, hoff, cf, w, gi * R, s * QK)
-                    else:
-                        sub_block_rows6(qs, off, qh, hoff, cf, w, gi * R, s * QK)
-            rows_tiles(x, w, out, p * ROWS_PER_PASS)
+    for s in range(nsub):
+        _coeffs(fmt, scales, mins, sub, g, s, cf)
+        off = (g * nsub + s) * 16 * R
+        hoff = (g * nsub + s) * hstep
+        if bits == 4:
+            sub_block_rows4(qs, off, qh, hoff, cf, w, row0, s * QK)
+        elif bits == 5:
+            sub_block_rows5(qs, off, qh, hoff, cf, w, row0, s * QK)
+        else:
+            sub_block_rows6(qs, off, qh, hoff, cf, w, row0, s * QK)
 
 
 @nb.njit(**_JIT)

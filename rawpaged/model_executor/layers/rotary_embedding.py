@@ -29,12 +29,48 @@ partial rotary dimension, or per-layer-type parameters raise ``ValueError`` nami
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def _rope_params(cfg: dict, source: str) -> tuple:
+    """(the RoPE parameters of an HF config dict, ``rope_theta`` included, and the field they came from).
+
+    Raises ValueError for parameters that are not an object, per-layer-type parameters, or a
+    ``partial_rotary_factor`` other than 1."""
+    partial = cfg.get("partial_rotary_factor", 1.0)
+    params = cfg.get("rope_parameters")
+    where = "rope_parameters"
+    if params is None:
+        params, where = dict(cfg.get("rope_scaling") or {}), "rope_scaling"
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: {where} must be an object, got {params!r}")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{source}: per-layer-type {where} ({sorted(params)}) are not supported")
+    partial = params.get("partial_rotary_factor", partial)
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    return params, where
+
+
+def _positive(params: dict, where: str, rope_type: str, name: str, default=None, required: bool = False):
+    """``params[name]``, a positive number, or ``default`` where it is absent (None).
+
+    Raises ValueError naming ``where`` and the field: absent but ``required``, or not a positive number."""
+    value = params.get(name)
+    if value is None:
+        if required:
+            raise ValueError(f"{where}.{name} is required for rope_type {rope_type!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{where}.{name} must be a positive number, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -62,33 +98,11 @@ class RopeScaling:
             ValueError naming the file and the field: an unsupported ``rope_type``, a missing or
             non-positive parameter, ``partial_rotary_factor`` other than 1, per-layer-type parameters.
         """
-        partial = cfg.get("partial_rotary_factor", 1.0)
-        params = cfg.get("rope_parameters")
-        where = "rope_parameters"
-        if params is None:
-            params, where = dict(cfg.get("rope_scaling") or {}), "rope_scaling"
-            params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-        if not isinstance(params, dict):
-            raise ValueError(f"{source}: {where} must be an object, got {params!r}")
-        if params and all(isinstance(v, dict) for v in params.values()):
-            raise ValueError(f"{source}: per-layer-type {where} ({sorted(params)}) are not supported")
-        partial = params.get("partial_rotary_factor", partial)
-        if partial not in (None, 1, 1.0):
-            raise ValueError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+        params, where = _rope_params(cfg, source)
         rope_type = params.get("rope_type") or params.get("type") or "default"
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"{source}: {where}.rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
-
-        def num(name, default=None, required=False):
-            value = params.get(name)
-            if value is None:
-                if required:
-                    raise ValueError(f"{source}: {where}.{name} is required for rope_type {rope_type!r}")
-                return default
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{source}: {where}.{name} must be a positive number, got {value!r}")
-            return value
-
+        num = functools.partial(_positive, params, f"{source}: {where}", rope_type)
         theta = float(num("rope_theta", 10000.0))
         if rope_type == "default":
             return cls(theta=theta)
