@@ -22,17 +22,14 @@ import threading
 import time
 import uuid
 
-from tokenizers import Tokenizer as HFTokenizer
-
 from rawpaged.config import EngineConfig
 from rawpaged.engine.engine_client import RequestStream
-from rawpaged.engine.input_processor import InputProcessor
+from rawpaged.engine.engine_parts import FrontEnd
 from rawpaged.engine.replica import ACCEPTED, EngineReplica
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
 from rawpaged.engine.router import Router
 from rawpaged.errors import EngineDeadError, EngineError, ReplicaUnavailableError, import_optional
 from rawpaged.sampling_params import SamplingParams
-from rawpaged.tokenizer import Tokenizer
 
 logger = logging.getLogger("rawpaged.server")
 
@@ -122,53 +119,21 @@ class DataParallelEngine:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = config
         self._started_ray = init_ray(ray_address, data_parallel_size)
-        # deferred: an optional library (the "ray" extra); init_ray checked that it is installed
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        import ray  # deferred: an optional library (the "ray" extra); init_ray checked that it is installed
 
         self._ray = ray
         on_gpu = config.device == "cuda"
-        bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
         gpus = ray.cluster_resources().get("GPU", 0)
         if on_gpu and gpus < data_parallel_size:
             raise RuntimeError(f"{data_parallel_size} replicas need a GPU each; the Ray cluster has {gpus:g}")
-        self.placement_group = placement_group([bundle] * data_parallel_size, strategy="PACK")
-        try:
-            ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement_group)
-            raise RuntimeError(
-                f"Ray could not place {data_parallel_size} replicas of {bundle} within {placement_timeout_s:.0f}s "
-                f"(cluster resources: {ray.cluster_resources()})"
-            ) from None
-        actor = ray.remote(EngineReplica)
-        self.replicas = [
-            actor.options(
-                num_cpus=1,
-                num_gpus=1 if on_gpu else 0,
-                max_restarts=max_restarts,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=i
-                ),
-            ).remote(config, i)
-            for i in range(data_parallel_size)
-        ]
-        try:
-            info = ray.get([r.info.remote() for r in self.replicas])[0]
-        except ray.exceptions.RayActorError as e:
-            for r in self.replicas:
-                ray.kill(r, no_restart=True)
-            remove_placement_group(self.placement_group)
-            raise RuntimeError(f"a replica failed to start: {_creation_error(e)}") from None
-        self.tokenizer = Tokenizer.from_objects(HFTokenizer.from_str(info["tokenizer_json"]), info["tokenizer_config"])
+        bundle = {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
+        self.placement_group = _place(ray, bundle, data_parallel_size, placement_timeout_s)
+        self.replicas, info = _start_replicas(ray, self.placement_group, config, data_parallel_size, max_restarts)
+        front = FrontEnd.from_description(config, info)  # as each replica's own, so it refuses the same
+        self.tokenizer, self.input_processor = front.tokenizer, front.input_processor
         self.max_model_len = info["max_model_len"]
         self.default_sampling_params = info["default_sampling_params"]
         self.block_size = info["block_size"]
-        self.input_processor = InputProcessor(
-            self.tokenizer, info["vocab_size"], info["max_model_len"], info["block_size"], info["num_blocks"]
-        )
         self.router = router or Router(data_parallel_size, block_size=info["block_size"])
         self.request_stats = RequestStatsTracker(metrics, log_requests)
         self._streams: dict[str, RequestStream] = {}
@@ -459,6 +424,51 @@ class DataParallelEngine:
         thread.join(timeout_s)
         if thread.is_alive():
             logger.warning("Ray did not confirm the replicas' shutdown within %.0fs; leaving it", timeout_s)
+
+
+def _place(ray, bundle: dict, count: int, timeout_s: float):
+    """A placement group of ``count`` bundles ``bundle``, packed, once Ray placed it. Raises RuntimeError
+    (the group removed) when it is not placed within ``timeout_s``."""
+    from ray.util.placement_group import placement_group, remove_placement_group  # deferred: the "ray" extra
+
+    group = placement_group([bundle] * count, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"Ray could not place {count} replicas of {bundle} within {timeout_s:.0f}s "
+            f"(cluster resources: {ray.cluster_resources()})"
+        ) from None
+    return group
+
+
+def _start_replicas(ray, group, config: EngineConfig, count: int, max_restarts: int) -> tuple:
+    """``(actors, the first one's info)``: ``count`` ``EngineReplica`` actors, one per bundle of ``group``,
+    once each has loaded its model. Raises RuntimeError (the actors killed, the group removed) with the
+    replica's own exception when one fails to start."""
+    from ray.util.placement_group import remove_placement_group  # deferred: the "ray" extra
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor = ray.remote(EngineReplica)
+    on_gpu = config.device == "cuda"
+    replicas = [
+        actor.options(
+            num_cpus=1,
+            num_gpus=1 if on_gpu else 0,
+            max_restarts=max_restarts,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+        ).remote(config, i)
+        for i in range(count)
+    ]
+    try:
+        return replicas, ray.get([r.info.remote() for r in replicas])[0]
+    except ray.exceptions.RayActorError as e:
+        for r in replicas:
+            ray.kill(r, no_restart=True)
+        remove_placement_group(group)
+        raise RuntimeError(f"a replica failed to start: {_creation_error(e)}") from None
 
 
 def _creation_error(e) -> str:

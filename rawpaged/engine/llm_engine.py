@@ -9,26 +9,20 @@ offline.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
-import types
 
 import numpy as np
 
-from rawpaged.config import EngineConfig, resolve_dtypes
+from rawpaged.config import EngineConfig
 from rawpaged.core import kv_cache_snapshot
 from rawpaged.core.kv_cache_manager import KVCacheManager
-from rawpaged.core.kv_tier import KVTier
-from rawpaged.core.scheduler import Scheduler, SchedulerStats
+from rawpaged.core.scheduler import SchedulerStats
 from rawpaged.core.sequence import Sequence
 from rawpaged.engine import beam_search
-from rawpaged.engine.input_processor import InputProcessor
-from rawpaged.engine.kv_cache_key import kv_cache_key
-from rawpaged.engine.kv_offload import KVOffload, fingerprint_dir
+from rawpaged.engine.engine_parts import build_engine_parts
 from rawpaged.engine.logprobs import prompt_logprob_entries
-from rawpaged.engine.output_processor import OutputProcessor
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
@@ -36,123 +30,34 @@ from rawpaged.engine.warmup import run_warmup
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
 from rawpaged.model_executor.logits_processors import logits_rules
-from rawpaged.model_executor.model_loader import load_model, release_free_heap
-from rawpaged.model_executor.model_runner import ModelRunner, kv_block_bytes
-from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.sampling_params import SamplingParams
-from rawpaged.spec_decode.speculator import Speculator
 from rawpaged.structured_output.manager import StructuredOutputManager
-from rawpaged.weights.resolve import resolve_model_dir
 
 logger = logging.getLogger("rawpaged.engine")
 
 
-def reasoning_end_token_id(tokenizer, reasoning_parser: str | None) -> int | None:
-    """The id of ``</think>`` for ``reasoning_parser`` (None without one). Raises ValueError naming the
-    option when the tokenizer has no such single token."""
-    if reasoning_parser is None:
-        return None
-    ids = tokenizer.encode("</think>", add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"reasoning_parser {reasoning_parser!r}: this tokenizer has no </think> token")
-    return ids[0]
-
-
 class LLMEngine:
     """Continuous-batching engine over the paged KV cache.
+
+    Its parts come from ``engine_parts.build_engine_parts`` (kept, frozen, as ``parts``); ``model``,
+    ``tokenizer``, ``scheduler``, ``runner`` and the other attributes are those parts.
 
     Raises (constructor): ValueError for a bad model directory or configuration; RuntimeError when
     ``device="cuda"`` and no usable GPU exists.
     """
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.model_dir = resolve_model_dir(config.model, config.revision, config.gguf_file)
-        mc, self.tokenizer, gen, weights = load_model(self.model_dir, config.quantization)
-        self.model_config, self.generation_config = mc, gen
-        if gen.ignored:
-            logger.warning("generation_config.json: %s not applied (not supported)", ", ".join(gen.ignored))
-        self.backend = get_backend(config.device)
-        if config.max_model_len is not None and config.max_model_len > mc.context_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's context of {mc.context_len} tokens "
-                "(max_position_embeddings, stretched by RoPE scaling)"
-            )
-        self.max_model_len = config.max_model_len or mc.context_len
-        self.dtype, self.kv_cache_dtype = resolve_dtypes(
-            config.dtype, config.kv_cache_dtype, self.backend, mc.torch_dtype
-        )
-        self.model = LlamaModel(mc, weights, self.backend, dtype=self.dtype, max_position=self.max_model_len)
-        del weights
-        release_free_heap()
-        self.kv_block_bytes = kv_block_bytes(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype
-        )
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            budget = config.kv_cache_memory or self.backend.default_kv_cache_memory(config.gpu_memory_utilization)
-            num_blocks = max(1, budget // self.kv_block_bytes)
-        self.eos_token_ids = set(mc.eos_token_ids) | set(gen.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        geometry = dict(
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-        )
-        tier_dir = fingerprint_dir(config)
-        self.kv_cache_key = kv_cache_key(
-            self.model_dir,
-            dtype=self.dtype,
-            quantization=config.quantization,
-            kv_cache_dtype=self.kv_cache_dtype,
-            block_size=config.block_size,
-            backend=self.backend.name,
-            fingerprint_cache=tier_dir / "model-fingerprints.json" if tier_dir is not None else None,
-        )
-        tier = self.kv_offload = KVOffload.from_config(
-            config, self.backend, self.kv_cache_key, self.kv_block_bytes, geometry, self.kv_cache_dtype
-        )
-        kv = KVCacheManager(
-            num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            cache_keys=(self.kv_cache_key.digest,),
-            sliding_window=mc.sliding_window,
-        )
-        self.scheduler = Scheduler(
-            kv,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            self.eos_token_ids,
-            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
-            preemption_mode=config.preemption_mode or ("swap" if tier else "recompute"),
-            kv_tier=KVTier(kv, tier.manager, write_through=tier.persistent) if tier else None,
-        )
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks,
-            config.block_size,
-            self.kv_cache_dtype,
-            enforce_eager=config.enforce_eager,
-            fused_decode=config.fused_decode,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            kv_store=tier.store if tier else None,
-        )
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            mc.vocab_size,
-            self.max_model_len,
-            config.block_size,
-            num_blocks,
-            sliding_window=mc.sliding_window,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_logprobs=config.max_logprobs,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.reasoning_end_token_id = reasoning_end_token_id(self.tokenizer, config.reasoning_parser)
+        parts = self.parts = build_engine_parts(config, get_backend(config.device))
+        target = parts.target
+        self.config, self.model_dir, self.generation_config = config, parts.model_dir, parts.generation_config
+        self.model_config, self.tokenizer, self.model = target.model_config, target.tokenizer, target.model
+        self.backend, self.dtype, self.kv_cache_dtype = target.backend, target.dtype, target.kv_cache_dtype
+        self.max_model_len, self.kv_block_bytes = target.max_model_len, parts.kv_block_bytes
+        self.eos_token_ids, self.kv_cache_key = parts.eos_token_ids, parts.kv_cache_key
+        self.kv_offload = parts.kv_offload  # None once closed
+        self.scheduler, self.runner, self.speculator = parts.scheduler, target.runner, parts.speculator
+        self.input_processor, self.output_processor = parts.front_end.input_processor, parts.output_processor
+        self.reasoning_end_token_id = parts.reasoning_end_token_id
         self.token_selector = TokenSelector(
             self.runner,
             lambda grammars: self.structured_output_manager.grammar_bitmask(grammars),
@@ -162,34 +67,11 @@ class LLMEngine:
             self.tokenizer,
             reasoning_end_token_id=self.reasoning_end_token_id,
         )
-        self.speculator = self._make_speculator(config.speculative_config, num_blocks)
         self.requests: dict[str, Request] = {}
         self._structured_output_manager = None
         self._rng = np.random.default_rng(config.seed)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-
-    def _make_speculator(self, spec, num_blocks: int):
-        """The ``Speculator`` of ``speculative_config`` (None: off); a draft model runs beside this engine,
-        on its backend and dtypes, with a pool of ``num_blocks`` blocks of its own."""
-        if spec is None:
-            return None
-        if spec.method == "draft_model":
-            try:
-                spec = dataclasses.replace(spec, model=str(resolve_model_dir(spec.model)))
-            except ValueError as e:
-                raise ValueError(f"speculative_config.model: {e}") from None
-        target = types.SimpleNamespace(
-            model_config=self.model_config,
-            tokenizer=self.tokenizer,
-            backend=self.backend,
-            dtype=self.dtype,
-            kv_cache_dtype=self.kv_cache_dtype,
-            max_model_len=self.max_model_len,
-            block_size=self.config.block_size,
-            num_blocks=num_blocks,
-        )
-        return Speculator(spec, self.max_model_len, target)
 
     @property
     def default_sampling_params(self) -> dict:

@@ -40,17 +40,13 @@ class EngineReplica:
         return self._engine
 
     async def info(self) -> dict:
-        """What a front end needs to tokenize and check prompts itself (the tokenizer travels as its JSON
-        and config), and the pool's shape."""
+        """What a front end needs to tokenize and check prompts itself (``FrontEnd.describe``: the
+        tokenizer as its JSON and config, the model's and the pool's limits), and the pool's block size."""
         e = self.llm_engine
         return {
             "index": self.index,
-            "tokenizer_json": e.tokenizer.to_json(),
-            "tokenizer_config": e.tokenizer.to_config(),
-            "vocab_size": e.input_processor.vocab_size,
-            "max_model_len": e.max_model_len,
+            **e.parts.front_end.describe(),
             "block_size": e.input_processor.block_size,
-            "num_blocks": e.input_processor.num_blocks,
             "default_sampling_params": e.default_sampling_params,
         }
 

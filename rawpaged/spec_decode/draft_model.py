@@ -1,6 +1,6 @@
 """Draft-model proposals (``method: "draft_model"``): a smaller model that shares the target's tokenizer
-guesses the next k tokens, on the same backend, with a paged KV pool of its own built from the same
-allocator code (``KVCacheManager``, ``ModelRunner``).
+guesses the next k tokens, on the same backend, with a paged KV pool of its own built as the target's is
+(``model_executor.model_parts``: the model, its ``KVCacheManager`` and ``ModelRunner``).
 
 Each running sequence that speculates has a mirror sequence in the draft pool. A step brings the mirror
 up to the target's tokens (the tokens its last drafts got wrong are rolled back, as the target's are, by
@@ -13,12 +13,10 @@ batch are freed at the next step, so the draft pool never holds a finished or ab
 
 from __future__ import annotations
 
-from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.scheduler import SchedulerOutput
 from rawpaged.core.sequence import Sequence
 from rawpaged.model_executor.model_loader import load_model
-from rawpaged.model_executor.model_runner import ModelRunner
-from rawpaged.model_executor.models.llama import LlamaModel
+from rawpaged.model_executor.model_parts import KVPoolSpec, ModelParts, build_model, build_model_parts
 from rawpaged.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -44,14 +42,17 @@ def check_vocabularies(draft_config, draft_tokenizer, target_config, target_toke
 class DraftModelProposer:
     """Args:
         model_dir: the draft model's directory (or GGUF file).
-        target: what the draft must agree with and run beside: an object with ``model_config``,
-            ``tokenizer``, ``backend``, ``dtype``, ``kv_cache_dtype``, ``max_model_len``, ``block_size`` and
-            ``num_blocks`` (the target engine's; the draft pool gets as many blocks).
+        target: the target engine's ``ModelParts``, which the draft must agree with (vocabulary, context)
+            and runs beside: on its backend and dtypes, with a pool of as many blocks of its own.
     Raises:
-        ValueError: the vocabularies differ, or the draft model's context is shorter than ``max_model_len``.
+        ValueError: the vocabularies differ, or the draft model's context is shorter than the target's
+            ``max_model_len``.
+
+    Attributes:
+        parts: the draft's own ``ModelParts`` (``model``, ``kv_cache_manager``, ``runner``).
     """
 
-    def __init__(self, model_dir, target):
+    def __init__(self, model_dir, target: ModelParts):
         try:
             config, tokenizer, _, weights = load_model(model_dir)
         except (ValueError, OSError) as e:
@@ -62,10 +63,11 @@ class DraftModelProposer:
                 f"speculative_config.model: the draft model's context ({config.context_len} tokens) is shorter "
                 f"than max_model_len {target.max_model_len}"
             )
+        model = build_model(config, weights, target.backend, target.dtype, target.max_model_len)
+        pool = KVPoolSpec(target.num_blocks, target.block_size, target.kv_cache_dtype)
+        self.parts = build_model_parts(config, tokenizer, model, target.max_model_len, pool)
         self.backend = target.backend
-        self.model = LlamaModel(config, weights, target.backend, dtype=target.dtype, max_position=target.max_model_len)
-        self.kv_cache_manager = KVCacheManager(target.num_blocks, target.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(self.model, target.num_blocks, target.block_size, target.kv_cache_dtype)
+        self.model, self.kv_cache_manager, self.runner = model, self.parts.kv_cache_manager, self.parts.runner
         self.mirrors: dict = {}  # target seq_id -> the draft pool's Sequence
 
     def propose_batch(self, items: list) -> list:

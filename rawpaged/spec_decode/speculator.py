@@ -25,6 +25,7 @@ class Speculator:
     """Args:
     config: the ``SpeculativeConfig``.
     max_model_len: tokens per sequence at most (no draft position reaches it).
+    target: the target engine's ``ModelParts`` (needed by a draft model only).
     """
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, target=None):
@@ -82,8 +83,8 @@ class Speculator:
 
 def make_proposer(config: SpeculativeConfig, target=None):
     """The proposer of ``config.method``: one with ``propose(token_ids, k) -> list`` of draft ids, or
-    ``propose_batch([(sequence, k)]) -> [drafts]`` (the draft model, which needs ``target``: see
-    ``DraftModelProposer``; ``config.model`` is then a resolved path)."""
+    ``propose_batch([(sequence, k)]) -> [drafts]`` (the draft model, which needs ``target``, the target
+    engine's ``ModelParts``: see ``DraftModelProposer``; ``config.model`` is then a resolved path)."""
     if config.method == "draft_model":
         if target is None:
             raise ValueError("speculative_config: method 'draft_model' needs the target engine's geometry")
