@@ -50,11 +50,15 @@ def test_no_namespace_stands_in_for_a_model_and_the_draft_builds_nothing_itself(
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
     """A tiny model whose layers attend over a window of 32 tokens, and an engine with a 16-block pool."""
-    path = write_random_model(tmp_path_factory.mktemp("windowed"), num_layers=1, sliding_window=32, seed=3)
+    path = write_random_model(
+        tmp_path_factory.mktemp("windowed"), num_layers=1, architecture="MistralForCausalLM", sliding_window=32, seed=3
+    )
     config = EngineConfig(
         model=str(path), device="cpu", num_kv_blocks=16, max_model_len=512, max_num_batched_tokens=64, max_logprobs=3
     )
-    return config, EngineReplica(config, 0)
+    replica = EngineReplica(config, 0)
+    assert replica.llm_engine.model_config.sliding_window == 32
+    return config, replica
 
 
 def _refusal(processor, params):
