@@ -90,16 +90,17 @@ class CPUFusedDecode:
             weights("gate_up_proj"),
             weights("down_proj"),
         )
-        self.supported = all(w is not None for w in self._weights)
+        windows = set(model.layer_windows)
+        self.supported = all(w is not None for w in self._weights) and len(windows) == 1
         self._eps = np.float32(cfg.rms_norm_eps)
         self._scale = np.float32(model.scale)
-        self._window = sliding_window_arg(model.sliding_window)
+        self._window = sliding_window_arg(next(iter(windows)))
         #: attention takes the parallel kernel from this much work (query rows x positions; module docstring)
         self.parallel_attention_min_work = 0
 
     def can_run(self, step) -> bool:
         """Whether ``step`` (a ``StepInput``) runs here: pure decode (drafts included) of 1 to
-        ``max_batch_size`` rows, on a model whose layers share their formats."""
+        ``max_batch_size`` rows, on a model whose layers share their formats and their window."""
         return self.supported and not step.prefills and 0 < step.num_decode_tokens <= self.max_batch_size
 
     def forward_step(self, step) -> tuple:

@@ -19,7 +19,8 @@ class ModelConfig:
     """The fields of ``config.json`` the decoder forward needs (Llama, Mistral, Qwen2, Qwen3).
 
     ``rope``: the RoPE variant (``RopeScaling``); ``sliding_window``: tokens a query sees, itself
-    included (Mistral), or None; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
+    included, on the layers whose ``layer_types`` entry is ``"sliding_attention"`` (Mistral: every layer),
+    or None; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
     """
 
     architecture: str
@@ -41,6 +42,17 @@ class ModelConfig:
     rope: RopeScaling = RopeScaling()
     sliding_window: int | None = None
     qk_norm: bool = False
+
+    @property
+    def layer_types(self) -> tuple:
+        """Each layer's attention type, in HF's words: ``"full_attention"`` or ``"sliding_attention"``
+        (within ``sliding_window``)."""
+        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+        return (kind,) * self.num_hidden_layers
+
+    def layer_windows(self) -> tuple:
+        """Per layer, the window its attention applies (``sliding_window``) or None (full attention)."""
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:

@@ -42,6 +42,10 @@ class AttentionMetadata:
     max_query_len: int = 0  # host-side maxima, for launch sizing on the GPU
     max_context_len: int = 0
 
+    def layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer ``layer_idx`` attends with (one set for every layer today)."""
+        return self
+
 
 class LlamaModel:
     """Weights on the backend plus the forward pass.
@@ -93,7 +97,7 @@ class LlamaModel:
         backend.finish_loading()
         inv_freq, attention_factor = config.rope.inv_freq(config.head_dim, config.max_position_embeddings, max_position)
         self.cos_sin_cache = backend.asarray(cos_sin_cache(inv_freq, attention_factor, max_position))
-        self.sliding_window = config.sliding_window
+        self.layer_windows = config.layer_windows()
         self.scale = config.head_dim**-0.5
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
@@ -110,6 +114,7 @@ class LlamaModel:
         attn_out = be.xp.empty((T, Hq, D), dtype=residual.dtype)
         h = None  # the previous layer's output, added into ``residual`` by the next fused norm
         for i, layer in enumerate(self.layers):
+            a, window = attn.layer(i), self.layer_windows[i]
             if h is None:
                 x = be.rms_norm(residual, layer["input_layernorm"], cfg.rms_norm_eps)
             else:
@@ -120,7 +125,7 @@ class LlamaModel:
                 q = be.rms_norm(q.reshape(T * Hq, D), layer["q_norm"], cfg.rms_norm_eps).reshape(T, Hq, D)
                 k = be.rms_norm(k.reshape(T * Hkv, D), layer["k_norm"], cfg.rms_norm_eps).reshape(T, Hkv, D)
             be.rotary_embedding_and_cache(
-                positions, q, k, v, key_caches[i], value_caches[i], attn.slot_mapping, self.cos_sin_cache
+                positions, q, k, v, key_caches[i], value_caches[i], a.slot_mapping, self.cos_sin_cache
             )
             if nd:
                 be.paged_attention(
@@ -128,11 +133,11 @@ class LlamaModel:
                     q[:nd],
                     key_caches[i],
                     value_caches[i],
-                    attn.decode_block_tables,
-                    attn.decode_context_lens,
+                    a.decode_block_tables,
+                    a.decode_context_lens,
                     self.scale,
-                    max_context_len=attn.max_context_len,
-                    sliding_window=self.sliding_window,
+                    max_context_len=a.max_context_len,
+                    sliding_window=window,
                 )
             if nd < T:
                 be.prefill_attention(
@@ -140,12 +145,12 @@ class LlamaModel:
                     q[nd:],
                     key_caches[i],
                     value_caches[i],
-                    attn.prefill_block_tables,
-                    attn.query_start_loc,
-                    attn.prefill_seq_lens,
+                    a.prefill_block_tables,
+                    a.query_start_loc,
+                    a.prefill_seq_lens,
                     self.scale,
-                    max_query_len=attn.max_query_len,
-                    sliding_window=self.sliding_window,
+                    max_query_len=a.max_query_len,
+                    sliding_window=window,
                 )
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
