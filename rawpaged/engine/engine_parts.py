@@ -145,7 +145,7 @@ def build_engine_parts(config: EngineConfig, backend) -> EngineParts:
         eos_token_ids.add(tokenizer.eos_token_id)
     key, tier = _kv_key_and_tier(config, model_dir, backend, dtype, kv_dtype, block_bytes, mc)
     pool = KVPoolSpec(
-        num_blocks, config.block_size, kv_dtype, config.enable_prefix_caching, (key.digest,), mc.sliding_window
+        num_blocks, config.block_size, kv_dtype, config.enable_prefix_caching, (key.digest,), mc.shared_sliding_window
     )
     options = RunnerOptions(config.enforce_eager, config.fused_decode, config.max_num_seqs)
     target = build_model_parts(mc, tokenizer, model, max_model_len, pool, options, tier.store if tier else None)
@@ -159,7 +159,7 @@ def build_engine_parts(config: EngineConfig, backend) -> EngineParts:
         key,
         tier,
         _scheduler(config, target, eos_token_ids, tier),
-        build_front_end(config, tokenizer, mc.vocab_size, max_model_len, num_blocks, mc.sliding_window),
+        build_front_end(config, tokenizer, mc.vocab_size, max_model_len, num_blocks, mc.shared_sliding_window),
         OutputProcessor(tokenizer),
         reasoning_end_token_id(tokenizer, config.reasoning_parser),
         build_speculator(config.speculative_config, target),

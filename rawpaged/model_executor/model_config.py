@@ -19,8 +19,11 @@ class ModelConfig:
     """The fields of ``config.json`` the decoder forward needs (Llama, Mistral, Qwen2, Qwen3).
 
     ``rope``: the RoPE variant (``RopeScaling``); ``sliding_window``: tokens a query sees, itself
-    included, on the layers whose ``layer_types`` entry is ``"sliding_attention"`` (Mistral: every layer),
-    or None; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
+    included, on the layers whose ``layer_types`` entry is ``"sliding_attention"``, or None;
+    ``layer_types``: each layer's attention type in HF's words, ``"full_attention"`` or
+    ``"sliding_attention"`` (Mistral: every layer; Qwen2/Qwen3 with ``use_sliding_window``: layers from
+    ``max_window_layers`` on, as HF's ``Qwen2Config`` derives them); ``qk_norm``: per-head RMSNorm of q and
+    k before RoPE (Qwen3).
     """
 
     architecture: str
@@ -43,12 +46,17 @@ class ModelConfig:
     sliding_window: int | None = None
     qk_norm: bool = False
 
+    layer_types: tuple = ()  # filled in by __post_init__ when empty
+
+    def __post_init__(self):
+        if not self.layer_types:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
+
     @property
-    def layer_types(self) -> tuple:
-        """Each layer's attention type, in HF's words: ``"full_attention"`` or ``"sliding_attention"``
-        (within ``sliding_window``)."""
-        kind = "full_attention" if self.sliding_window is None else "sliding_attention"
-        return (kind,) * self.num_hidden_layers
+    def shared_sliding_window(self) -> int | None:
+        """The window every layer applies, or None when some layer (or every one) attends in full."""
+        return self.sliding_window if set(self.layer_types) == {"sliding_attention"} else None
 
     def layer_windows(self) -> tuple:
         """Per layer, the window its attention applies (``sliding_window``) or None (full attention)."""
@@ -95,7 +103,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 rope=RopeScaling.from_hf_config(cfg, source),
-                sliding_window=_sliding_window(cfg, arch, source),
+                **_windows(cfg, arch, source),
                 qk_norm=arch == "Qwen3ForCausalLM",
             )
         except KeyError as e:
@@ -141,17 +149,33 @@ class ModelConfig:
         return shapes
 
 
-def _sliding_window(cfg: dict, arch: str, source: str) -> int | None:
-    """Mistral's ``sliding_window`` (every layer); Qwen2/Qwen3 window only some layers when
-    ``use_sliding_window`` is set, which is refused. Llama has none."""
+def _windows(cfg: dict, arch: str, source: str) -> dict:
+    """``sliding_window`` and ``layer_types`` as HF derives them: Mistral windows every layer; Qwen2/Qwen3
+    window the layers from ``max_window_layers`` (default 28) on when ``use_sliding_window`` is set; an
+    explicit ``layer_types`` list wins. Llama has none. Raises ValueError naming the field."""
+    n = int(cfg["num_hidden_layers"])
     if arch.startswith("Qwen"):
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window (a window on some layers only) is not supported")
-        return None
-    if arch != "MistralForCausalLM" or cfg.get("sliding_window") is None:
-        return None
-    window = cfg["sliding_window"]
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        window = _window_size(cfg, source) if cfg.get("use_sliding_window") else None
+        start = int(cfg.get("max_window_layers", 28))
+        derived = tuple("sliding_attention" if window and i >= start else "full_attention" for i in range(n))
+    elif arch == "MistralForCausalLM":
+        window = _window_size(cfg, source)
+        derived = ("full_attention" if window is None else "sliding_attention",) * n
+    else:
+        window, derived = None, ("full_attention",) * n
+    explicit = cfg.get("layer_types")
+    types = tuple(explicit) if explicit is not None and window is not None else derived
+    if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"{source}: layer_types must list 'full_attention' or 'sliding_attention' for each of the {n} layers,"
+            f" got {list(types)!r}"
+        )
+    return {"sliding_window": window if "sliding_attention" in types else None, "layer_types": types}
+
+
+def _window_size(cfg: dict, source: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     return window
 

@@ -129,7 +129,10 @@ def test_cos_sin_cache_scales_by_the_attention_factor():
             "per-layer-type",
         ),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 4, "layer_types": []},
+            "layer_types must list",
+        ),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window must be"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"mlp_bias": True}, "mlp_bias"),
@@ -166,5 +169,13 @@ def test_family_features_from_config():
         ModelConfig.from_dict(dict(base, architectures=["MistralForCausalLM"], sliding_window=None)).sliding_window
         is None
     )
+    assert mistral.layer_types == ("sliding_attention",) and qwen2.layer_types == ("full_attention",)
+    hybrid = dict(base, architectures=["Qwen2ForCausalLM"], num_hidden_layers=3, use_sliding_window=True)
+    qwen2_swa = ModelConfig.from_dict(dict(hybrid, sliding_window=8, max_window_layers=1))
+    assert qwen2_swa.layer_types == ("full_attention",) + ("sliding_attention",) * 2
+    assert (qwen2_swa.layer_windows(), qwen2_swa.shared_sliding_window) == ((None, 8, 8), None)
+    explicit = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert ModelConfig.from_dict(dict(hybrid, sliding_window=8, layer_types=explicit)).layer_windows() == (8, None, 8)
+    assert ModelConfig.from_dict(dict(hybrid, sliding_window=None)).layer_windows() == (None,) * 3
     llama = ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"], rope_scaling=None))
     assert llama.rope == RopeScaling() and llama.context_len == 2048
