@@ -2,7 +2,8 @@
 needs) and ``GenerationConfig`` (what ``generation_config.json`` adds). Plain data, parsed from dicts; the
 loaders (``model_loader`` for safetensors, ``gguf_loader`` for GGUF metadata) read the files.
 
-Field meanings follow HF transformers' ``LlamaConfig``/``MistralConfig``/``Qwen2Config``/``Qwen3Config``.
+Field meanings follow HF transformers' ``LlamaConfig``/``MistralConfig``/``Qwen2Config``/``Qwen3Config``
+and ``Gemma2Config``/``Gemma3TextConfig``.
 """
 
 from __future__ import annotations
@@ -11,19 +12,35 @@ from dataclasses import dataclass
 
 from rawpaged.model_executor.layers.rotary_embedding import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    *GEMMA_ARCHITECTURES,
+)
+#: Gemma's window when config.json gives none (HF's ``Gemma2Config``/``Gemma3TextConfig`` default)
+GEMMA_DEFAULT_WINDOW = 4096
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The fields of ``config.json`` the decoder forward needs (Llama, Mistral, Qwen2, Qwen3).
+    """The fields of ``config.json`` the decoder forward needs (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3).
 
     ``rope``: the RoPE variant (``RopeScaling``); ``sliding_window``: tokens a query sees, itself
     included, on the layers whose ``layer_types`` entry is ``"sliding_attention"``, or None;
     ``layer_types``: each layer's attention type in HF's words, ``"full_attention"`` or
     ``"sliding_attention"`` (Mistral: every layer; Qwen2/Qwen3 with ``use_sliding_window``: layers from
-    ``max_window_layers`` on, as HF's ``Qwen2Config`` derives them); ``qk_norm``: per-head RMSNorm of q and
-    k before RoPE (Qwen3).
+    ``max_window_layers`` on, as HF's ``Qwen2Config`` derives them; Gemma 2: even layers; Gemma 3: all but
+    every ``sliding_window_pattern``-th); ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3,
+    Gemma 3).
+
+    Gemma only (``gemma``): ``hidden_activation`` (``"gelu_pytorch_tanh"``; else ``"silu"``);
+    ``query_pre_attn_scalar``: attention scores scale by its ``** -0.5`` (None: ``head_dim ** -0.5``);
+    ``attn_logit_softcapping`` / ``final_logit_softcapping``: ``cap * tanh(x / cap)`` of the attention
+    scores (Gemma 2) / of the logits, or None; ``local_rope``: the RoPE of the sliding layers (Gemma 3's
+    ``rope_local_base_freq``), None where every layer uses ``rope``.
     """
 
     architecture: str
@@ -47,6 +64,11 @@ class ModelConfig:
     qk_norm: bool = False
 
     layer_types: tuple = ()  # filled in by __post_init__ when empty
+    hidden_activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope: RopeScaling | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -61,6 +83,24 @@ class ModelConfig:
     def layer_windows(self) -> tuple:
         """Per layer, the window its attention applies (``sliding_window``) or None (full attention)."""
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 2 or 3: (1 + weight) RMSNorms, four norms a layer, scaled embeddings, GeLU-tanh MLP."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of the attention scores: ``query_pre_attn_scalar ** -0.5`` (Gemma), else
+        ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_ropes(self) -> tuple:
+        """Per layer, its ``RopeScaling``: ``local_rope`` on the sliding layers where there is one, else ``rope``."""
+        return tuple(
+            self.local_rope if self.local_rope is not None and t == "sliding_attention" else self.rope
+            for t in self.layer_types
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
@@ -81,7 +121,9 @@ class ModelConfig:
                 )
             if head_dim < 2 or head_dim % 2:
                 raise ValueError(f"{source}: head_dim {head_dim} must be even (RoPE rotates pairs)")
-            for field, supported in (("hidden_act", "silu"), ("mlp_bias", False)):
+            gemma = _gemma_fields(cfg, arch, source) if arch in GEMMA_ARCHITECTURES else None
+            checked = (("mlp_bias", False),) if gemma else (("hidden_act", "silu"), ("mlp_bias", False))
+            for field, supported in checked:
                 value = cfg.get(field, supported)
                 if value != supported:
                     raise ValueError(f"{source}: {field} {value!r} is not supported (only {supported!r})")
@@ -97,21 +139,25 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(cfg.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-                rope=RopeScaling.from_hf_config(cfg, source),
+                rope=gemma.pop("rope") if gemma else RopeScaling.from_hf_config(cfg, source),
                 **_windows(cfg, arch, source),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                **(gemma or {}),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
 
     @property
     def context_len(self) -> int:
-        """The longest sequence the model serves (``max_position_embeddings``, stretched by RoPE scaling)."""
+        """The longest sequence the model serves (``max_position_embeddings``, stretched by RoPE scaling;
+        Gemma 3's ``max_position_embeddings`` is the scaled context already, as vLLM reads it)."""
+        if self.architecture == "Gemma3ForCausalLM":
+            return self.max_position_embeddings
         return self.rope.context_len(self.max_position_embeddings)
 
     def expected_shapes(self) -> dict:
@@ -138,6 +184,10 @@ class ModelConfig:
             )
             if self.qk_norm:
                 shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+            if self.gemma:
+                shapes.update(
+                    {p + "pre_feedforward_layernorm.weight": (H,), p + "post_feedforward_layernorm.weight": (H,)}
+                )
             if self.attention_bias:
                 shapes.update(
                     {
@@ -151,8 +201,10 @@ class ModelConfig:
 
 def _windows(cfg: dict, arch: str, source: str) -> dict:
     """``sliding_window`` and ``layer_types`` as HF derives them: Mistral windows every layer; Qwen2/Qwen3
-    window the layers from ``max_window_layers`` (default 28) on when ``use_sliding_window`` is set; an
-    explicit ``layer_types`` list wins. Llama has none. Raises ValueError naming the field."""
+    window the layers from ``max_window_layers`` (default 28) on when ``use_sliding_window`` is set; Gemma 2
+    windows layers 0, 2, 4, ...; Gemma 3 every layer but each ``sliding_window_pattern``-th (default 6:
+    layers 5, 11, ... attend in full); an explicit ``layer_types`` list wins. Llama has none. Raises
+    ValueError naming the field."""
     n = int(cfg["num_hidden_layers"])
     if arch.startswith("Qwen"):
         window = _window_size(cfg, source) if cfg.get("use_sliding_window") else None
@@ -161,6 +213,10 @@ def _windows(cfg: dict, arch: str, source: str) -> dict:
     elif arch == "MistralForCausalLM":
         window = _window_size(cfg, source)
         derived = ("full_attention" if window is None else "sliding_attention",) * n
+    elif arch in GEMMA_ARCHITECTURES:
+        window = _window_size(cfg, source, GEMMA_DEFAULT_WINDOW)
+        every = 2 if arch == "Gemma2ForCausalLM" else _pattern(cfg, source)
+        derived = tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))
     else:
         window, derived = None, ("full_attention",) * n
     explicit = cfg.get("layer_types")
@@ -173,11 +229,79 @@ def _windows(cfg: dict, arch: str, source: str) -> dict:
     return {"sliding_window": window if "sliding_attention" in types else None, "layer_types": types}
 
 
-def _window_size(cfg: dict, source: str) -> int | None:
-    window = cfg.get("sliding_window")
+def _window_size(cfg: dict, source: str, default: int | None = None) -> int | None:
+    window = cfg.get("sliding_window", default)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{source}: sliding_window must be a positive integer or null, got {window!r}")
     return window
+
+
+def _pattern(cfg: dict, source: str) -> int:
+    """Gemma 3's ``sliding_window_pattern`` (default 6, as HF's ``Gemma3TextConfig``)."""
+    every = cfg.get("sliding_window_pattern", 6)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{source}: sliding_window_pattern must be a positive integer, got {every!r}")
+    return every
+
+
+def _cap(cfg: dict, field: str, default, source: str) -> float | None:
+    """A soft-cap field: a positive number, or None (off)."""
+    value = cfg.get(field, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"{source}: {field} must be a positive number or null, got {value!r}")
+    return None if value is None else float(value)
+
+
+def _gemma_ropes(cfg: dict, arch: str, source: str) -> tuple:
+    """(RoPE of the full-attention layers, RoPE of the sliding layers or None) as HF's Gemma configs read
+    them. Gemma 2: one RoPE for all (``rope_theta``, default 10000). Gemma 3: ``rope_theta`` (default
+    1e6) with ``rope_scaling`` on the full layers, ``rope_local_base_freq`` (default 10000, unscaled) on
+    the sliding ones; or transformers v5's per-layer-type ``rope_parameters``."""
+    if arch != "Gemma3ForCausalLM":
+        return RopeScaling.from_hf_config(cfg, source), None
+    params = cfg.get("rope_parameters")
+    context = {"max_position_embeddings": cfg.get("max_position_embeddings", 131072)}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        unknown = set(params) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"{source}: rope_parameters for layer types {sorted(unknown)} are not supported")
+        ropes = []
+        for kind, theta in (("full_attention", cfg.get("rope_theta", 1e6)), ("sliding_attention", None)):
+            sub = dict(params.get(kind) or {})
+            sub.setdefault("rope_theta", theta if theta is not None else cfg.get("rope_local_base_freq", 10000.0))
+            ropes.append(RopeScaling.from_hf_config({**context, "rope_parameters": sub}, f"{source} ({kind})"))
+        return tuple(ropes)
+    full = RopeScaling.from_hf_config({**cfg, "rope_theta": cfg.get("rope_theta", 1e6)}, source)
+    local = RopeScaling.from_hf_config({"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}, source)
+    return full, local
+
+
+def _gemma_fields(cfg: dict, arch: str, source: str) -> dict:
+    """The ``ModelConfig`` fields only Gemma has (``rope`` included), with HF's defaults; raises
+    ValueError naming the file and the field for what this engine does not compute: an activation other
+    than ``gelu_pytorch_tanh``, ``use_bidirectional_attention``, ``attention_bias``, a null window."""
+    activation = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"{source}: hidden_activation {activation!r} is not supported (only 'gelu_pytorch_tanh')")
+    for field in ("use_bidirectional_attention", "attention_bias"):
+        if cfg.get(field):
+            raise ValueError(f"{source}: {field} {cfg[field]!r} is not supported (only false)")
+    if "sliding_window" in cfg and cfg["sliding_window"] is None:
+        raise ValueError(f"{source}: sliding_window must be a positive integer for {arch}, got null")
+    scalar = _cap(cfg, "query_pre_attn_scalar", 256, source)
+    if scalar is None:
+        raise ValueError(f"{source}: query_pre_attn_scalar must be a positive number, got null")
+    gemma2 = arch == "Gemma2ForCausalLM"
+    rope, local_rope = _gemma_ropes(cfg, arch, source)
+    return {
+        "rope": rope,
+        "local_rope": local_rope,
+        "hidden_activation": activation,
+        "query_pre_attn_scalar": scalar,
+        # HF's Gemma 3 attention never applies its attn_logit_softcapping (Gemma 2's does, default 50)
+        "attn_logit_softcapping": _cap(cfg, "attn_logit_softcapping", 50.0, source) if gemma2 else None,
+        "final_logit_softcapping": _cap(cfg, "final_logit_softcapping", 30.0 if gemma2 else None, source),
+    }
 
 
 #: generation_config.json fields applied as sampling defaults (as vLLM's ``--generation-config auto``).
