@@ -12,6 +12,8 @@
 // (up to GMAX query heads) so every K/V row is loaded once for all of them.
 // Sliding window (Mistral; sliding_window > 0): the query at position p sees positions p - W + 1 .. p only,
 // and positions before the window are never read.
+// Logit soft-cap (Gemma 2; soft_cap > 0): each scaled score s becomes soft_cap * tanh(s / soft_cap) before
+// the softmax.
 //
 // Caches: [num_blocks, block_size, num_kv_heads, HEAD_DIM] in C (float, __half, __nv_bfloat16), or a quantized
 // C (rp::KVQuant: signed char, fp8_e4m3) with float32 scales [num_blocks, block_size, num_kv_heads] beside
@@ -77,7 +79,8 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
                            const float* __restrict__ key_scales, const float* __restrict__ value_scales,
                            const int* __restrict__ block_tables, int max_blocks_per_seq,
                            const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
-                           int block_size, float scale, int split_len, int num_splits, int sliding_window) {
+                           int block_size, float scale, int split_len, int num_splits, int sliding_window,
+                           float soft_cap) {
     using namespace rp;
     constexpr int VK = 16 / (int)sizeof(C);                // cache elements per 16-byte load
     constexpr int KCH = HEAD_DIM / (VK * DEC_TPK);         // 16-byte chunks per lane per key
@@ -184,7 +187,8 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
             if (i < clen) {
 #pragma unroll
                 for (int g = 0; g < GMAX; ++g)
-                    if (g % DEC_TPK == klane) work[g * DEC_CHUNK + i] = dot[g];
+                    if (g % DEC_TPK == klane)
+                        work[g * DEC_CHUNK + i] = soft_cap > 0.f ? soft_cap * tanhf(dot[g] / soft_cap) : dot[g];
             }
         }
         __syncthreads();
@@ -352,7 +356,8 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
                              const float* __restrict__ value_scales, const int* __restrict__ block_tables,
                              int max_blocks_per_seq, const int* __restrict__ query_start_loc,
                              const int* __restrict__ seq_lens, int num_heads, int num_kv_heads,
-                             int block_size, float scale, int heads_per_block, int sliding_window) {
+                             int block_size, float scale, int heads_per_block, int sliding_window,
+                             float soft_cap) {
     using namespace rp;
     using Cfg = PrefillCfg<HEAD_DIM>;
     constexpr int RPT = Cfg::RPT;
@@ -465,6 +470,12 @@ __global__ void __launch_bounds__(rp::PF_THREADS)
             for (int i = 0; i < RPT; ++i)
 #pragma unroll
                 for (int jj = 0; jj < 4; ++jj) s[i][jj] += q[i] * k[jj];
+        }
+        if (soft_cap > 0.f) {
+#pragma unroll
+            for (int i = 0; i < RPT; ++i)
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) s[i][jj] = soft_cap * tanhf(s[i][jj] / soft_cap);
         }
 
         // Online softmax per row; the 8 lanes of a row group (consecutive lanes) hold its 32 keys.

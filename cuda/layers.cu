@@ -1,5 +1,5 @@
-// Dense per-token layers: RMSNorm (optionally fused with the residual add), rotary embedding (RoPE) and
-// SiLU-and-mul (SwiGLU). Semantics follow rawpaged/kernels/cpu/elementwise.py (vLLM's csrc/layernorm_kernels.cu,
+// Dense per-token layers: RMSNorm (optionally fused with the residual add), rotary embedding (RoPE),
+// SiLU-and-mul (SwiGLU) and GeLU-tanh-and-mul (GeGLU). Semantics follow rawpaged/kernels/cpu/elementwise.py (vLLM's csrc/layernorm_kernels.cu,
 // csrc/pos_encoding_kernels.cu and csrc/activation_kernels.cu name the same operations).
 // Arithmetic in float32; results rounded to the activation dtype T on store.
 #include "common.cuh"
@@ -78,5 +78,23 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
         const float g = rp::to_float<T>(x[t * 2 * inter + j]);
         const float u = rp::to_float<T>(x[t * 2 * inter + inter + j]);
         out[i] = rp::from_float<T>(g / (1.f + expf(-g)) * u);
+    }
+}
+
+// GeGLU with PyTorch's tanh GeLU (HF's gelu_pytorch_tanh; Gemma's MLP): out[t, j] = gelu(x[t, j]) *
+// x[t, inter + j], gelu(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
+// Layout and launch as silu_and_mul_kernel.
+template <typename T>
+__global__ void gelu_tanh_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, long long num_tokens,
+                                         int inter) {
+    const rp::i64 n = num_tokens * inter;
+    const rp::i64 stride = (rp::i64)gridDim.x * blockDim.x;
+    for (rp::i64 i = (rp::i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const rp::i64 t = i / inter;
+        const rp::i64 j = i - t * inter;
+        const float g = rp::to_float<T>(x[t * 2 * inter + j]);
+        const float u = rp::to_float<T>(x[t * 2 * inter + inter + j]);
+        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        out[i] = rp::from_float<T>(0.5f * g * (1.f + tanhf(inner)) * u);
     }
 }

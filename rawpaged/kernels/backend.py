@@ -13,6 +13,16 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 
+def soft_cap_arg(logits_soft_cap) -> np.float32:
+    """The attention kernels' ``logits_soft_cap`` argument: 0 for None or 0 (off), else the cap. Raises
+    ValueError for a negative cap."""
+    if logits_soft_cap is None:
+        return np.float32(0.0)
+    if float(logits_soft_cap) < 0:
+        raise ValueError(f"logits_soft_cap must be >= 0 or None, got {logits_soft_cap}")
+    return np.float32(logits_soft_cap)
+
+
 def sliding_window_arg(sliding_window) -> int:
     """The attention kernels' ``sliding_window`` argument: 0 for None (no window), else W. Raises
     ValueError for a window below 1."""
@@ -103,8 +113,10 @@ class Backend(Protocol):
         dtype, or in float32 with ``float32_out`` (the LM head: sampling and greedy ties see float32
         logits, not values rounded to bf16's 8 bits)."""
 
-    def embedding(self, token_ids, table):
-        """Rows of ``table [vocab, hidden]`` for int64 ``token_ids [T]``."""
+    def embedding(self, token_ids, table, scale=None):
+        """Rows of ``table [vocab, hidden]`` for int64 ``token_ids [T]``; with ``scale`` (a float), times
+        the scale rounded to the rows' dtype, each product rounded to it (HF Gemma's embedding
+        normalizer)."""
 
     def rms_norm(self, x, weight, eps: float, residual=None):
         """RMSNorm of ``x [T, hidden]`` (Zhang & Sennrich 2019); with ``residual``, ``residual += x``
@@ -115,6 +127,9 @@ class Backend(Protocol):
 
     def silu_and_mul(self, x):
         """``silu(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]`` (SwiGLU)."""
+
+    def gelu_tanh_and_mul(self, x):
+        """``gelu_tanh(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]`` (GeGLU, PyTorch's tanh approximation)."""
 
     # ---------------------------------------------------------------- paged KV cache
     def allocate_kv_cache(self, shape, kv_cache_dtype: str):
@@ -136,9 +151,11 @@ class Backend(Protocol):
         scale,
         max_context_len=None,
         sliding_window=None,
+        logits_soft_cap=None,
     ) -> None:
         """Decode attention: one query token per sequence over its cached K/V, read through its block
-        table (with ``sliding_window`` W: over its last W positions only)."""
+        table (with ``sliding_window`` W: over its last W positions only; with ``logits_soft_cap`` c > 0,
+        each scaled score s becomes ``c * tanh(s / c)`` before the softmax)."""
 
     def prefill_attention(
         self,
@@ -152,9 +169,11 @@ class Backend(Protocol):
         scale,
         max_query_len=None,
         sliding_window=None,
+        logits_soft_cap=None,
     ) -> None:
         """Causal attention of each sequence's new tokens over all its cached K/V (plain, chunked and
-        prefix-cached prefill); with ``sliding_window`` W, token p sees positions p - W + 1 .. p."""
+        prefix-cached prefill); with ``sliding_window`` W, token p sees positions p - W + 1 .. p; with
+        ``logits_soft_cap`` c > 0, each scaled score s becomes ``c * tanh(s / c)`` before the softmax."""
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         """Copy-on-write: ``(src, dst)`` block copies (int64 ``[n, 2]``) for every layer in one call."""

@@ -22,7 +22,7 @@ import numpy as np
 from numba import types as nb_types
 from numba.extending import overload
 
-from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.backend import sliding_window_arg, soft_cap_arg
 from rawpaged.kernels.cpu.cache import cache_view
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.intrinsics import exp_f32, fp8_e4m3_to_float
@@ -107,11 +107,12 @@ def _block_rows_impl(cache, scales, b, t0, n, kv0, nkv, buf):
 
 
 @nb.njit(**JIT)
-def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_limit, scale):
+def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_limit, scale, soft_cap):
     """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
     positions ``start .. causal_limit-1`` of one sequence (``start`` > 0: a sliding window; the blocks
     before it are not read). q, out: ``[nkv * group, head_dim]``; kc, vc: float32 caches, bf16 bits, int8
-    values or fp8 bits, with their scales ks, vs (``cache.cache_view``).
+    values or fp8 bits, with their scales ks, vs (``cache.cache_view``). ``soft_cap`` c > 0: each scaled
+    score s becomes ``c * tanh(s / c)`` (Gemma 2) before the softmax.
 
     Block by block, per KV head: each K row is read once for the ``group`` query rows that share it,
     scores for the block, one rescale of the running (max, sum, acc) per block and row (online
@@ -154,6 +155,9 @@ def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_li
                     s[r0 + g, i] = dot
             for r in range(r0, r0 + group):
                 sr = s[r, :nt]
+                if soft_cap > 0:
+                    for i in range(nt):
+                        sr[i] = soft_cap * np.tanh(sr[i] / soft_cap)
                 bm = np.float32(-1e30)
                 for i in range(nt):
                     bm = max(bm, sr[i])
@@ -190,7 +194,7 @@ def kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
     return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
 
 
-def _paged_attention_kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, scale, nkv, window):
+def _paged_attention_kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, scale, nkv, window, soft_cap):
     num_seqs = query.shape[0]
     num_heads = query.shape[1]
     num_kv_heads = kc.shape[2]
@@ -215,6 +219,7 @@ def _paged_attention_kernel(out, query, kc, vc, ks, vs, block_tables, context_le
             max(0, ctx - window) if window > 0 else 0,
             ctx,
             scale,
+            soft_cap,
         )
 
 
@@ -233,7 +238,16 @@ def _check_attention_args(out, query, key_cache, value_cache, block_tables):
 
 
 def paged_attention(
-    out, query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len=None, sliding_window=None
+    out,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len=None,
+    sliding_window=None,
+    logits_soft_cap=None,
 ):
     """Decode attention: one query token per sequence over its paged K/V.
 
@@ -249,6 +263,8 @@ def paged_attention(
             batch's size it picks the serial or the thread-parallel kernel.
         sliding_window: W or None; with W the query sees only the last W positions (itself and the
             W - 1 before it, as HF's Mistral), and blocks wholly before them are not read.
+        logits_soft_cap: c > 0 or None/0 (off); with c each score ``s = scale * q.k`` becomes ``c *
+            tanh(s / c)`` before the softmax (Gemma 2's ``attn_logit_softcapping``, vLLM's name).
     Math: ``out[s, h] = softmax(scale * q K^T) V`` over positions ``0 .. context_lens[s]-1``
     (Vaswani et al. 2017, eq. 1), GQA: head h uses KV head ``h // (num_heads // num_kv_heads)``.
     """
@@ -263,11 +279,26 @@ def paged_attention(
     )
     kernel = paged_attention_parallel if work >= PARALLEL_MIN_WORK else paged_attention_serial
     window = sliding_window_arg(sliding_window)
-    kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, np.float32(scale), nkv, window)
+    cap = soft_cap_arg(logits_soft_cap)
+    kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, np.float32(scale), nkv, window, cap)
 
 
 def _prefill_attention_kernel(
-    out, query, kc, vc, ks, vs, block_tables, query_start_loc, seq_lens, scale, token_rows, token_seq, nkv, window
+    out,
+    query,
+    kc,
+    vc,
+    ks,
+    vs,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    token_rows,
+    token_seq,
+    nkv,
+    window,
+    soft_cap,
 ):
     """Causal attention for the query rows ``token_rows`` (sequence ``token_seq`` of each)."""
     num_heads = query.shape[1]
@@ -297,6 +328,7 @@ def _prefill_attention_kernel(
             max(0, pos + 1 - window) if window > 0 else 0,
             pos + 1,
             scale,
+            soft_cap,
         )
 
 
@@ -319,6 +351,7 @@ def prefill_attention(
     scale,
     max_query_len=None,
     sliding_window=None,
+    logits_soft_cap=None,
 ):
     """Causal attention of each sequence's new tokens over all of its cached K/V.
 
@@ -334,6 +367,7 @@ def prefill_attention(
         scale: softmax scale.
         max_query_len: accepted for interface parity with the CUDA backend (launch sizing); unused.
         sliding_window: W or None (see ``paged_attention``).
+        logits_soft_cap: c > 0 or None/0 (see ``paged_attention``).
     New token at absolute position p attends positions ``0 .. p`` (causal mask), or ``p - W + 1 .. p``
     with a window.
     """
@@ -341,6 +375,7 @@ def prefill_attention(
     vc, vs = cache_view(value_cache)
     _check_attention_args(out, query, kc, vc, block_tables)
     window = sliding_window_arg(sliding_window)
+    cap = soft_cap_arg(logits_soft_cap)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     counts = np.diff(qsl)
     if qsl[0] != 0 or qsl[-1] != query.shape[0] or (counts < 0).any():
@@ -365,6 +400,7 @@ def prefill_attention(
             np.float32(scale),
             window,
             matmul_nt,
+            cap,
         )
     if tiled.all():
         return
@@ -377,5 +413,19 @@ def prefill_attention(
     work = len(token_rows) * query.shape[1] * int(np.max(seq_lens, initial=0))
     kernel = prefill_attention_parallel if work >= PARALLEL_MIN_WORK else prefill_attention_serial
     kernel(
-        out, query, kc, vc, ks, vs, block_tables, qsl, seq_lens, np.float32(scale), token_rows, token_seq, nkv, window
+        out,
+        query,
+        kc,
+        vc,
+        ks,
+        vs,
+        block_tables,
+        qsl,
+        seq_lens,
+        np.float32(scale),
+        token_rows,
+        token_seq,
+        nkv,
+        window,
+        cap,
     )

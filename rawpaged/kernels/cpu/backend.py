@@ -2,7 +2,7 @@
 kernels of this package (Numba and NumPy), arrays and weight loading.
 
 Its kernels, one job a module: ``cache`` (KV writes, block copies), ``attention`` and ``prefill_tiled``
-(paged attention), ``elementwise`` (RMSNorm, RoPE, SwiGLU), ``gemm`` (float32 products for few rows),
+(paged attention), ``elementwise`` (RMSNorm, RoPE, SwiGLU, GeGLU), ``gemm`` (float32 products for few rows),
 ``quant`` (GGUF block-quantized products), ``sampling`` (bitmask and sampler), ``fused_decode`` (a decode
 step's layers in one compiled call).
 """
@@ -13,7 +13,7 @@ import numpy as np
 
 from rawpaged.kernels.cpu.attention import paged_attention, prefill_attention
 from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_embedding_and_cache
-from rawpaged.kernels.cpu.elementwise import rms_norm, rotary_embedding, silu_and_mul
+from rawpaged.kernels.cpu.elementwise import gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.logprobs import logprob_rows
 from rawpaged.kernels.cpu.quant import quant_embedding, quant_linear
@@ -62,6 +62,7 @@ class CPUBackend:
     rms_norm = staticmethod(rms_norm)
     rotary_embedding = staticmethod(rotary_embedding)
     silu_and_mul = staticmethod(silu_and_mul)
+    gelu_tanh_and_mul = staticmethod(gelu_tanh_and_mul)
     sample = staticmethod(sample)  # ``rawpaged.testing.reference_sampler.sample`` is its reference
     apply_token_bitmask = staticmethod(apply_token_bitmask)
     apply_logits_edits = staticmethod(apply_logits_edits)
@@ -167,9 +168,13 @@ class CPUBackend:
         return y
 
     @staticmethod
-    def embedding(token_ids, table):
+    def embedding(token_ids, table, scale=None):
         """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, as float32 (a quantized table's rows
-        are dequantized on lookup)."""
+        are dequantized on lookup), times ``scale`` (a float, rounded to float32 first) unless None."""
         if isinstance(table, RepackedQuantized):
-            return quant_embedding(token_ids, table)
-        return table[token_ids].astype(np.float32, copy=False)
+            rows = quant_embedding(token_ids, table)
+        else:
+            rows = table[token_ids].astype(np.float32, copy=False)
+        if scale is not None:
+            rows = rows * np.float32(scale)
+        return rows

@@ -1,4 +1,5 @@
-"""The CPU's dense per-token ops in Numba: RMSNorm (with the residual add fused), RoPE and SwiGLU.
+"""The CPU's dense per-token ops in Numba: RMSNorm (with the residual add fused), RoPE, SwiGLU and the
+gated GeLU-tanh (GeGLU, Gemma's MLP).
 
 float32 activations ``[num_tokens, ...]``; the ``*_rows`` kernels are also called from compiled code
 (``fused_decode``).
@@ -104,4 +105,32 @@ def silu_and_mul(x):
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
     silu_and_mul_rows(x, out)
+    return out
+
+
+#: sqrt(2 / pi), the tanh approximation's constant (Hendrycks & Gimpel 2016)
+GELU_TANH_K = np.float32(0.7978845608028654)
+
+
+@nb.njit(error_model="numpy", **JIT)
+def gelu_tanh_and_mul_rows(x, out):
+    inter = out.shape[1]
+    for t in range(x.shape[0]):
+        gate = x[t, :inter]
+        up = x[t, inter:]
+        o = out[t]
+        for i in range(inter):
+            g = gate[i]
+            inner = GELU_TANH_K * (g + np.float32(0.044715) * g * g * g)
+            o[i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * up[i]
+
+
+def gelu_tanh_and_mul(x):
+    """GeGLU with the tanh GeLU (Shazeer 2020; PyTorch's ``gelu(approximate="tanh")``, HF's
+    ``gelu_pytorch_tanh``; vLLM's ``gelu_tanh_and_mul``): x float32 ``[num_tokens, 2 * inter]`` -> a new
+    float32 ``[num_tokens, inter]`` = ``gelu(x[:, :inter]) * x[:, inter:]`` with ``gelu(g) = 0.5 g (1 +
+    tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``, in one Numba pass (float32 math)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
+    gelu_tanh_and_mul_rows(x, out)
     return out

@@ -179,11 +179,11 @@ def decode_layers(
         _write_kv(k, v, kc, vc, ks, vs, slot_mapping, kv_qmax)
         if parallel_attention:
             attention.paged_attention_parallel(
-                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window
+                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window, np.float32(0.0)
             )
         else:
             attention.paged_attention_serial(
-                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window
+                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window, np.float32(0.0)
             )
         for r in range(M):
             for c in range(q_dim):

@@ -30,14 +30,26 @@ def tile_rows(cache, blocks, kvh: int, n: int):
 
 
 def prefill_tiled(
-    out, query, key_cache, value_cache, block_row, q_start, q_end, seq_len, scale, window=0, matmul_nt=blas_nt
+    out,
+    query,
+    key_cache,
+    value_cache,
+    block_row,
+    q_start,
+    q_end,
+    seq_len,
+    scale,
+    window=0,
+    matmul_nt=blas_nt,
+    soft_cap=0.0,
 ):
     """FlashAttention-style prefill of one sequence in NumPy/BLAS (Dao et al. 2022, Alg. 1): K/V are
     gathered from the paged cache one tile of ``PREFILL_KV_TILE`` positions at a time (like a GPU
     kernel staging tiles in shared memory), scores for all new tokens x tile via SGEMM, online softmax
     across tiles, causal mask only where a tile reaches the new tokens. With a sliding ``window``, each
     tile is computed only for the rows whose window it meets (every such row sees at least one of its
-    keys, so no row's running max stays at -inf), and masked where it starts inside a row's window."""
+    keys, so no row's running max stays at -inf), and masked where it starts inside a row's window.
+    ``soft_cap`` c > 0: scores become ``c * tanh(s / c)`` before the mask and the softmax."""
     n = q_end - q_start
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -74,6 +86,9 @@ def prefill_tiled(
             v = tile_rows(value_cache, blocks, kvh, k1 - k0)
             rows = slice(r0, r1)
             scores = matmul_nt(q[rows], k)
+            if soft_cap > 0:
+                scores = np.tanh(scores / soft_cap, out=scores)
+                scores *= soft_cap
             if bias is not None:
                 scores += bias
             m_new = np.maximum(m[rows], scores.max(axis=1))

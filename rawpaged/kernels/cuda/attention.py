@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.backend import sliding_window_arg, soft_cap_arg
 from rawpaged.kernels.cuda import launch_config, program
 from rawpaged.kernels.cuda.launch import ctype, i32, i64, kv_cache_operands, row_stride
 
@@ -28,6 +28,7 @@ class _Operands(NamedTuple):
     kv: tuple  # (query, its row stride, key and value caches, their scales or NULL, block_tables, its width)
     heads: tuple  # (num_heads, num_kv_heads, block_size, scale)
     window: np.int32  # sliding window, 0 for none
+    soft_cap: np.float32  # logit soft-cap, 0 for none
 
 
 def _check(out, query, key_cache, value_cache, block_tables) -> None:
@@ -53,7 +54,7 @@ def _check(out, query, key_cache, value_cache, block_tables) -> None:
         raise ValueError(f"block_size must be a power of two for the attention kernels, got {block_size}")
 
 
-def _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window) -> _Operands:
+def _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window, soft_cap) -> _Operands:
     """Check the arguments both kernels share (ValueError) and pack them in the kernels' order."""
     cache, kc, ks = kv_cache_operands(key_cache, "key_cache")
     _, vc, vs = kv_cache_operands(value_cache, "value_cache")
@@ -67,6 +68,7 @@ def _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, slid
         kv=(query, i64(row_stride(query, "query", 2)), kc, vc, ks, vs, bt, i32(bt.shape[1])),
         heads=(i32(query.shape[1]), i32(num_kv_heads), i32(block_size), np.float32(scale)),
         window=i32(sliding_window_arg(sliding_window)),
+        soft_cap=soft_cap_arg(soft_cap),
     )
 
 
@@ -81,6 +83,7 @@ def paged_attention(
     scale,
     max_context_len: int | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """Decode attention, one query token per sequence (see ``rawpaged.kernels.cpu.attention``).
 
@@ -88,14 +91,15 @@ def paged_attention(
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables int32 ``[num_seqs, max_blocks]``,
     context_lens int32 ``[num_seqs]``. Flash-decoding split-K when the (sequence, KV head) grid is too
     small for the GPU: partitions from :func:`launch_config.decode_config`, merged by a second kernel.
-    With ``sliding_window`` W, each query sees its last W positions; partitions cover only those.
+    With ``sliding_window`` W, each query sees its last W positions; partitions cover only those. With
+    ``logits_soft_cap`` c > 0, scores become ``c * tanh(s / c)`` before the softmax.
     ``max_context_len``: an upper bound on ``context_lens`` known on the host (sizes the partitions);
     default ``block_tables.shape[1] * block_size``.
 
     Raises:
         ValueError: shapes, dtypes or a head size the kernels were not compiled for.
     """
-    ops = _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window)
+    ops = _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return
@@ -117,7 +121,7 @@ def paged_attention(
         f"paged_attention_kernel<{ops.act}, {ops.cache}, {head_dim}, {cfg['gmax']}>",
         cfg["grid"],
         cfg["block"],
-        (*ops.out, part_out, part_ml, *ops.kv, lens, *ops.heads, split_len, i32(splits), ops.window),
+        (*ops.out, part_out, part_ml, *ops.kv, lens, *ops.heads, split_len, i32(splits), ops.window, ops.soft_cap),
         cfg["smem_bytes"],
     )
     if splits > 1:
@@ -156,6 +160,7 @@ def prefill_attention(
     scale,
     max_query_len: int | None = None,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
     """Causal attention of each sequence's new tokens over all its cached K/V (see
     ``rawpaged.kernels.cpu.attention``): plain prefill, prefill after a cached prefix, chunked prefill.
@@ -164,13 +169,14 @@ def prefill_attention(
     seq_lens int32 ``[num_seqs]``; the new tokens are each sequence's last positions. Host arrays for
     query_start_loc/seq_lens are validated like on the CPU; device arrays are trusted.
     ``max_query_len``: an upper bound on new tokens per sequence (sizes the grid); default from
-    ``query_start_loc`` when it is a host array, else ``num_tokens``.
+    ``query_start_loc`` when it is a host array, else ``num_tokens``. ``logits_soft_cap``: as
+    :func:`paged_attention`.
 
     Raises:
         ValueError: shapes, dtypes, a head size the kernels were not compiled for, or host
             ``query_start_loc``/``seq_lens`` that do not describe the batch.
     """
-    ops = _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window)
+    ops = _operands(ctx, out, query, key_cache, value_cache, block_tables, scale, sliding_window, logits_soft_cap)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     computed = _max_query_len(query_start_loc, seq_lens, num_seqs, num_tokens)
@@ -193,6 +199,7 @@ def prefill_attention(
             *ops.heads,
             i32(cfg["heads_per_block"]),
             ops.window,
+            ops.soft_cap,
         ),
         cfg["smem_bytes"],
     )

@@ -143,6 +143,7 @@ class CudaBackend:
     rms_norm = _forward(elementwise, "rms_norm")
     rotary_embedding = _forward(elementwise, "rotary_embedding")
     silu_and_mul = _forward(elementwise, "silu_and_mul")
+    gelu_tanh_and_mul = _forward(elementwise, "gelu_tanh_and_mul")
     convert = _forward(elementwise, "convert")
     sample = _forward(sampling, "sample")
     apply_token_bitmask = _forward(sampling, "apply_token_bitmask")

@@ -1,11 +1,12 @@
 """The CUDA backend's dense per-token ops (``cuda/layers.cu``): RMSNorm (with the residual add fused),
-RoPE, SwiGLU, and dtype conversion between float32, float16 and bfloat16. Semantics as the CPU's
+RoPE, SwiGLU, GeGLU (tanh GeLU), and dtype conversion between float32, float16 and bfloat16. Semantics as the CPU's
 (``rawpaged.kernels.cpu.elementwise``); math in float32."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from rawpaged.dtypes import BFLOAT16
 from rawpaged.kernels.cuda import launch_config, program
 from rawpaged.kernels.cuda.launch import ctype, i32, i64, row_stride
 
@@ -94,6 +95,34 @@ def rotary_embedding(ctx, positions, query, key, cos_sin_cache):
 
 def silu_and_mul(ctx, x):
     """SwiGLU: ``x [num_tokens, 2 * inter]`` -> ``silu(x[:, :inter]) * x[:, inter:]`` (a new array)."""
+    return _gated(ctx, x, "silu_and_mul_kernel")
+
+
+def gelu_tanh_and_mul(ctx, x):
+    """GeGLU: ``x [num_tokens, 2 * inter]`` -> ``gelu_tanh(x[:, :inter]) * x[:, inter:]`` (a new array;
+    PyTorch's tanh GeLU, see ``rawpaged.kernels.cpu.elementwise.gelu_tanh_and_mul``)."""
+    return _gated(ctx, x, "gelu_tanh_and_mul_kernel")
+
+
+def scale_rows(ctx, x, scale: float):
+    """``x * scale`` (a new array of x's dtype), the scale rounded to that dtype first and each product
+    rounded to it (PyTorch's product of a tensor and a scalar tensor of its dtype); bfloat16 (uint16 bits)
+    goes through float32, where the product of two bfloat16 values is exact."""
+    act = ctype(x, "x")
+    if act != program.BF16:
+        return x * ctx.xp.asarray(scale, dtype=x.dtype)
+    x = ctx.xp.ascontiguousarray(x)
+    wide = ctx.xp.empty(x.shape, dtype=np.float32)
+    convert(ctx, wide, x)
+    rounded = np.asarray([scale], np.float32).astype(BFLOAT16.numpy).astype(np.float32)[0]
+    wide *= rounded
+    out = ctx.xp.empty(x.shape, dtype=x.dtype)
+    convert(ctx, out, wide)
+    return out
+
+
+def _gated(ctx, x, kernel: str):
+    """``kernel``'s gated activation of ``x [num_tokens, 2 * inter]`` (SwiGLU or GeGLU)."""
     act = ctype(x, "x")
     x = ctx.xp.ascontiguousarray(x)
     num_tokens, two_inter = x.shape
@@ -106,7 +135,7 @@ def silu_and_mul(ctx, x):
     ctx.kernel(
         act,
         act,
-        f"silu_and_mul_kernel<{act}>",
+        f"{kernel}<{act}>",
         (launch_config.elementwise_blocks(n, threads, ctx.num_sms), 1, 1),
         (threads, 1, 1),
         (out, x, i64(num_tokens), i32(inter)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rawpaged.kernels.cuda import cublas, launch_config, program
+from rawpaged.kernels.cuda import cublas, elementwise, launch_config, program
 from rawpaged.kernels.cuda.elementwise import convert
 from rawpaged.kernels.cuda.launch import CTYPES, ctype, i32, i64, row_stride
 from rawpaged.kernels.cuda.weights import DeviceQuantized, DeviceStacked
@@ -145,9 +145,15 @@ def quant_linear(ctx, x, w: DeviceQuantized | DeviceStacked, bias):
     return out
 
 
-def embedding(ctx, token_ids, table):
+def embedding(ctx, token_ids, table, scale=None):
     """Rows of ``table [vocab, hidden]`` for ``token_ids [n]``, in the table's dtype (a
-    :class:`DeviceQuantized` table's rows are dequantized on lookup, into its activation dtype)."""
+    :class:`DeviceQuantized` table's rows are dequantized on lookup, into its activation dtype); with
+    ``scale``, times it (``elementwise.scale_rows``: the scale rounded to that dtype, as HF's Gemma)."""
+    rows = _embedding_rows(ctx, token_ids, table)
+    return rows if scale is None else elementwise.scale_rows(ctx, rows, scale)
+
+
+def _embedding_rows(ctx, token_ids, table):
     ids = ctx.to_device(token_ids, np.int64)
     if not isinstance(table, DeviceQuantized):
         return ctx.xp.take(table, ids, axis=0)

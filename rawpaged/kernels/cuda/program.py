@@ -90,7 +90,8 @@ def layer_names(act: str) -> list[str]:
     """Name expressions of the dtype-generic kernels for activation dtype ``act``."""
     weight_types = [act] if act == F32 else [act, F32]
     names = [f"rms_norm_kernel<{act}, {w}>" for w in weight_types]
-    names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>", f"sample_kernel<{act}>"]
+    names += [f"rotary_embedding_kernel<{act}>", f"silu_and_mul_kernel<{act}>", f"gelu_tanh_and_mul_kernel<{act}>"]
+    names.append(f"sample_kernel<{act}>")
     names += [f"apply_token_bitmask_kernel<{act}>", f"apply_logits_edits_kernel<{act}>", f"logprobs_kernel<{act}>"]
     names += [f"{k}<{act}, {f}>" for f in QUANT_FORMATS.values() for k in QUANT_KERNELS]
     return names
