@@ -57,6 +57,11 @@ class CPUFusedDecode:
             raise ValueError(f"CPUFusedDecode runs on the cpu backend, not {model.backend.name}")
         self.model = model
         self.max_batch_size = max_batch_size
+        #: whether this model's decode steps run here (else op by op): a Llama-family model whose layers
+        #: share their formats and their window (a ``GemmaModel`` has ``fused_cpu_decode = False``)
+        self.supported = getattr(model, "fused_cpu_decode", True)
+        if not self.supported:
+            return
         cfg = model.config
         layers = model.layers
         keys = [fused_decode.cache_view(c) for c in key_caches]

@@ -11,6 +11,7 @@ from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.model_executor.model_config import ModelConfig
 from rawpaged.model_executor.model_loader import release_free_heap
 from rawpaged.model_executor.model_runner import ModelRunner
+from rawpaged.model_executor.models.gemma import GemmaModel
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.tokenizer import Tokenizer
 
@@ -79,10 +80,12 @@ class ModelParts:
 
 
 def build_model(model_config: ModelConfig, weights: dict, backend, dtype: str, max_model_len: int) -> LlamaModel:
-    """The ``LlamaModel`` of ``weights`` (HF name -> host array) on ``backend`` in ``dtype``, its RoPE cache
-    over ``max_model_len`` positions. ``weights`` is emptied (the model holds what it needs) and the heap
-    that loading freed goes back to the OS."""
-    model = LlamaModel(model_config, weights, backend, dtype=dtype, max_position=max_model_len)
+    """The ``LlamaModel`` (or for Gemma 2/3 the ``GemmaModel``, which has the same interface) of ``weights``
+    (HF name -> host array) on ``backend`` in ``dtype``, its RoPE cache over ``max_model_len`` positions.
+    ``weights`` is emptied (the model holds what it needs) and the heap that loading freed goes back to
+    the OS."""
+    cls = GemmaModel if model_config.gemma else LlamaModel
+    model = cls(model_config, weights, backend, dtype=dtype, max_position=max_model_len)
     weights.clear()
     release_free_heap()
     return model

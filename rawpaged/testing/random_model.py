@@ -1,9 +1,10 @@
-"""Randomly initialised Llama-style model directories, and the one table of their shapes (``SHAPES``), for
-tests, overhead measurements and device checks that must not depend on downloaded weights.
+"""Randomly initialised Llama-style and Gemma model directories, and the one table of their shapes
+(``SHAPES``), for tests, overhead measurements and device checks that must not depend on downloaded weights.
 
 ``write_random_model(dst, ...)`` writes ``config.json`` + ``model.safetensors`` (F32, N(0, 0.02) weights,
-unit norms) and copies ``tokenizer.json``/``tokenizer_config.json`` from ``tokenizer_from`` when given
-(else writes a byte-level tokenizer with 256 byte tokens + 3 special tokens, vocab 259).
+unit norms: Gemma's norm weights 0, as its RMSNorm scales by 1 + weight) and copies
+``tokenizer.json``/``tokenizer_config.json`` from ``tokenizer_from`` when given (else writes a byte-level
+tokenizer with 256 byte tokens + 3 special tokens, vocab 259).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 #: ``tiny`` (the defaults: tests and overhead measurements), ``small`` (the server smoke check's fast
 #: shape), the default model's shape and a Llama-like head_dim 128 (timed on a device), and the families'
 #: features checked without timings on a device: Q8_0 weights quantized on load, a Mistral window shorter
-#: than the longest prompts with YaRN, Qwen3 q/k norms with head_dim 128 unlike hidden / heads and
-#: Llama 3 RoPE.
+#: than the longest prompts with YaRN, Qwen3 q/k norms with head_dim 128 unlike hidden / heads,
+#: Llama 3 RoPE, and Gemma 2 (soft-caps, every other layer windowed) and Gemma 3 (q/k norms, two RoPEs,
+#: a 2:1 pattern of windowed and full layers) with windows shorter than the longest prompts.
 SHAPES = {
     "tiny": dict(num_layers=2, hidden_size=72, intermediate_size=64, num_heads=9, num_kv_heads=3, head_dim=8),
     "small": dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
@@ -83,8 +85,46 @@ SHAPES = {
             "original_max_position_embeddings": 256,
         },
     ),
+    "gemma2-window128": dict(
+        architecture="Gemma2ForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+        sliding_window=128,
+    ),
+    "gemma3-window128": dict(
+        architecture="Gemma3ForCausalLM",
+        num_layers=6,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        sliding_window=128,
+        extra_config={"sliding_window_pattern": 3},
+    ),
 }
 _TINY = SHAPES["tiny"]
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _gemma_config(architecture: str, head_dim: int, sliding_window) -> dict:
+    """config.json fields a Gemma checkpoint has beside the Llama ones (HF's defaults, a window of
+    ``sliding_window`` or 4096; Gemma 3: every other layer windowed)."""
+    cfg = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": sliding_window or 4096,
+        "rms_norm_eps": 1e-6,
+    }
+    if architecture == "Gemma2ForCausalLM":
+        return {**cfg, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    return {**cfg, "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 10000.0}
 
 
 def _byte_tokenizer(dst: Path) -> int:
@@ -128,12 +168,15 @@ def write_random_model(
     seed=0,
     sliding_window=None,
     rope_scaling=None,
+    extra_config=None,
 ) -> Path:
     """Write a random model directory at ``dst`` and return it.
 
     ``vocab_size`` defaults to the tokenizer's size. ``architecture="Qwen2ForCausalLM"`` adds q/k/v
     biases, ``"Qwen3ForCausalLM"`` q/k norms; ``sliding_window`` (Mistral) and ``rope_scaling`` go into
-    config.json as given. Weights are N(0, 0.02) float32, norm weights 1.
+    config.json as given. ``"Gemma2ForCausalLM"``/``"Gemma3ForCausalLM"`` add the pre/post feed-forward
+    norms (and Gemma 3's q/k norms) and Gemma's config fields (``_gemma_config``). ``extra_config``: fields
+    that override config.json's. Weights are N(0, 0.02) float32, norm weights 1 (Gemma: 0).
     """
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -149,10 +192,15 @@ def write_random_model(
     def w(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
+    gemma = architecture in GEMMA
+
+    def unit(n):  # a norm weight that scales by 1
+        return np.zeros(n, np.float32) if gemma else np.ones(n, np.float32)
+
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     tensors = {
         "model.embed_tokens.weight": w(vocab_size, hidden_size),
-        "model.norm.weight": np.ones(hidden_size, np.float32),
+        "model.norm.weight": unit(hidden_size),
     }
     if not tie_word_embeddings:
         tensors["lm_head.weight"] = w(vocab_size, hidden_size)
@@ -160,8 +208,8 @@ def write_random_model(
         p = f"model.layers.{i}."
         tensors.update(
             {
-                p + "input_layernorm.weight": np.ones(hidden_size, np.float32),
-                p + "post_attention_layernorm.weight": np.ones(hidden_size, np.float32),
+                p + "input_layernorm.weight": unit(hidden_size),
+                p + "post_attention_layernorm.weight": unit(hidden_size),
                 p + "self_attn.q_proj.weight": w(q, hidden_size),
                 p + "self_attn.k_proj.weight": w(kv, hidden_size),
                 p + "self_attn.v_proj.weight": w(kv, hidden_size),
@@ -171,9 +219,12 @@ def write_random_model(
                 p + "mlp.down_proj.weight": w(hidden_size, intermediate_size),
             }
         )
-        if architecture == "Qwen3ForCausalLM":
-            tensors[p + "self_attn.q_norm.weight"] = np.ones(head_dim, np.float32)
-            tensors[p + "self_attn.k_norm.weight"] = np.ones(head_dim, np.float32)
+        if architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+            tensors[p + "self_attn.q_norm.weight"] = unit(head_dim)
+            tensors[p + "self_attn.k_norm.weight"] = unit(head_dim)
+        if gemma:
+            tensors[p + "pre_feedforward_layernorm.weight"] = unit(hidden_size)
+            tensors[p + "post_feedforward_layernorm.weight"] = unit(hidden_size)
         if architecture == "Qwen2ForCausalLM":
             tensors.update(
                 {
@@ -183,30 +234,31 @@ def write_random_model(
                 }
             )
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": [architecture],
-                "model_type": architecture.removesuffix("ForCausalLM").lower(),
-                "vocab_size": vocab_size,
-                "hidden_size": hidden_size,
-                "intermediate_size": intermediate_size,
-                "num_hidden_layers": num_layers,
-                "num_attention_heads": num_heads,
-                "num_key_value_heads": num_kv_heads,
-                "head_dim": head_dim,
-                "rms_norm_eps": 1e-5,
-                "rope_theta": 10000.0,
-                "max_position_embeddings": max_position_embeddings,
-                "tie_word_embeddings": tie_word_embeddings,
-                "bos_token_id": 1,
-                "eos_token_id": 2,
-                "torch_dtype": "float32",
-                "hidden_act": "silu",
-                "sliding_window": sliding_window,
-                "rope_scaling": rope_scaling,
-            },
-            indent=1,
-        )
-    )
+    model_type = architecture.removesuffix("ForCausalLM").lower()
+    cfg = {
+        "architectures": [architecture],
+        "model_type": "gemma3_text" if model_type == "gemma3" else model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+        "sliding_window": sliding_window,
+        "rope_scaling": rope_scaling,
+    }
+    if gemma:
+        cfg.pop("hidden_act")
+        cfg.update(_gemma_config(architecture, head_dim, sliding_window))
+    cfg.update(extra_config or {})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
