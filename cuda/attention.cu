@@ -187,15 +187,18 @@ __global__ void __launch_bounds__(rp::DEC_THREADS, 3)
             if (i < clen) {
 #pragma unroll
                 for (int g = 0; g < GMAX; ++g)
-                    if (g % DEC_TPK == klane)
-                        work[g * DEC_CHUNK + i] = soft_cap > 0.f ? soft_cap * tanhf(dot[g] / soft_cap) : dot[g];
+                    if (g % DEC_TPK == klane) work[g * DEC_CHUNK + i] = dot[g];
             }
         }
         __syncthreads();
 
-        // 2) per head: chunk max, new running max, probabilities (in place), running sum.
+        // 2) per head: soft-cap (in place; each lane reads back only what it wrote), chunk max, new running
+        //    max, probabilities (in place), running sum.
         for (int g = warp; g < GMAX; g += DEC_WARPS) {
             float* s = work + g * DEC_CHUNK;
+            if (soft_cap > 0.f) {
+                for (int i = lane; i < clen; i += 32) s[i] = soft_cap * tanhf(s[i] / soft_cap);
+            }
             float mx = NEG_BIG;
             for (int i = lane; i < clen; i += 32) mx = fmaxf(mx, s[i]);
             mx = warp_max(mx);
