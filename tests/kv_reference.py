@@ -38,8 +38,9 @@ def make_paged_kv(rng, context_lens, num_kv_heads, head_dim, block_size, dtype, 
     return key_cache, value_cache, block_tables, keys, values
 
 
-def attention_ref(q, k, v, scale, causal_offset=None, window=None):
-    """float64 softmax(scale q k^T) v for one sequence with GQA.
+def attention_ref(q, k, v, scale, causal_offset=None, window=None, soft_cap=None):
+    """float64 softmax(scale q k^T) v for one sequence with GQA (with ``soft_cap`` c, the scores
+    ``c * tanh(scale q k^T / c)``: Gemma 2's ``attn_logit_softcapping``).
 
     q ``[n_q, num_heads, d]``, k/v ``[ctx, num_kv_heads, d]``. With ``causal_offset`` o, query i sits at
     absolute position o + i and sees keys 0..o+i; without it every query sees all keys (a decode query
@@ -51,6 +52,8 @@ def attention_ref(q, k, v, scale, causal_offset=None, window=None):
     kk = np.repeat(k, group, axis=1)  # [ctx, H, d]
     vv = np.repeat(v, group, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, kk) * scale
+    if soft_cap:
+        scores = soft_cap * np.tanh(scores / soft_cap)
     if causal_offset is not None:
         qpos = causal_offset + np.arange(q.shape[0])[:, None]
         kpos = np.arange(k.shape[0])[None, :]
@@ -83,7 +86,7 @@ def rope_ref(x, positions, theta):
     return x * cos + rot * sin
 
 
-def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scale, window=None, **tol):
+def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scale, window=None, soft_cap=None, **tol):
     """Each sequence's rows of ``out`` equal the float64 causal attention of its new tokens (the last
     ``query_start_loc[s+1] - query_start_loc[s]`` positions of a sequence of ``seq_lens[s]``)."""
     tol = tol or dict(rtol=2e-4, atol=2e-5)
@@ -91,7 +94,13 @@ def assert_prefill_matches(out, q, query_start_loc, seq_lens, keys, values, scal
         rows = slice(int(query_start_loc[s]), int(query_start_loc[s + 1]))
         n = rows.stop - rows.start
         ref = attention_ref(
-            np.asarray(q[rows], np.float64), keys[s], values[s], scale, causal_offset=seq_len - n, window=window
+            np.asarray(q[rows], np.float64),
+            keys[s],
+            values[s],
+            scale,
+            causal_offset=seq_len - n,
+            window=window,
+            soft_cap=soft_cap,
         )
         np.testing.assert_allclose(np.asarray(out[rows], np.float64), ref, err_msg=f"seq {s}", **tol)
 

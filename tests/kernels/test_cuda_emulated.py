@@ -577,6 +577,74 @@ def test_dense_layers_half_precision(emu, act):
         np.testing.assert_allclose(after.astype(np.float64), before * cos + rot * sin, **tol(act))
 
 
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_gelu_tanh_and_mul_against_float64_and_cpu(emu, act):
+    """GeGLU (PyTorch's tanh GeLU) on gates from -12 to 12, every activation dtype."""
+    be = backend(emu)
+    rng = np.random.default_rng(4)
+    g = (rng.standard_normal((5, 2 * 300)) * 4).astype(np.float32)
+    g[0, :300] = np.linspace(-12, 12, 300)
+    g = g.astype(act)
+    gd = g.astype(np.float64)
+    ref = 0.5 * gd[:, :300] * (1 + np.tanh(np.sqrt(2 / np.pi) * (gd[:, :300] + 0.044715 * gd[:, :300] ** 3)))
+    got = host(be.gelu_tanh_and_mul(dev(g)), act).astype(np.float64)
+    np.testing.assert_allclose(
+        got, ref * gd[:, 300:], **(tol(act) if act != np.float32 else dict(rtol=1e-5, atol=1e-5))
+    )
+    if act == np.float32:
+        np.testing.assert_allclose(got, cpu_elementwise.gelu_tanh_and_mul(g), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])
+def test_embedding_scale_rounds_the_scale_and_each_product_to_the_dtype(emu, act):
+    """HF's Gemma normalizer: rows times sqrt(hidden) rounded to the rows' dtype, each product rounded."""
+    be = backend(emu)
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((11, 48)).astype(np.float32).astype(act)
+    ids = np.array([3, 0, 10, 3], np.int64)
+    got = host(be.embedding(ids, dev(table), scale=48**0.5), act)
+    s = np.asarray(48**0.5, np.float32).astype(act).astype(np.float32)
+    want = (table[ids].astype(np.float32) * s).astype(act)
+    np.testing.assert_array_equal(got.view(np.uint16 if act != np.float32 else np.uint32),
+                                  want.view(np.uint16 if act != np.float32 else np.uint32))  # fmt: skip
+    np.testing.assert_array_equal(host(be.embedding(ids, dev(table)), act), table[ids])
+
+
+@pytest.mark.parametrize("num_sms", [1, 64], ids=["one-partition", "split-k"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_logits_soft_cap(emu, window, num_sms):
+    """Gemma 2's soft-cap on both decode paths, against the CPU kernel and float64."""
+    rng = np.random.default_rng(11)
+    contexts = [1, 17, 40, 700]
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 2, 3, 64, 16, BF16)
+    q *= 3  # scores well past the cap
+    lens = np.array(contexts, np.int32)
+    out = np.full_like(q, np.nan)
+    backend(emu, num_sms).paged_attention(
+        out, q, dev(kc), dev(vc), bt, lens, 0.125, sliding_window=window, logits_soft_cap=2.0
+    )
+    cpu = np.full_like(q, np.nan)
+    cpu_attention.paged_attention(cpu, q, kc, vc, bt, lens, 0.125, sliding_window=window, logits_soft_cap=2.0)
+    np.testing.assert_allclose(out, cpu, rtol=2e-4, atol=2e-5)
+    for s, c in enumerate(contexts):
+        ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.125, window=window, soft_cap=2.0)[0]
+        np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}")
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_prefill_attention_logits_soft_cap(emu, window):
+    rng = np.random.default_rng(12)
+    seq_lens = [100, 70, 33, 9]
+    new_tokens = [100, 20, 1, 9]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 64, 16, np.float32)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = (rng.standard_normal((qsl[-1], 6, 64)) * 3).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    lens = np.array(seq_lens, np.int32)
+    backend(emu).prefill_attention(out, q, kc, vc, bt, qsl, lens, 0.125, sliding_window=window, logits_soft_cap=3.0)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125, window=window, soft_cap=3.0)
+
+
 # ------------------------------------------------------------------------------------------ sampling
 @pytest.mark.parametrize("staged", [True, False], ids=["smem", "global"])
 @pytest.mark.parametrize("act", [np.float32, F16, BF16], ids=["f32", "f16", "bf16"])

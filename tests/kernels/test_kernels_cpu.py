@@ -117,6 +117,56 @@ def test_prefill_attention_sliding_window(window, numba_mode):
     assert_prefill_matches(full, q, qsl, seq_lens, keys, values, 0.125)
 
 
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+def test_paged_attention_logits_soft_cap(cap, numba_mode):
+    """Gemma 2's soft-cap ``c * tanh(s / c)`` of the scaled scores, with and without a window; a cap of 0
+    (or None) is no cap, a negative one is refused."""
+    rng = np.random.default_rng(int(cap))
+    contexts = [1, 17, 40, 300]
+    kc, vc, bt, keys, values = make_paged_kv(rng, contexts, 2, 64, 16, BF16)
+    q = (rng.standard_normal((len(contexts), 6, 64)) * 3).astype(np.float32)  # scores well past a cap of 2
+    lens = np.array(contexts, np.int32)
+    for window in (None, 20):
+        out = np.full_like(q, np.nan)
+        cpu_attention.paged_attention(out, q, kc, vc, bt, lens, 0.125, sliding_window=window, logits_soft_cap=cap)
+        for s in range(len(contexts)):
+            ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.125, window=window, soft_cap=cap)[0]
+            np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={contexts[s]}")
+    uncapped = attention_ref(q[3:], keys[3], values[3], 0.125)[0]
+    assert cap > 10 or not np.allclose(out[3], uncapped, atol=1e-2), "the cap should change the result"
+    plain = np.full_like(q, np.nan)
+    cpu_attention.paged_attention(plain, q, kc, vc, bt, lens, 0.125, logits_soft_cap=0)
+    np.testing.assert_allclose(plain[3], uncapped, rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        cpu_attention.paged_attention(out, q, kc, vc, bt, lens, 0.125, logits_soft_cap=-1.0)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_prefill_attention_logits_soft_cap(window, numba_mode):
+    """Soft-capped prefill on both CPU paths: the per-token Numba kernel (short chunks) and the BLAS-tiled
+    one (>= 32 new tokens), with and without a window."""
+    rng = np.random.default_rng(7)
+    seq_lens = [40, 300, 20, 33]
+    new_tokens = [40, 1, 7, 33]
+    kc, vc, bt, keys, values = make_paged_kv(rng, seq_lens, 2, 64, 16, np.float32)
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    q = (rng.standard_normal((qsl[-1], 4, 64)) * 3).astype(np.float32)
+    out = np.full_like(q, np.nan)
+    lens = np.array(seq_lens, np.int32)
+    cpu_attention.prefill_attention(out, q, kc, vc, bt, qsl, lens, 0.125, sliding_window=window, logits_soft_cap=3.0)
+    assert_prefill_matches(out, q, qsl, seq_lens, keys, values, 0.125, window=window, soft_cap=3.0)
+
+
+def test_gelu_tanh_and_mul_matches_float64():
+    """PyTorch's ``gelu(g, approximate="tanh") * u`` in float64, over gates from -12 to 12 (both tails)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((7, 2 * 300)) * 4).astype(np.float32)
+    x[0, :300] = np.linspace(-12, 12, 300)
+    g, u = x[:, :300].astype(np.float64), x[:, 300:].astype(np.float64)
+    ref = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * u
+    np.testing.assert_allclose(cpu_elementwise.gelu_tanh_and_mul(x), ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
     rng = np.random.default_rng(0)
