@@ -631,6 +631,30 @@ def test_paged_attention_logits_soft_cap(emu, window, num_sms):
         np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c}")
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 6])
+def test_head_dim_256_decode_and_prefill(emu, group):
+    """Gemma's head size: decode (GMAX up to 4; a group of 6 in two chunks) on both paths and prefill, with
+    a window and a soft-cap, against float64."""
+    rng = np.random.default_rng(group)
+    contexts = [1, 40, 300]
+    kc, vc, bt, keys, values, q = _decode_case(rng, contexts, 2, group, 256, 16, BF16)
+    lens = np.array(contexts, np.int32)
+    for num_sms in (1, 64):
+        out = np.full_like(q, np.nan)
+        backend(emu, num_sms).paged_attention(
+            out, q, dev(kc), dev(vc), bt, lens, 0.0625, sliding_window=32, logits_soft_cap=1.5
+        )
+        for s, c in enumerate(contexts):
+            ref = attention_ref(q[s : s + 1], keys[s], values[s], 0.0625, window=32, soft_cap=1.5)[0]
+            np.testing.assert_allclose(out[s], ref, rtol=2e-4, atol=2e-5, err_msg=f"ctx={c} num_sms={num_sms}")
+    new_tokens = [1, 40, 45]
+    qsl = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    qp = rng.standard_normal((qsl[-1], 2 * group, 256)).astype(np.float32)
+    out = np.full_like(qp, np.nan)
+    backend(emu).prefill_attention(out, qp, dev(kc), dev(vc), bt, qsl, lens, 0.0625, sliding_window=32)
+    assert_prefill_matches(out, qp, qsl, contexts, keys, values, 0.0625, window=32)
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_prefill_attention_logits_soft_cap(emu, window):
     rng = np.random.default_rng(12)

@@ -225,15 +225,31 @@ def emu():
     return Emulator(build())
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_emulated_cuda_engine_greedy_matches_the_reference(checkpoints, emu, monkeypatch, name):
+@pytest.mark.parametrize("name,eager", [("gemma2", True), ("gemma3", True), ("gemma3", False)])
+def test_emulated_cuda_engine_greedy_matches_the_reference(checkpoints, emu, monkeypatch, name, eager):
     """The CUDA kernels (float32: GeGLU, soft-capped decode and prefill attention, scaled embedding,
-    float32 (1 + w) norm weights) run by the real CudaBackend through the CPU emulation."""
+    float32 (1 + w) norm weights) run by the real CudaBackend through the CPU emulation; ``eager=False``:
+    decode steps on the static buffers of the CUDA graph path, through a stand-in capture (a replay reruns
+    the captured forward into the captured output)."""
     from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.kernels.cuda.backend import CudaBackend
 
     monkeypatch.setattr(engine_mod, "get_backend", lambda device: emulated_backend(emu, num_sms=4))
+
+    def capture_graph(self, fn):
+        output = fn()
+
+        def replay():
+            output[...] = fn()
+
+        return replay, output
+
+    monkeypatch.setattr(CudaBackend, "supports_cuda_graphs", True)
+    monkeypatch.setattr(CudaBackend, "capture_graph", capture_graph)
     path, cfg, w = checkpoints(name)
     llm = LLM(model=str(path), device="cuda", dtype="float32", num_kv_blocks=64, block_size=4,
-              max_num_batched_tokens=16)  # fmt: skip
+              max_num_batched_tokens=16, enforce_eager=eager, max_num_seqs=4)  # fmt: skip
     assert llm.engine.backend.name == "cuda"
-    _greedy_llm(llm, cfg, w, f"cuda-emulated {name}")
+    _greedy_llm(llm, cfg, w, f"cuda-emulated {name} eager={eager}")
+    if not eager:
+        assert sum(llm.engine.runner.cuda_graph.num_steps.values()) > 0, "no decode step ran on the graph path"

@@ -109,13 +109,12 @@ def scale_rows(ctx, x, scale: float):
     rounded to it (PyTorch's product of a tensor and a scalar tensor of its dtype); bfloat16 (uint16 bits)
     goes through float32, where the product of two bfloat16 values is exact."""
     act = ctype(x, "x")
-    if act != program.BF16:
-        return x * ctx.xp.asarray(scale, dtype=x.dtype)
+    if act != program.BF16:  # a NumPy scalar of x's dtype: a kernel argument, no copy (graph capture)
+        return x * x.dtype.type(scale)
     x = ctx.xp.ascontiguousarray(x)
     wide = ctx.xp.empty(x.shape, dtype=np.float32)
     convert(ctx, wide, x)
-    rounded = np.asarray([scale], np.float32).astype(BFLOAT16.numpy).astype(np.float32)[0]
-    wide *= rounded
+    wide *= np.float32(np.float32(scale).astype(BFLOAT16.numpy))
     out = ctx.xp.empty(x.shape, dtype=x.dtype)
     convert(ctx, out, wide)
     return out

@@ -54,7 +54,8 @@ DTYPE_NAME_PAIRS = (
 )
 #: ... and the same pairs as C++ element types.
 DTYPE_PAIRS = tuple((FLOAT_TYPES[a].cxx, kv_cache_type(c).cxx) for a, c in DTYPE_NAME_PAIRS)
-HEAD_DIMS = (64, 128)
+#: head sizes the attention kernels are built for (256: Gemma 2 and Gemma 3)
+HEAD_DIMS = (64, 128, 256)
 #: Compile-time upper bounds on the query heads one decode block serves (a group is padded up to one).
 DECODE_GMAX = (1, 2, 4, 8, 16)
 COPY_WORD_BYTES = (16, 8, 4, 2)
@@ -158,5 +159,6 @@ def include_options() -> tuple[str, ...]:
 
 
 def gmax_cap(head_dim: int) -> int:
-    """Largest GMAX for a head size: bounded by registers (GMAX * head_dim / 32 accumulators per thread)."""
-    return 16 if head_dim <= 128 else 8
+    """Largest GMAX for a head size: bounded by registers (GMAX * head_dim / 32 accumulators per thread;
+    at 256, GMAX 8 spills with float32 caches; Gemma's groups are 2 or 4)."""
+    return 16 if head_dim <= 128 else 4
