@@ -138,7 +138,7 @@ def test_cos_sin_cache_scales_by_the_attention_factor():
         ({"mlp_bias": True}, "mlp_bias"),
         ({"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 2"),
         ({"head_dim": 7}, "head_dim 7 must be even"),
-        ({"architectures": ["Gemma2ForCausalLM"]}, "not supported"),
+        ({"architectures": ["Phi3ForCausalLM"]}, "not supported"),
     ],
 )
 def test_unsupported_configs_raise_one_clear_error(extra, match):
