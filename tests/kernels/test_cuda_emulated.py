@@ -1345,6 +1345,7 @@ def test_uninitialized_shared_memory_reads_are_nan_and_overruns_are_caught(emu):
         np.int32(cfg["split_len"]),
         np.int32(1),
         np.int32(0),
+        np.float32(0.0),  # no soft-cap
     )
     with pytest.raises(RuntimeError, match="outside"):
         emu.launch(
