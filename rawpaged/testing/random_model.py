@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 #: features checked without timings on a device: Q8_0 weights quantized on load, a Mistral window shorter
 #: than the longest prompts with YaRN, Qwen3 q/k norms with head_dim 128 unlike hidden / heads,
 #: Llama 3 RoPE, and Gemma 2 (soft-caps, every other layer windowed) and Gemma 3 (q/k norms, two RoPEs,
-#: a 2:1 pattern of windowed and full layers) with windows shorter than the longest prompts.
+#: a 2:1 pattern of windowed and full layers, head_dim 256) with windows shorter than the longest prompts.
 SHAPES = {
     "tiny": dict(num_layers=2, hidden_size=72, intermediate_size=64, num_heads=9, num_kv_heads=3, head_dim=8),
     "small": dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
@@ -96,14 +96,14 @@ SHAPES = {
         vocab_size=32000,
         sliding_window=128,
     ),
-    "gemma3-window128": dict(
+    "gemma3-head256-window128": dict(  # Gemma 3 1B's head_dim and group of 4
         architecture="Gemma3ForCausalLM",
         num_layers=6,
         hidden_size=512,
         intermediate_size=1024,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=256,
         vocab_size=32000,
         sliding_window=128,
         extra_config={"sliding_window_pattern": 3},

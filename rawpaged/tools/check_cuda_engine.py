@@ -37,7 +37,14 @@ from rawpaged.testing.random_model import write_random_model
 SHAPES = {name: RANDOM_SHAPES[name] for name in ("smollm2-135m-shape", "llama-like-head128")}
 #: the families' features on a device, checked without timings (see ``rawpaged.testing.random_model.SHAPES``)
 FEATURE_SHAPES = {
-    name: RANDOM_SHAPES[name] for name in ("q8_0-on-load", "mistral-window256-yarn", "qwen3-head128-llama3")
+    name: RANDOM_SHAPES[name]
+    for name in (
+        "q8_0-on-load",
+        "mistral-window256-yarn",
+        "qwen3-head128-llama3",
+        "gemma2-window128",
+        "gemma3-head256-window128",
+    )
 }
 
 
