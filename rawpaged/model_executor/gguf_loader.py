@@ -27,7 +27,7 @@ from rawpaged.errors import import_optional
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
 from rawpaged.model_executor import gguf_gemma3
 from rawpaged.model_executor.gguf_spm import build_spm_tokenizer
-from rawpaged.model_executor.model_config import ModelConfig
+from rawpaged.model_executor.model_config import GenerationConfig, ModelConfig
 from rawpaged.tokenizer import Tokenizer
 
 logger = logging.getLogger("rawpaged.engine")
@@ -449,6 +449,20 @@ def load_gguf(path, native: bool = True) -> tuple:
     model_config = ModelConfig.from_dict(config, source)
     tensors = check_tensors(read_tensors(reader, config, source, native), model_config, source)
     return model_config, Tokenizer.from_objects(tok, tok_config), tensors
+
+
+#: architecture -> token texts that end a turn, besides the file's EOS: HF's generation_config.json for
+#: Gemma 3 lists ``<end_of_turn>`` beside ``<eos>`` (``eos_token_id: [1, 106]``), and llama.cpp makes it an
+#: end-of-generation token (``src/llama-vocab.cpp``, ``llama_vocab::impl::load``)
+END_OF_TURN = {"Gemma3ForCausalLM": ("<end_of_turn>",)}
+
+
+def gguf_generation_config(model_config, tokenizer: Tokenizer) -> GenerationConfig:
+    """What a GGUF file implies of ``generation_config.json``: no sampling defaults; for Gemma 3 the
+    ``<end_of_turn>`` id as one more EOS (``END_OF_TURN``), so chat replies end where the turn does."""
+    names = END_OF_TURN.get(model_config.architecture, ())
+    vocab = tokenizer.get_vocab() if names else {}
+    return GenerationConfig(eos_token_ids=tuple(vocab[n] for n in names if n in vocab), sampling_defaults={})
 
 
 def check_tensors(tensors: dict, model_config, source: str) -> dict:

@@ -10,6 +10,7 @@ The tests on the real file (Gemma 3 270M, Q4_K_M) are skipped only where it is n
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,13 @@ pytest.importorskip("gguf")  # absent on some hosts (the GPU host has no package
 
 from rawpaged.kernels.quantization import QuantizedTensor
 from rawpaged.model_executor import gguf_gemma3
-from rawpaged.model_executor.gguf_loader import hf_name, open_reader, read_metadata, read_tensors
+from rawpaged.model_executor.gguf_loader import (
+    gguf_generation_config,
+    hf_name,
+    open_reader,
+    read_metadata,
+    read_tensors,
+)
 from rawpaged.model_executor.gguf_spm import build_spm_tokenizer, spm_merges
 from rawpaged.tokenizer import Tokenizer
 from rawpaged.weights import gemma3
@@ -215,6 +222,17 @@ def test_real_chat_template_from_beside_the_file(real, tmp_path):
     _, tok2, cfg2 = read_metadata(open_reader(alone), str(alone))
     with pytest.raises(ValueError, match="no chat template .*chat_template.jinja beside it"):
         Tokenizer.from_objects(tok2, cfg2).encode_chat([{"role": "user", "content": "Hi"}])
+
+
+@needs_file
+def test_real_end_of_turn_is_one_more_eos(real):
+    """As HF's generation_config.json for Gemma 3 ([1, 106]) and llama.cpp's end-of-generation tokens:
+    ``<end_of_turn>`` (106) ends a sequence besides the config's ``<eos>`` (1); not for other families."""
+    _, config, tok, tok_config = real
+    ours = Tokenizer.from_objects(tok, tok_config)
+    assert gguf_generation_config(SimpleNamespace(architecture="Gemma3ForCausalLM"), ours).eos_token_ids == (106,)
+    assert gguf_generation_config(SimpleNamespace(architecture="LlamaForCausalLM"), ours).eos_token_ids == ()
+    assert config["eos_token_id"] == 1
 
 
 #: a divergence from llama.cpp is allowed where its top-2 logit gap was below this: it rounds activations
