@@ -292,7 +292,10 @@ class Tokenizer:
                 write the last content as given.
         """
         if not self.chat_template:
-            raise ValueError("this model has no chat template (tokenizer_config.json: chat_template)")
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json: chat_template; a GGUF file: "
+                "tokenizer.chat_template, or a chat_template.jinja beside it)"
+            )
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if template_kwargs is not None:

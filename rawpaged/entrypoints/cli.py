@@ -27,7 +27,7 @@ from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MA
 from rawpaged.entrypoints.server.startup import load_engine
 from rawpaged.errors import import_optional
 from rawpaged.sampling_params import SamplingParams
-from rawpaged.weights import DEFAULT_MODEL
+from rawpaged.weights import MODEL_NAMES
 from rawpaged.weights.hub import is_repo_id
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -177,11 +177,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _check_model_arg(model: str | None, quantization: str | None = None) -> str | None:
-    """An error line for a ``--model`` that is neither a directory, a .gguf file nor the default model's
-    name, or a ``--quantization`` that does not fit it (caught before the server binds its port)."""
+    """An error line for a ``--model`` that is neither a directory, a .gguf file nor a prepared model's
+    name (``MODEL_NAMES``), or a ``--quantization`` that does not fit it (caught before the server binds its port)."""
     path = Path(model).expanduser() if model is not None else None
     is_gguf = path is not None and (path.suffix == ".gguf" or (is_repo_id(model) and ":" in model))
-    if path is not None and not path.is_dir() and model != DEFAULT_MODEL and not is_repo_id(model):
+    if path is not None and not path.is_dir() and model not in MODEL_NAMES and not is_repo_id(model):
         if is_gguf and not path.exists():
             return f"error: --model {model!r} does not exist"
         if not (path.is_file() and is_gguf):

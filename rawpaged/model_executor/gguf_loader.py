@@ -6,8 +6,10 @@ Tensors in a native format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K:
 ``native=False``; every other type the ``gguf`` package can dequantize becomes float32, and the load log
 says which tensors and how many bytes that costs. llama.cpp's converter permutes the rows of Llama's Q and
 K projections (it interleaves the two rotary halves of each head); the permutation is undone, on whole
-rows, so it is exact on blocks too. Qwen2 files are not permuted. GGUF lists dimensions fastest first,
-so the reader's arrays are already HF-shaped ``[out_features, in_features]``.
+rows, so it is exact on blocks too. Qwen2 and Gemma 3 files are not permuted. GGUF lists dimensions fastest
+first, so the reader's arrays are already HF-shaped ``[out_features, in_features]``. Gemma 3
+(``gguf_gemma3``): the values llama.cpp fixes rather than stores, its names, its norms written as ``1 + w``;
+its SentencePiece tokenizer: ``gguf_spm``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from tqdm.auto import tqdm
 
 from rawpaged.errors import import_optional
 from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
-from rawpaged.model_executor.model_config import ModelConfig
+from rawpaged.model_executor import gguf_gemma3
+from rawpaged.model_executor.gguf_spm import build_spm_tokenizer
+from rawpaged.model_executor.model_config import GenerationConfig, ModelConfig
 from rawpaged.tokenizer import Tokenizer
 
 logger = logging.getLogger("rawpaged.engine")
@@ -43,7 +47,10 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
 _TOKEN_TYPE_USER_DEFINED = 4
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+#: the chat template read beside a GGUF that has none (HF's file name for one; ``rawpaged.weights.gemma3``
+#: writes it)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: ``tokenizer.ggml.pre`` -> the split regex of HF's pre-tokenizer for it (None: GPT-2's, after splitting
 #: digits one by one), as the families' tokenizer.json files give them.
 _QWEN2_SPLIT = (
@@ -86,18 +93,21 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)
+    in architecture ``arch`` (``gemma3``: ``ffn_norm`` is ``pre_feedforward_layernorm``, and the norms
+    after attention and the MLP, ``q_norm`` and ``k_norm``).
 
-    Raises ValueError for a name outside the Llama/Qwen2 set."""
+    Raises ValueError for a name outside the architecture's set."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     if base.startswith("blk."):
         _, idx, kind = base.split(".", 2)
-        if kind not in LAYER_NAMES:
+        names = {**LAYER_NAMES, **gguf_gemma3.LAYER_NAMES} if arch == "gemma3" else LAYER_NAMES
+        if kind not in names:
             raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-        return f"model.layers.{int(idx)}.{LAYER_NAMES[kind]}.{suffix}"
+        return f"model.layers.{int(idx)}.{names[kind]}.{suffix}"
     if base not in GLOBAL_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     return f"{GLOBAL_NAMES[base]}.{suffix}"
@@ -203,8 +213,12 @@ def _add_typed_tokens(tok: Any, tokens: list[str], token_types: list[int]) -> No
 def read_metadata(reader: Any, source: str) -> tuple:
     """(HF ``config.json`` dict, ``tokenizers.Tokenizer``, ``tokenizer_config.json`` dict) of a GGUF.
 
+    A file without ``tokenizer.chat_template`` takes the template of ``chat_template.jinja`` beside it,
+    where there is one (Gemma 3 270M's GGUF has none: ``rawpaged.weights.gemma3`` writes that file from HF's
+    ``tokenizer_config.json``); else the model has no chat template, and chat requests are refused.
+
     Raises:
-        ValueError naming the file: an architecture other than llama/qwen2, missing metadata, RoPE
+        ValueError naming the file: an architecture other than llama/qwen2/gemma3, missing metadata, RoPE
         scaling, or a pre-tokenizer this loader cannot reproduce (its token ids would be wrong).
     """
     arch, pre = _supported(reader, source)
@@ -219,26 +233,57 @@ def read_metadata(reader: Any, source: str) -> tuple:
             f"{source}: rope_freqs.weight (Llama 3.1 RoPE scaling in GGUF form) is not supported; "
             "load the safetensors checkpoint, whose rope_scaling is"
         )
-    config = _hf_config(reader, arch, hidden, n_head, len(tokens), names, source)
-    # Llama 3's BOS comes from its tokenizer's post-processor; the others' from add_bos_token (below).
+    if arch == "gemma3":
+        config = _gemma3_config(reader, len(tokens), names, source)
+    else:
+        config = _hf_config(reader, arch, hidden, n_head, len(tokens), names, source)
+    # Llama 3's and SentencePiece's BOS come from the tokenizer's post-processor; the others' from
+    # add_bos_token (below).
     bos_id = config["bos_token_id"]
-    bos = tokens[bos_id] if pre == "llama-bpe" and field(reader, "tokenizer.ggml.add_bos_token", False) else None
-    tok = build_tokenizer(tokens, list(_need(reader, "tokenizer.ggml.merges", source)), token_types, pre, bos)
+    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False))
+    if pre == "spm":
+        unk = field(reader, "tokenizer.ggml.unknown_token_id")
+        scores = [float(x) for x in _need(reader, "tokenizer.ggml.scores", source)]
+        types = token_types if token_types is not None else [1] * len(tokens)
+        tok = build_spm_tokenizer(tokens, scores, types, unk, bos_id if add_bos else None)
+        bos = tokens[bos_id] if add_bos else None
+    else:
+        bos = tokens[bos_id] if pre == "llama-bpe" and add_bos else None
+        tok = build_tokenizer(tokens, list(_need(reader, "tokenizer.ggml.merges", source)), token_types, pre, bos)
     pad_id = config.get("pad_token_id")
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokens[bos_id],
         "eos_token": tokens[config["eos_token_id"]],
         "pad_token": tokens[pad_id if pad_id is not None else config["eos_token_id"]],
-        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is None,
+        "add_bos_token": add_bos and bos is None,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
     }
     template = field(reader, "tokenizer.chat_template")
+    beside = Path(source).parent / CHAT_TEMPLATE_FILE
+    if template is None and beside.is_file():
+        template = beside.read_text(encoding="utf-8")
     if template is not None:
         tok_config["chat_template"] = template
     return config, tok, tok_config
+
+
+def _gemma3_config(reader: Any, n_tokens: int, names: set, source: str) -> dict:
+    """``gguf_gemma3.gemma3_config`` of a ``gemma3`` file. Raises ValueError naming the file and a
+    missing key or a bad sliding-window pattern."""
+    meta = {}
+    for key in reader.fields:
+        if key.startswith("gemma3.") or (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")):
+            v = field(reader, key)
+            meta[key.split(".", 1)[1].removeprefix("ggml.")] = shortest_f32(v) if isinstance(v, float) else v
+    try:
+        return gguf_gemma3.gemma3_config(meta, n_tokens, "output.weight" not in names)
+    except KeyError as e:
+        raise ValueError(f"{source}: missing metadata gemma3.{e.args[0]}") from None
+    except ValueError as e:
+        raise ValueError(f"{source}: gemma3.attention.{e}") from None
 
 
 def _need(reader: Any, key: str, source: str) -> Any:
@@ -250,7 +295,8 @@ def _need(reader: Any, key: str, source: str) -> Any:
 
 
 def _supported(reader: Any, source: str) -> tuple:
-    """(architecture, ``tokenizer.ggml.pre``) of a GGUF this loader reads.
+    """(architecture, ``tokenizer.ggml.pre``) of a GGUF this loader reads; ``"spm"`` for Gemma 3's
+    SentencePiece tokenizer (``tokenizer.ggml.model`` ``llama`` without ``add_space_prefix``).
 
     Raises ValueError naming the file: another architecture, RoPE scaling, or another tokenizer."""
     arch = field(reader, "general.architecture")
@@ -261,10 +307,18 @@ def _supported(reader: Any, source: str) -> tuple:
         raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported in GGUF files")
     model = field(reader, "tokenizer.ggml.model")
     pre = field(reader, "tokenizer.ggml.pre", "default")
+    if model == "llama" and arch == "gemma3":
+        if field(reader, "tokenizer.ggml.add_space_prefix", True):
+            raise ValueError(
+                f"{source}: a SentencePiece tokenizer with tokenizer.ggml.add_space_prefix is not supported "
+                "(Gemma 3's has none)"
+            )
+        return arch, "spm"
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise ValueError(
             f"{source}: tokenizer.ggml.model {model!r} / tokenizer.ggml.pre {pre!r} is not supported "
-            f"(supported: 'gpt2' with {sorted(PRE_TOKENIZERS)}); convert the model to safetensors instead"
+            f"(supported: 'gpt2' with {sorted(PRE_TOKENIZERS)}, and Gemma 3's 'llama'); convert the model to "
+            "safetensors instead"
         )
     return arch, pre
 
@@ -310,12 +364,14 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
     import gguf  # deferred: an optional library (open_reader checked that it is installed)
 
     permute = config["model_type"] == "llama"
+    gemma = config["model_type"] == "gemma3_text"
+    arch = "gemma3" if gemma else config["model_type"]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors: dict[str, Any] = {}
     expanded: dict[str, list] = {}  # type -> [tensors, file bytes, float32 bytes] of the dequantized ones
     for t in tqdm(reader.tensors, desc="read tensors", unit="tensor", disable=not progress):
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name in tensors:
             raise ValueError(f"{source}: duplicate tensor {t.name}")
         kind = t.name.split(".")[-2]
@@ -329,6 +385,8 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if permute and kind in heads:
             w = unpermute_qk(w, heads[kind])
+        if gemma and name.endswith("norm.weight"):
+            w = gguf_gemma3.unshift_norm(w)  # the converter wrote 1 + w
         # a copy even when already float32: a view would keep the whole file mapped and resident
         tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
         if native and len(shape) == 2 and qtype not in ("F32", "F16", "BF16"):
@@ -391,6 +449,20 @@ def load_gguf(path, native: bool = True) -> tuple:
     model_config = ModelConfig.from_dict(config, source)
     tensors = check_tensors(read_tensors(reader, config, source, native), model_config, source)
     return model_config, Tokenizer.from_objects(tok, tok_config), tensors
+
+
+#: architecture -> token texts that end a turn, besides the file's EOS: HF's generation_config.json for
+#: Gemma 3 lists ``<end_of_turn>`` beside ``<eos>`` (``eos_token_id: [1, 106]``), and llama.cpp makes it an
+#: end-of-generation token (``src/llama-vocab.cpp``, ``llama_vocab::impl::load``)
+END_OF_TURN = {"Gemma3ForCausalLM": ("<end_of_turn>",)}
+
+
+def gguf_generation_config(model_config, tokenizer: Tokenizer) -> GenerationConfig:
+    """What a GGUF file implies of ``generation_config.json``: no sampling defaults; for Gemma 3 the
+    ``<end_of_turn>`` id as one more EOS (``END_OF_TURN``), so chat replies end where the turn does."""
+    names = END_OF_TURN.get(model_config.architecture, ())
+    vocab = tokenizer.get_vocab() if names else {}
+    return GenerationConfig(eos_token_ids=tuple(vocab[n] for n in names if n in vocab), sampling_defaults={})
 
 
 def check_tensors(tensors: dict, model_config, source: str) -> dict:

