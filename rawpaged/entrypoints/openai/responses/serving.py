@@ -23,7 +23,6 @@ in progress is a 400).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict
 
@@ -39,6 +38,7 @@ from rawpaged.entrypoints.generation.request_body import decode_json, parse_requ
 from rawpaged.entrypoints.http.body import read_body
 from rawpaged.entrypoints.http.errors import ProtocolError, error_body
 from rawpaged.entrypoints.http.json_reply import json_response
+from rawpaged.entrypoints.http.sse import typed_event, write_events
 from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.responses.output_items import (
     OutputItems,
@@ -174,51 +174,44 @@ def _start_background(state, engine, req, chat, rid, created, prompt, streams, c
 
 
 async def _stream(request, state, req, chat, rid, created, prompt, stream, conversation) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        status=200,
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-    await resp.prepare(request)
     numbered = iter(range(1 << 62))
 
     def event(kind: str, **fields) -> dict:
         return {"type": kind, "sequence_number": next(numbered), **fields}
 
-    async def send(events: list) -> None:
-        for e in events:
-            await resp.write(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode())
+    def error_event(e: EngineError) -> bytes:
+        return typed_event(event("error", **error_body(str(e), e.type)["error"]))
 
+    events = _events(state, req, chat, rid, created, prompt, stream, conversation, event)
+    return await write_events(request, events, error_event)
+
+
+async def _events(state, req, chat, rid, created, prompt, stream, conversation, event):
+    """The stream's events (``sse.typed_event``), numbered by ``event``; the finished response is kept
+    (unless ``store: false``)."""
     model = state.model_name
     opening = response_object(req, rid, created, model, "in_progress", [])
     items = OutputItems(state.reasoning_parser, chat.tool_parser(), event)
     tracker = DeltaTracker()
-    try:
-        await send([event("response.created", response=opening), event("response.in_progress", response=opening)])
-        last = None
-        async for out in stream:
-            for d in tracker.deltas(out):
-                await send(items.feed(d.text, _logprobs(req, prompt, d.token_ids, d.logprobs)))
-                if d.finish_reason is not None:
-                    final, last = out, out.outputs[0]
-        if last is None:
-            raise EngineError("the request was aborted by the server")
-        await send(items.finish(item_status(last)))
-        response = finished_response(
-            req, rid, created, model, items.items, last, *_token_counts(state, prompt, final, last)
-        )
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        await send([event(kind, response=response)])
-        if req.stores:
-            state.responses.put(response, conversation + conversation_of(items.items))
-    except EngineError as e:
-        await send([event("error", **error_body(str(e), e.type)["error"])])
-    except ConnectionError:
-        return resp
-    try:
-        await resp.write_eof()
-    except ConnectionError:
-        pass
-    return resp
+    for e in (event("response.created", response=opening), event("response.in_progress", response=opening)):
+        yield typed_event(e)
+    last = None
+    async for out in stream:
+        for d in tracker.deltas(out):
+            for e in items.feed(d.text, _logprobs(req, prompt, d.token_ids, d.logprobs)):
+                yield typed_event(e)
+            if d.finish_reason is not None:
+                final, last = out, out.outputs[0]
+    if last is None:
+        raise EngineError("the request was aborted by the server")
+    for e in items.finish(item_status(last)):
+        yield typed_event(e)
+    counts = _token_counts(state, prompt, final, last)
+    response = finished_response(req, rid, created, model, items.items, last, *counts)
+    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    yield typed_event(event(kind, response=response))
+    if req.stores:
+        state.responses.put(response, conversation + conversation_of(items.items))
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
