@@ -76,8 +76,7 @@ def test_chat_stream_chat_whole_and_responses_items_agree(step):
     assert whole["reasoning"] == REASONING and whole["content"] == "Let me look."
     assert [c["function"]["name"] for c in whole["tool_calls"]] == ["get_weather"]
 
-    numbered = iter(range(1000))
-    items = OutputItems("qwen3", HermesToolParser(), lambda kind, **f: {"type": kind, "n": next(numbered), **f})
+    items = OutputItems(_Req, "qwen3")
     for c in chunks:
         items.feed(c)
     items.finish()

@@ -62,6 +62,25 @@ async def merge_streams(streams: list):
             t.cancel()
 
 
+async def last_output(stream):
+    """The last ``RequestOutput`` of one request's ``stream``; an ``EngineDeadError`` when the stream
+    ended before the request finished."""
+    final = None
+    async for out in stream:
+        final = out
+    check_complete([stream])
+    return final
+
+
+async def stream_deltas(stream):
+    """Yield ``(RequestOutput, CompletionDelta)`` for each new piece of a request's ``stream``
+    (``DeltaTracker``)."""
+    tracker = DeltaTracker()
+    async for out in stream:
+        for d in tracker.deltas(out):
+            yield out, d
+
+
 def check_complete(streams: list) -> None:
     """An ``EngineDeadError`` when a stream ended before its request finished (the server aborted it)."""
     for s in streams:

@@ -5,10 +5,12 @@ messages a continuation (``previous_response_id``) sends back."""
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 from rawpaged.entrypoints.generation.choice_parser import ChoiceParser
 from rawpaged.entrypoints.generation.output_json import chat_logprobs
+from rawpaged.entrypoints.generation.reasoning_parsers import reasoning_token_count
 from rawpaged.entrypoints.generation.tool_parsers import DeltaMessage
 from rawpaged.entrypoints.openai.responses.protocol import ResponsesRequest
 
@@ -62,16 +64,32 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoni
 
 class OutputItems:
     """A choice's text, fed piece by piece, as Responses output items and the stream events that build them
-    (``feed``, then ``finish``): the choice's ``ChoiceParser`` (reasoning, then tools) splits it. ``items``
-    holds the items in output order, complete once ``finish`` returned."""
+    (``feed``, then ``finish``): the choice's ``ChoiceParser`` (reasoning, then ``req``'s tools) splits it.
+    ``items`` holds the items in output order, complete once ``finish`` returned."""
 
-    def __init__(self, reasoning_parser: str | None, tool_parser, next_event):
-        self.parser = ChoiceParser(reasoning_parser, tool_parser)
-        self.event = next_event  # (type, **fields) -> the event dict, numbered
+    def __init__(self, req: ResponsesRequest, reasoning_parser: str | None):
+        self.req = req
+        self.reasoning_parser = reasoning_parser
+        self.parser = ChoiceParser(reasoning_parser, req.tool_parser())
+        self._numbers = itertools.count()
         self.items: list = []
         self._reasoning = self._message = None
         self._calls: dict = {}  # tool parser's call index -> item
         self._logprobs: list = []  # output_text logprobs not yet sent with a delta
+
+    def response(self, rid: str, created: int, model: str, final, prompt) -> dict:
+        """The final ``response`` object once ``finish`` returned (``finished_response``)."""
+        return finished_response(self.req, rid, created, model, self.items, final, prompt, self.reasoning_parser)
+
+    def event(self, kind: str, **fields) -> dict:
+        """A stream event of type ``kind``, numbered (``sequence_number``) in the order they are made."""
+        return {"type": kind, "sequence_number": next(self._numbers), **fields}
+
+    def logprobs(self, prompt, token_ids: list, entries: list | None) -> list:
+        """``output_text.logprobs`` entries of a piece's tokens when the request asks for them, else []."""
+        if not self.req.wants_logprobs:
+            return []
+        return output_text_logprobs(prompt.tokenizer, token_ids, entries, self.req.top_logprobs or 0)
 
     def _add(self, item: dict) -> list:
         self.items.append(item)
@@ -201,13 +219,15 @@ def item_status(choice) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
 
 
-def finished_response(req, rid, created, model, items, choice, input_tokens, cached_tokens=0, reasoning_tokens=0):
-    """The final ``response`` object of a choice (``CompletionOutput``) that ended, its ``usage`` counted
-    from ``input_tokens`` prompt tokens (``cached_tokens`` of them from the prefix cache) and the choice's
-    tokens (``reasoning_tokens`` of them reasoning)."""
+def finished_response(req, rid, created, model, items, final, prompt, reasoning_parser=None):
+    """The final ``response`` object of a request whose last ``RequestOutput`` is ``final`` (its choice
+    ended), its ``usage`` counted from the ``prompt``'s tokens (``final.num_cached_tokens`` of them from
+    the prefix cache) and the choice's tokens (those of its reasoning, by ``reasoning_parser``)."""
+    choice = final.outputs[0]
     cut = choice.finish_reason == "length"
     response = response_object(req, rid, created, model, "incomplete" if cut else "completed", items)
-    response["usage"] = usage(input_tokens, len(choice.token_ids), cached_tokens, reasoning_tokens)
+    reasoning = reasoning_token_count(reasoning_parser, prompt.tokenizer, choice.token_ids)
+    response["usage"] = usage(len(prompt.ids), len(choice.token_ids), final.num_cached_tokens, reasoning)
     if cut:
         response["incomplete_details"] = {"reason": "max_output_tokens"}
     return response
