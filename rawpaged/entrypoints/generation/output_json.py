@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from typing import Protocol
 
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput
-from rawpaged.entrypoints.generation.reasoning_parsers import ReasoningParser, split_reasoning
-from rawpaged.entrypoints.generation.tool_parsers import DeltaMessage, extract_tool_calls
+from rawpaged.entrypoints.generation.choice_parser import ChoiceParser, parse_choice
 
 
 def new_id(prefix: str) -> str:
@@ -59,19 +59,16 @@ def _fingerprinted(response: dict, system_fingerprint: str | None) -> dict:
     return response
 
 
+def _response(obj: str, rid: str, created: int, model: str, choices: list, usage_: dict, system_fingerprint) -> dict:
+    response = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": usage_}
+    return _fingerprinted(response, system_fingerprint)
+
+
 def completion_response(
     rid: str, created: int, model: str, choices: list, usage_: dict, system_fingerprint: str | None = None
 ) -> dict:
     """A ``text_completion`` response with its ``choices``, ``usage`` and ``system_fingerprint``."""
-    response = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-    return _fingerprinted(response, system_fingerprint)
+    return _response("text_completion", rid, created, model, choices, usage_, system_fingerprint)
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -85,10 +82,11 @@ def _chunk(
     created: int,
     model: str,
     choices: list,
-    usage_: dict | None,
-    include_usage: bool,
-    system_fingerprint: str | None,
+    usage_: dict | None = None,
+    include_usage: bool = False,
+    system_fingerprint: str | None = None,
 ) -> dict:
+    """A stream chunk of object ``obj``, its ``choices``; ``usage_`` only with ``include_usage``."""
     chunk = _fingerprinted(
         {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}, system_fingerprint
     )
@@ -97,32 +95,16 @@ def _chunk(
     return chunk
 
 
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    choices: list,
-    usage_: dict | None = None,
-    include_usage: bool = False,
-    system_fingerprint: str | None = None,
-) -> dict:
-    """A ``text_completion`` stream chunk; ``usage`` only with ``include_usage`` (null until the last)."""
-    return _chunk("text_completion", rid, created, model, choices, usage_, include_usage, system_fingerprint)
+#: A ``text_completion`` stream chunk, ``_chunk``'s arguments after the first: ``usage`` only with
+#: ``include_usage`` (null until the last).
+completion_chunk = functools.partial(_chunk, "text_completion")
 
 
 def chat_response(
     rid: str, created: int, model: str, choices: list, usage_: dict, system_fingerprint: str | None = None
 ) -> dict:
     """A ``chat.completion`` response with its ``choices``, ``usage`` and ``system_fingerprint``."""
-    response = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-    return _fingerprinted(response, system_fingerprint)
+    return _response("chat.completion", rid, created, model, choices, usage_, system_fingerprint)
 
 
 def chat_choice(
@@ -145,17 +127,9 @@ def chat_choice(
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    choices: list,
-    usage_: dict | None = None,
-    include_usage: bool = False,
-    system_fingerprint: str | None = None,
-) -> dict:
-    """A ``chat.completion.chunk``; ``usage`` only with ``include_usage`` (null until the last)."""
-    return _chunk("chat.completion.chunk", rid, created, model, choices, usage_, include_usage, system_fingerprint)
+#: A ``chat.completion.chunk``, ``_chunk``'s arguments after the first: ``usage`` only with ``include_usage``
+#: (null until the last).
+chat_chunk = functools.partial(_chunk, "chat.completion.chunk")
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -390,8 +364,7 @@ class ChatFormat:
 
     def __init__(self, reasoning_parser: str | None = None):
         self.reasoning_parser = reasoning_parser
-        self._parsers: dict = {}  # choice index -> its tool parser (streaming)
-        self._reasoners: dict = {}  # choice index -> its ReasoningParser (streaming)
+        self._parsers: dict = {}  # choice index -> its ChoiceParser (streaming)
 
     @staticmethod
     def logprobs(req, prompt, token_ids, entries, text_offset=0):
@@ -411,14 +384,9 @@ class ChatFormat:
 
     def choice(self, req, index, prompt, output):
         lp = self.logprobs(req, prompt, output.token_ids, output.logprobs)
-        reasoning, text = None, output.text
-        if self.reasoning_parser is not None:
-            reasoning, text = split_reasoning(self.reasoning_parser, text)
         parser = req.tool_parser()
-        finish_reason, tool_calls = output.finish_reason, ()
-        if parser is not None:
-            text, tool_calls = extract_tool_calls(parser, text)
-            finish_reason = parser.finish_reason(output.finish_reason)
+        reasoning, text, tool_calls = parse_choice(self.reasoning_parser, parser, output.text)
+        finish_reason = output.finish_reason if parser is None else parser.finish_reason(output.finish_reason)
         if req.echo_text:
             text = req.echo_text + (text or "")
         out = chat_choice(index, text, finish_reason, lp, tool_calls, reasoning, req.response_role)
@@ -456,23 +424,9 @@ class ChatFormat:
         return choices
 
     def _parse(self, req, index: int, delta: CompletionDelta) -> tuple:
-        """``(DeltaMessage, finish_reason)`` of one delta, through choice ``index``'s reasoning parser and
-        tool parser if any."""
+        """``(DeltaMessage, finish_reason)`` of one delta, through choice ``index``'s ``ChoiceParser``."""
         if index not in self._parsers:
-            self._parsers[index] = req.tool_parser()
-            self._reasoners[index] = ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None
-        parser, reasoner = self._parsers[index], self._reasoners[index]
-        reasoning, text = "", delta.text
-        if reasoner is not None:
-            reasoning, text = reasoner.feed(delta.text)
-            if delta.finish_reason is not None:
-                more_reasoning, more_text = reasoner.finish()
-                reasoning, text = reasoning + more_reasoning, text + more_text
-        if parser is None:
-            return DeltaMessage(text, reasoning=reasoning), delta.finish_reason
-        message = parser.feed(text)
-        if delta.finish_reason is None:
-            return DeltaMessage(message.content, message.tool_calls, reasoning), None
-        rest = parser.finish()
-        message = DeltaMessage(message.content + rest.content, message.tool_calls + rest.tool_calls, reasoning)
-        return message, parser.finish_reason(delta.finish_reason)
+            self._parsers[index] = ChoiceParser(self.reasoning_parser, req.tool_parser())
+        parser, last = self._parsers[index], delta.finish_reason is not None
+        message = parser.feed(delta.text, last)
+        return message, (parser.finish_reason(delta.finish_reason) if last else None)

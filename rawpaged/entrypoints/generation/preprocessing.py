@@ -83,7 +83,7 @@ def encode_conversation(tok, req, max_len: int | None = None, **options) -> tupl
     them (``chat_utils.template_conversation``), then rendered and tokenized by ``Tokenizer.encode_chat``
     (``options``: its keyword options, e.g. ``add_generation_prompt``). With ``max_len``, a conversation
     whose text cannot fit the context is refused before the tokenizer's work. Raises ProtocolError
-    naming ``messages`` (``_check_length``'s names the request's prompt field)."""
+    naming the request's prompt field (``messages``; the Responses API's ``input``)."""
     try:
         messages, tools = template_conversation(req.template_messages(), req.template_tools(), tok.supports_tools)
         if max_len is not None:
@@ -91,7 +91,7 @@ def encode_conversation(tok, req, max_len: int | None = None, **options) -> tupl
             _check_length(tok, text, req, max_len)
         return tok.encode_chat(messages, template_kwargs=req.chat_template_kwargs, tools=tools, **options)
     except ValueError as e:
-        raise ProtocolError(str(e), param="messages") from None
+        raise ProtocolError(str(e), param=getattr(req, "prompt_param", "messages")) from None
 
 
 def _tokenize(tok, req, limits: Limits, max_len: int) -> list:

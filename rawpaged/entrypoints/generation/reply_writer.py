@@ -1,6 +1,6 @@
 """Step 4 of a generation request, over HTTP: the engine's outputs (``engine_requests``' streams) answered in
 a route's shapes (``output_json``), as one JSON response or, with ``stream``, as server-sent events
-ending in ``data: [DONE]``."""
+(``http.sse``) ending in ``data: [DONE]``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from aiohttp import web
 
 from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.generation.output_json import ResponseFormat, now, usage
-from rawpaged.entrypoints.http.errors import error_body
+from rawpaged.entrypoints.http.sse import data_event, write_events
 from rawpaged.entrypoints.server.state import AppState
-from rawpaged.errors import EngineDeadError, EngineError
+from rawpaged.errors import EngineDeadError
 
 
 async def write_response(
@@ -60,6 +60,25 @@ async def merge_streams(streams: list):
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def last_output(stream):
+    """The last ``RequestOutput`` of one request's ``stream``; an ``EngineDeadError`` when the stream
+    ended before the request finished."""
+    final = None
+    async for out in stream:
+        final = out
+    check_complete([stream])
+    return final
+
+
+async def stream_deltas(stream):
+    """Yield ``(RequestOutput, CompletionDelta)`` for each new piece of a request's ``stream``
+    (``DeltaTracker``)."""
+    tracker = DeltaTracker()
+    async for out in stream:
+        for d in tracker.deltas(out):
+            yield out, d
 
 
 def check_complete(streams: list) -> None:
@@ -119,23 +138,16 @@ def replica_header(streams: list) -> dict:
 
 
 async def _stream_response(request, state: AppState, req, fmt: ResponseFormat, rid, prompts, streams, headers):
-    resp = web.StreamResponse(
-        status=200,
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            **headers,
-        },
-    )
-    await resp.prepare(request)
+    chunks = _chunks(state, req, fmt, rid, prompts, streams)
+    return await write_events(request, chunks, done=True, headers=headers)
+
+
+async def _chunks(state: AppState, req, fmt: ResponseFormat, rid, prompts, streams):
+    """The stream's events (``sse.data_event``), one choice per chunk, as OpenAI streams n > 1 (clients
+    read choices[0]); the usage chunk last with ``include_usage``."""
     created = now()
     model = state.model_name
     n = req.num_choices
-
-    async def send(obj) -> None:
-        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
     trackers = [DeltaTracker() for _ in prompts]
     completion_tokens, finals, fingerprint = 0, {}, state.system_fingerprint
     generated = [0] * (len(prompts) * n)  # tokens sent per choice (vLLM's continuous_usage_stats)
@@ -146,36 +158,20 @@ async def _stream_response(request, state: AppState, req, fmt: ResponseFormat, r
         running = usage(len(prompts[index // n].ids), generated[index]) if req.include_continuous_usage else None
         return fmt.chunk(rid, created, model, [choice], running, req.include_usage, fingerprint)
 
-    try:
-        # One choice per chunk, as OpenAI streams n > 1 (clients read choices[0]).
-        for opening in fmt.opening_chunks(req, prompts, chunk):
-            await send(opening)
-        async for i, out in merge_streams(streams):
-            prompts[i].prompt_logprobs = out.prompt_logprobs
-            for d in trackers[i].deltas(out):
-                if not req.echo_only:
-                    generated[i * n + d.index] += len(d.token_ids)
-                for choice in fmt.chunk_choices(req, i * n + d.index, prompts[i], d):
-                    await send(chunk(choice))
-            if out.finished:
-                finals[i] = out
-                if not req.echo_only:
-                    completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        check_complete(streams)
-        if req.include_usage:
-            totals = usage(sum(len(p.ids) for p in prompts), completion_tokens, cached_tokens(state, finals.values()))
-            await send(fmt.chunk(rid, created, model, [], totals, True, fingerprint))
-    except EngineError as e:  # ReplicaUnavailableError and ServerShuttingDownError are 503s
-        error = error_body(str(e), e.type)
-    except ConnectionError:
-        return resp  # the client left; the caller aborts its requests
-    else:
-        error = None
-    try:
-        if error is not None:
-            await send(error)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-    except ConnectionError:
-        pass
-    return resp
+    for opening in fmt.opening_chunks(req, prompts, chunk):
+        yield data_event(opening)
+    async for i, out in merge_streams(streams):
+        prompts[i].prompt_logprobs = out.prompt_logprobs
+        for d in trackers[i].deltas(out):
+            if not req.echo_only:
+                generated[i * n + d.index] += len(d.token_ids)
+            for choice in fmt.chunk_choices(req, i * n + d.index, prompts[i], d):
+                yield data_event(chunk(choice))
+        if out.finished:
+            finals[i] = out
+            if not req.echo_only:
+                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+    check_complete(streams)
+    if req.include_usage:
+        totals = usage(sum(len(p.ids) for p in prompts), completion_tokens, cached_tokens(state, finals.values()))
+        yield data_event(fmt.chunk(rid, created, model, [], totals, True, fingerprint))

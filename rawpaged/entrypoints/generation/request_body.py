@@ -70,10 +70,13 @@ def _lone_surrogate(obj) -> list | None:
 
 
 def unknown_fields(model: type[BaseModel], body) -> list:
-    """Top-level keys of ``body`` that ``model`` does not define (they would be ignored)."""
+    """Top-level keys of ``body`` that ``model`` does not define (they would be ignored): those not in its
+    ``body_fields`` where it names them (a request that reads only some of the shared fields)."""
     if not isinstance(body, dict):
         return []
-    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    known = getattr(model, "body_fields", None) or (
+        set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    )
     return sorted(k for k in body if k not in known)
 
 
@@ -82,7 +85,9 @@ def parse_request(model: type[GenerationRequest], data, limits: Limits) -> Gener
     ``GenerationRequest`` or another request model with ``check(limits)``, such as
     ``openai.tokenize.protocol``'s), checked (``check``). Fields the API does not define are ignored and
     logged, or refused with ``limits.reject_unknown_fields``. Raises ProtocolError naming the field at
-    fault; the model's ``expected_types`` (field -> what it must be) word a wrong type's message."""
+    fault; the model's ``expected_types`` (field -> what it must be) word a wrong type's message, and its
+    ``body_fields``, where it has them, are the fields it reads from a body, in the order their errors are
+    told."""
     body = decode_json(data) if isinstance(data, (bytes, str)) else data
     unknown = unknown_fields(model, body)
     if unknown and limits.reject_unknown_fields:
@@ -93,15 +98,24 @@ def parse_request(model: type[GenerationRequest], data, limits: Limits) -> Gener
     try:
         req = model.model_validate(body)
     except ValidationError as e:
-        raise _validation_error(e, body, getattr(model, "expected_types", {})) from None
+        raise _validation_error(e, getattr(model, "expected_types", {}), getattr(model, "body_fields", ())) from None
     if unknown:
         logger.warning("request fields %s are not part of the API and were ignored", ", ".join(map(repr, unknown)))
     req.check(limits)
     return req
 
 
-def _validation_error(e: ValidationError, data, expected_types: dict) -> ProtocolError:
-    err = e.errors(include_url=False)[0]
+def _position(field, field_order: tuple) -> int:
+    return field_order.index(field) if field in field_order else len(field_order)
+
+
+def _validation_error(e: ValidationError, expected_types: dict, field_order: tuple = ()) -> ProtocolError:
+    """The first of ``e``'s errors, in ``field_order`` where it is given (else the model's), as a
+    ProtocolError naming its field."""
+    errors = e.errors(include_url=False)
+    if field_order:  # a stable sort: the errors of one field stay in pydantic's order
+        errors.sort(key=lambda err: _position(err["loc"][0] if err["loc"] else None, field_order))
+    err = errors[0]
     if err["type"] == "json_invalid":
         return ProtocolError(f"request body is not valid JSON: {err['msg']}")
     # pydantic names the union member it tried ("str", "list[int]") in the location: not a field.

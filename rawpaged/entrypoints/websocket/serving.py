@@ -23,10 +23,10 @@ from aiohttp import WSCloseCode, web
 
 from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
 from rawpaged.entrypoints.generation.admission import admit, check_capacity, require_engine
+from rawpaged.entrypoints.generation.choice_parser import ChoiceParser
 from rawpaged.entrypoints.generation.engine_requests import add_requests
 from rawpaged.entrypoints.generation.output_json import ChatFormat, CompletionFormat, new_id, prompt_logprobs_json
 from rawpaged.entrypoints.generation.preprocessing import PreparedPrompt, prepare_prompts
-from rawpaged.entrypoints.generation.reasoning_parsers import ReasoningParser
 from rawpaged.entrypoints.generation.request_body import decode_json, parse_request
 from rawpaged.entrypoints.http.auth import authorization_matches, unauthorized
 from rawpaged.entrypoints.http.errors import ProtocolError, field_error
@@ -289,7 +289,7 @@ class WebSocketSession:
         ``reasoning``, the rest in ``text``), a ``done`` when it finishes."""
         fmt = ChatFormat() if req.kind == "chat" else CompletionFormat()
         name = self.state.reasoning_parser if req.kind == "chat" else None
-        reasoners = {}
+        parsers = {}
         async for out in stream:
             for d in job.tracker.deltas(out):
                 if d.text or d.token_ids or (name and d.finish_reason):
@@ -298,13 +298,11 @@ class WebSocketSession:
                     if d.first and req.prompt_logprobs is not None:
                         msg["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                     if name:
-                        reasoner = reasoners.setdefault(d.index, ReasoningParser(name))
-                        reasoning, msg["text"] = reasoner.feed(d.text)
-                        if d.finish_reason:
-                            more_reasoning, more_text = reasoner.finish()
-                            reasoning, msg["text"] = reasoning + more_reasoning, msg["text"] + more_text
-                        if reasoning:
-                            msg["reasoning"] = reasoning
+                        parser = parsers.setdefault(d.index, ChoiceParser(name, None))
+                        message = parser.feed(d.text, last=bool(d.finish_reason))
+                        msg["text"] = message.content
+                        if message.reasoning:
+                            msg["reasoning"] = message.reasoning
                     if msg["text"] or msg["token_ids"] or msg.get("reasoning"):
                         await self.send(msg)
                 if d.finish_reason:

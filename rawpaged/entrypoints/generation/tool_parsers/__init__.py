@@ -10,6 +10,7 @@ from rawpaged.entrypoints.generation.tool_parsers.abstract_tool_parser import (
     ToolParser,
     extract_tool_calls,
     new_tool_call_id,
+    whole_tool_calls,
 )
 from rawpaged.entrypoints.generation.tool_parsers.forced_tool_parser import ForcedToolParser, forced_tool_schema
 from rawpaged.entrypoints.generation.tool_parsers.hermes_tool_parser import HermesToolParser
@@ -22,4 +23,5 @@ __all__ = [
     "extract_tool_calls",
     "forced_tool_schema",
     "new_tool_call_id",
+    "whole_tool_calls",
 ]

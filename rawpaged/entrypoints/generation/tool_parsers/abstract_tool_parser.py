@@ -72,16 +72,21 @@ class ToolParser(abc.ABC):
 
 def extract_tool_calls(parser: ToolParser, text: str) -> tuple:
     """``(content, tool_calls)`` of a whole generated text: the message's ``content`` (None when it is
-    only tool calls) and its ``tool_calls`` (OpenAI's ``[{"id", "type", "function": {"name",
-    "arguments"}}]``, empty for none)."""
-    content, calls = [], {}
-    for delta in (parser.feed(text), parser.finish()):
-        content.append(delta.content)
-        for d in delta.tool_calls:
-            call = calls.get(d["index"])
-            if call is None:
-                calls[d["index"]] = {"id": d["id"], "type": "function", "function": dict(d["function"])}
-            else:
-                call["function"]["arguments"] += d["function"]["arguments"]
-    joined = "".join(content)
-    return (joined if joined or not calls else None), [calls[i] for i in sorted(calls)]
+    only tool calls) and its ``tool_calls`` (``whole_tool_calls``, empty for none)."""
+    first, rest = parser.feed(text), parser.finish()
+    calls = whole_tool_calls(first.tool_calls + rest.tool_calls)
+    joined = first.content + rest.content
+    return (joined if joined or not calls else None), calls
+
+
+def whole_tool_calls(entries: list) -> list:
+    """``delta.tool_calls`` entries (``tool_call_delta``) put together as a message's ``tool_calls``:
+    OpenAI's ``[{"id", "type", "function": {"name", "arguments"}}]``, by call index."""
+    calls: dict = {}
+    for d in entries:
+        call = calls.get(d["index"])
+        if call is None:
+            calls[d["index"]] = {"id": d["id"], "type": "function", "function": dict(d["function"])}
+        else:
+            call["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]

@@ -30,7 +30,6 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = admit(state, req.model)  # before the tokenizer's work
     prompts = await prepare_prompts(engine, req, state.limits)
     check_capacity(state, engine, len(prompts))
-    rid = new_id("chatcmpl")
+    rid, fmt = new_id("chatcmpl"), ChatFormat(state.reasoning_parser)
     async with submitted(engine, req, prompts, rid) as streams:
-        fmt = ChatFormat(state.reasoning_parser)
         return await write_response(request, state, req, fmt, rid, prompts, streams)

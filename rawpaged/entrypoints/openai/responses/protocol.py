@@ -1,5 +1,7 @@
-"""The Responses API's request (``POST /v1/responses``, OpenAI's newer API, which vLLM also serves) and its
-translation into the chat request the chat pipeline runs (``serving``).
+"""The Responses API's request (``POST /v1/responses``, OpenAI's newer API, which vLLM also serves), a
+generation request of its own: its fields map onto the shared ones (``generation.protocol``) that the
+pipeline reads, under its own names (``input``, ``max_output_tokens``, ``text``), so every refusal names
+the field the client sent.
 
 Taken: ``input`` (a string, or items: messages with string or ``input_text``/``output_text`` parts,
 ``function_call`` and ``function_call_output``; ``reasoning`` items are skipped), ``instructions`` (a
@@ -14,11 +16,15 @@ ignored (a reasoning model's thinking comes back as a ``reasoning`` item with ``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 
-from rawpaged.entrypoints.generation.protocol import OpenAIBaseModel
+from rawpaged.entrypoints.generation.chat_messages import ChatMessage
+from rawpaged.entrypoints.generation.chat_utils import template_message
+from rawpaged.entrypoints.generation.protocol import GenerationRequest, OpenAIBaseModel
+from rawpaged.entrypoints.generation.request_body import parse_request
+from rawpaged.entrypoints.generation.tool_requests import ToolRequest
 from rawpaged.entrypoints.http.errors import ProtocolError
 from rawpaged.entrypoints.server.config import Limits
 
@@ -45,8 +51,30 @@ INCLUDABLE = (
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
-class ResponsesRequest(OpenAIBaseModel):
-    """A ``POST /v1/responses`` body (see the module doc)."""
+class Conversation(OpenAIBaseModel):
+    """The messages a Responses request runs (``ResponsesRequest.start``), checked as chat's are."""
+
+    expected_types: ClassVar[dict] = {"input": "a non-empty list of {role, content} objects"}
+
+    input: list[ChatMessage] = Field(min_length=1)
+
+    def check(self, limits: Limits) -> None:
+        return None
+
+
+#: the fields of a Responses body, in the order their errors are told (the shared fields it does not
+#: name are not read from it)
+BODY_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+               "tool_choice", "parallel_tool_calls", "text", "previous_response_id", "store", "stream", "metadata",
+               "user", "reasoning", "background", "top_logprobs", "include")  # fmt: skip
+
+
+class ResponsesRequest(ToolRequest, GenerationRequest):
+    """A ``POST /v1/responses`` body (see the module doc). ``check`` (at parsing) holds this API's own
+    rules; ``start`` takes the conversation and checks the rest, as chat does."""
+
+    body_fields: ClassVar[tuple] = BODY_FIELDS
+    chat_template_kwargs: ClassVar[None] = None
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -67,10 +95,57 @@ class ResponsesRequest(OpenAIBaseModel):
     background: bool | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
+    _messages: list = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body_fields_only(cls, body):
+        return {k: v for k, v in body.items() if k in BODY_FIELDS} if isinstance(body, dict) else body
+
+    @property
+    def kind(self) -> str:
+        return "chat"
+
+    @property
+    def prompt_param(self) -> str:
+        return "input"
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_output_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.wants_logprobs else None
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice["name"] if isinstance(self.tool_choice, dict) else None
+
+    def tool_names(self) -> list:
+        return [t.name for t in self.tools or ()]
+
+    def template_tools(self) -> list | None:
+        if not self.tools:
+            return None
+        return [
+            {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
+            for t in self.tools
+        ]
+
+    def template_messages(self) -> list:
+        return [template_message(m) for m in self._messages]
+
+    def client_param(self, param: str | None) -> str | None:
+        param = super().client_param(param)
+        return "text" if param == "response_format" else param
 
     def check(self, limits: Limits) -> None:
-        """The rules the chat request does not check itself (it checks the rest, named back by
-        ``chat_param``)."""
+        """This API's own rules (``start`` checks the rest)."""
         if isinstance(self.input, list) and not self.input:
             raise ProtocolError("input is empty", param="input")
         if self.input == "":
@@ -142,46 +217,27 @@ class ResponsesRequest(OpenAIBaseModel):
                 )
         return messages
 
-    def chat_body(self, history: list) -> dict:
-        """The chat request body: ``instructions`` as the system message, then ``history`` (a previous
-        response's conversation), then this input."""
+    def start(self, history: list, limits: Limits) -> list:
+        """Take the conversation, ``instructions`` as the system message, then ``history`` (a previous
+        response's conversation), then this input, and check it (its messages as chat's, the tools, the
+        shared fields' rules). Returns the conversation without the instructions (not carried over, as
+        OpenAI), as chat message dicts. Raises ProtocolError naming the field."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + history
-        body: dict = {"messages": messages + self.input_messages()}
-        for field, chat_field in (("max_output_tokens", "max_tokens"), ("temperature", None), ("top_p", None),
-                                  ("parallel_tool_calls", None), ("user", None)):  # fmt: skip
-            if getattr(self, field) is not None:
-                body[chat_field or field] = getattr(self, field)
-        if self.wants_logprobs:
-            body["logprobs"] = True
-            body["top_logprobs"] = self.top_logprobs or 0
-        if self.tools:
-            body["tools"] = [
-                {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
-                for t in self.tools
-            ]
-        if isinstance(self.tool_choice, dict):
-            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice["name"]}}
-        elif self.tool_choice is not None:
-            body["tool_choice"] = self.tool_choice
+        self._messages = parse_request(Conversation, {"input": messages + self.input_messages()}, limits).input
+        self.response_format = self._response_format()
+        self.check_tools()
+        GenerationRequest.check(self, limits)
+        return [m.model_dump(exclude_none=True) for m in self._messages][1 if self.instructions else 0 :]
+
+    def _response_format(self) -> dict | None:
+        """``text.format`` as the shared ``response_format``."""
         fmt = (self.text or {}).get("format")
         if isinstance(fmt, dict) and fmt.get("type") == "json_object":
-            body["response_format"] = {"type": "json_object"}
-        elif isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            return {"type": "json_object"}
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             spec = {"name": fmt.get("name", "output"), "schema": fmt["schema"], "strict": fmt.get("strict")}
-            body["response_format"] = {"type": "json_schema", "json_schema": spec}
-        return body
-
-
-#: chat field -> the Responses field a client sent it as
-CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
-
-
-def chat_param(param: str | None) -> str | None:
-    """The Responses field that a chat request's error ``param`` came from."""
-    if param is None:
+            return {"type": "json_schema", "json_schema": spec}
         return None
-    head = param.split(".")[0].split("[")[0]
-    return CHAT_PARAMS.get(head, head)
 
 
 def _str(item: dict, key: str, where: str) -> str:

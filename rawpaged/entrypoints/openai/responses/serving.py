@@ -1,10 +1,11 @@
 """``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API (what the ``openai`` SDK's
-``client.responses.create`` calls), over the chat pipeline.
+``client.responses.create`` calls), over the generation pipeline chat runs.
 
-A request (``protocol``) becomes a chat request (its checks, template, tools and constraints),
-runs as one engine request, and its text is answered as output items (``output_items``): a ``reasoning`` item (with
-``--reasoning-parser``), a ``message`` with one ``output_text`` part, and a ``function_call`` item per tool
-call. ``stream: true`` sends the SDK's server-sent events, ``event: <type>`` then ``data: <json>``:
+A request (``protocol``: its fields mapped onto the shared ones, so the pipeline's checks, template,
+tools and constraints are chat's) runs as one engine request, and its text is answered as output items
+(``output_items``): a ``reasoning`` item (with ``--reasoning-parser``), a ``message`` with one
+``output_text`` part, and a ``function_call`` item per tool call. ``stream: true`` sends the SDK's
+server-sent events (``http.sse``), ``event: <type>`` then ``data: <json>``:
 ``response.created``, ``response.in_progress``, per item ``response.output_item.added`` /
 ``response.content_part.added`` / ``response.output_text.delta`` / ``response.reasoning_text.delta`` /
 ``response.function_call_arguments.delta`` and their ``.done`` events, then ``response.completed`` (or
@@ -23,33 +24,28 @@ in progress is a 400).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict
 
 from aiohttp import web
 
-from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.generation.admission import admit, check_capacity
 from rawpaged.entrypoints.generation.engine_requests import add_requests, submitted
 from rawpaged.entrypoints.generation.preprocessing import prepare_prompts
-from rawpaged.entrypoints.generation.reasoning_parsers import reasoning_token_count
-from rawpaged.entrypoints.generation.reply_writer import check_complete
-from rawpaged.entrypoints.generation.request_body import decode_json, parse_request
+from rawpaged.entrypoints.generation.reply_writer import last_output, stream_deltas
+from rawpaged.entrypoints.generation.request_body import parse_request
 from rawpaged.entrypoints.http.body import read_body
 from rawpaged.entrypoints.http.errors import ProtocolError, error_body
 from rawpaged.entrypoints.http.json_reply import json_response
-from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from rawpaged.entrypoints.http.sse import typed_event, write_events
 from rawpaged.entrypoints.openai.responses.output_items import (
     OutputItems,
     conversation_of,
-    finished_response,
     item_status,
     new_id,
-    output_text_logprobs,
     response_object,
 )
-from rawpaged.entrypoints.openai.responses.protocol import ResponsesRequest, chat_param
+from rawpaged.entrypoints.openai.responses.protocol import ResponsesRequest
 from rawpaged.entrypoints.server.state import STATE
 from rawpaged.errors import EngineError
 
@@ -81,84 +77,51 @@ class ResponseStore:
         return found
 
 
-def responses_error(e: ProtocolError) -> ProtocolError:
-    """A refusal of the chat request (or of its prompt or constraint, later) as the Responses API names
-    things: its ``param`` and the message's leading field (``max_tokens`` -> ``max_output_tokens``,
-    ``response_format`` -> ``text``, ``messages`` -> ``input``)."""
-    param, message = chat_param(e.param), e.message
-    if param != e.param and e.param and message.startswith(e.param.split(".")[0]):
-        message = param + message[len(e.param.split(".")[0]) :]
-    return ProtocolError(message, param=param, status=e.status, type=e.type, code=e.code, headers=e.headers)
-
-
 async def create_response(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses`` (see the module doc). Raises ProtocolError (the middleware answers it): 400
     naming the field, 404 for an unknown ``model`` or ``previous_response_id``, 503 while loading."""
     state = request.app[STATE]
-    body = decode_json(await read_body(request))
-    req = parse_request(ResponsesRequest, body, state.limits)
+    req = parse_request(ResponsesRequest, await read_body(request), state.limits)
     history = []
     if req.previous_response_id is not None:
         _, history = state.responses.get(req.previous_response_id, param="previous_response_id")
+    conversation = req.start(history, state.limits)  # history + input, without the instructions
+    engine = admit(state, req.model)
+    prompts = await prepare_prompts(engine, req, state.limits)
+    check_capacity(state, engine, len(prompts))
     rid, created = new_id("resp"), int(time.time())
-    try:  # the chat pipeline's refusals (its request, the prompt's length, a schema) in this API's names
-        chat = parse_request(ChatCompletionRequest, req.chat_body(history), state.limits)
-        engine = admit(state, req.model)
-        prompts = await prepare_prompts(engine, chat, state.limits)
-        check_capacity(state, engine, len(prompts))
-        # the conversation so far, without the instructions (not carried over, as OpenAI): history + input
-        conversation = chat.model_dump(exclude_none=True)["messages"][1 if req.instructions else 0 :]
-        if req.background:
-            streams = await add_requests(engine, chat, prompts, rid)
-            return _start_background(state, engine, req, chat, rid, created, prompts[0], streams, conversation)
-        async with submitted(engine, chat, prompts, rid) as streams:
-            if req.stream:
-                return await _stream(request, state, req, chat, rid, created, prompts[0], streams[0], conversation)
-            response, items = await _final_response(state, req, chat, rid, created, prompts[0], streams)
-    except ProtocolError as e:
-        raise responses_error(e) from None
+    items = OutputItems(req, state.reasoning_parser)
+    if req.background:
+        streams = await add_requests(engine, req, prompts, rid)
+        return _start_background(state, engine, items, rid, created, prompts[0], streams, conversation)
+    async with submitted(engine, req, prompts, rid) as streams:
+        if req.stream:
+            return await _stream(request, state, items, rid, created, prompts[0], streams[0], conversation)
+        response = await _final_response(state, items, rid, created, prompts[0], streams[0])
     if req.stores:
         state.responses.put(response, conversation + conversation_of(items.items))
     return json_response(response)
 
 
-def _logprobs(req, prompt, token_ids, entries) -> list:
-    if not req.wants_logprobs:
-        return []
-    return output_text_logprobs(prompt.tokenizer, token_ids, entries, req.top_logprobs or 0)
-
-
-def _token_counts(state, prompt, final, choice) -> tuple:
-    """``(input tokens, of them cached, reasoning tokens)`` of a finished request: its prompt, the prompt
-    tokens served from the prefix cache (``final``: its last ``RequestOutput``), and the reasoning tokens
-    of ``choice`` (with ``--reasoning-parser``)."""
-    reasoning = reasoning_token_count(state.reasoning_parser, prompt.tokenizer, choice.token_ids)
-    return len(prompt.ids), final.num_cached_tokens, reasoning
-
-
-async def _final_response(state, req, chat, rid, created, prompt, streams) -> tuple:
-    """The finished response of a request that is not streamed, and its ``OutputItems``."""
-    final = None
-    async for out in streams[0]:
-        final = out
-    check_complete(streams)
+async def _final_response(state, items, rid, created, prompt, stream) -> dict:
+    """The finished response of a request that is not streamed (its items in ``items``)."""
+    final = await last_output(stream)
     choice = final.outputs[0]
-    items = OutputItems(state.reasoning_parser, chat.tool_parser(), lambda kind, **f: None)
-    items.feed(choice.text, _logprobs(req, prompt, choice.token_ids, choice.logprobs))
+    items.feed(choice.text, items.logprobs(prompt, choice.token_ids, choice.logprobs))
     items.finish(item_status(choice))
-    counts = _token_counts(state, prompt, final, choice)
-    return finished_response(req, rid, created, state.model_name, items.items, choice, *counts), items
+    return items.response(rid, created, state.model_name, final, prompt)
 
 
-def _start_background(state, engine, req, chat, rid, created, prompt, streams, conversation) -> web.Response:
+def _start_background(state, engine, items, rid, created, prompt, streams, conversation) -> web.Response:
     """Keep a ``queued`` response and run the request in a task that keeps its progress and result."""
+    req = items.req
     queued = response_object(req, rid, created, state.model_name, "queued", [])
     state.responses.put(queued, conversation)
 
     async def run() -> None:
         try:
             state.responses.put(response_object(req, rid, created, state.model_name, "in_progress", []), conversation)
-            response, items = await _final_response(state, req, chat, rid, created, prompt, streams)
+            response = await _final_response(state, items, rid, created, prompt, streams[0])
             state.responses.put(response, conversation + conversation_of(items.items))
         except EngineError as e:
             failed = response_object(req, rid, created, state.model_name, "failed", [])
@@ -173,52 +136,36 @@ def _start_background(state, engine, req, chat, rid, created, prompt, streams, c
     return json_response(queued)
 
 
-async def _stream(request, state, req, chat, rid, created, prompt, stream, conversation) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        status=200,
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-    await resp.prepare(request)
-    numbered = iter(range(1 << 62))
+async def _stream(request, state, items, rid, created, prompt, stream, conversation) -> web.StreamResponse:
+    def error_event(e: EngineError) -> bytes:
+        return typed_event(items.event("error", **error_body(str(e), e.type)["error"]))
 
-    def event(kind: str, **fields) -> dict:
-        return {"type": kind, "sequence_number": next(numbered), **fields}
+    events = _events(state, items, rid, created, prompt, stream, conversation)
+    return await write_events(request, events, error_event)
 
-    async def send(events: list) -> None:
-        for e in events:
-            await resp.write(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode())
 
-    model = state.model_name
+async def _events(state, items, rid, created, prompt, stream, conversation):
+    """The stream's events (``sse.typed_event``), numbered by ``items``; the finished response is kept
+    (unless ``store: false``)."""
+    req, model = items.req, state.model_name
     opening = response_object(req, rid, created, model, "in_progress", [])
-    items = OutputItems(state.reasoning_parser, chat.tool_parser(), event)
-    tracker = DeltaTracker()
-    try:
-        await send([event("response.created", response=opening), event("response.in_progress", response=opening)])
-        last = None
-        async for out in stream:
-            for d in tracker.deltas(out):
-                await send(items.feed(d.text, _logprobs(req, prompt, d.token_ids, d.logprobs)))
-                if d.finish_reason is not None:
-                    final, last = out, out.outputs[0]
-        if last is None:
-            raise EngineError("the request was aborted by the server")
-        await send(items.finish(item_status(last)))
-        response = finished_response(
-            req, rid, created, model, items.items, last, *_token_counts(state, prompt, final, last)
-        )
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        await send([event(kind, response=response)])
-        if req.stores:
-            state.responses.put(response, conversation + conversation_of(items.items))
-    except EngineError as e:
-        await send([event("error", **error_body(str(e), e.type)["error"])])
-    except ConnectionError:
-        return resp
-    try:
-        await resp.write_eof()
-    except ConnectionError:
-        pass
-    return resp
+    for e in (items.event("response.created", response=opening), items.event("response.in_progress", response=opening)):
+        yield typed_event(e)
+    final = None
+    async for out, d in stream_deltas(stream):
+        for e in items.feed(d.text, items.logprobs(prompt, d.token_ids, d.logprobs)):
+            yield typed_event(e)
+        if d.finish_reason is not None:
+            final = out
+    if final is None:
+        raise EngineError("the request was aborted by the server")
+    for e in items.finish(item_status(final.outputs[0])):
+        yield typed_event(e)
+    response = items.response(rid, created, model, final, prompt)
+    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    yield typed_event(items.event(kind, response=response))
+    if req.stores:
+        state.responses.put(response, conversation + conversation_of(items.items))
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
