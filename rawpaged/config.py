@@ -177,6 +177,11 @@ class EngineConfig:
     them op by op. No effect on CUDA"""
     enable_prefix_caching: bool = True
     """reuse the KV blocks of identical prompt prefixes across requests"""
+    disable_hybrid_kv_cache_manager: bool = False
+    """a model whose layers attend differently (sliding-window and full-attention layers, as Gemma 3 or Qwen2
+    with use_sliding_window) pages its layers in KV cache groups by attention type, and a sliding group gives
+    back the blocks its window has passed; --disable-hybrid-kv-cache-manager (vLLM's name) pages every layer
+    together and keeps every block, for comparison (docs/kv_memory.md)"""
     seed: int = 0
     """seed of the generator for requests that give none"""
     quantization: Quantization | None = None

@@ -112,6 +112,17 @@ def rms_norm(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
+def layer_windows(cfg: dict) -> list:
+    """Each layer's sliding window or None: Mistral windows every layer; Qwen2/Qwen3 with
+    ``use_sliding_window`` the layers from ``max_window_layers`` (default 28) on (HF's ``layer_types``)."""
+    arch, n, window = cfg["architectures"][0], cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return [window] * n
+    if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
+        return [window if i >= cfg.get("max_window_layers", 28) else None for i in range(n)]
+    return [None] * n
+
+
 def forward(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
     """float64 logits ``[len(ids), vocab]`` of the whole sequence ``ids``; ``w`` maps HF tensor names to
     arrays. ``seq_len_for_rope``: what dynamic NTK is evaluated at (the engine's max_model_len)."""
@@ -122,17 +133,15 @@ def forward(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
     T = len(ids)
     g = {k: np.asarray(v, np.float64) for k, v in w.items()}
     inv_freq, attn_factor = rope_inv_freq(cfg, seq_len_for_rope)
-    window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
     i = np.arange(T)[:, None]
     j = np.arange(T)[None, :]
-    visible = j <= i
-    if window:
-        visible &= j > i - window
+    causal = j <= i
     pos = np.arange(T)
     x = g["model.embed_tokens.weight"][ids]
-    for layer in range(cfg["num_hidden_layers"]):
+    for layer, window in enumerate(layer_windows(cfg)):
         p = f"model.layers.{layer}."
         h = rms_norm(x, g[p + "input_layernorm.weight"], eps)
+        visible = causal & (j > i - window) if window else causal
 
         q, k, v = (
             (h @ g[p + f"self_attn.{n}_proj.weight"].T + g.get(p + f"self_attn.{n}_proj.bias", 0.0)).reshape(
@@ -184,7 +193,8 @@ def decisive_prefix(ids: list, margins: list, min_margin: float = 1e-3) -> int:
 # ------------------------------------------------------------------------------------------ checkpoints
 #: Small shapes per architecture (head_dim 64: a size the CUDA kernels are built for), each testing one
 #: of the families' own features: MQA and a computed head_dim (Llama), an explicit head_dim unlike
-#: hidden / heads (Qwen2, Qwen3), q/k biases (Qwen2), q/k norms (Qwen3), a window (Mistral).
+#: hidden / heads (Qwen2, Qwen3), q/k biases (Qwen2), q/k norms (Qwen3), a window (Mistral), full and
+#: sliding layers together (Qwen2 with use_sliding_window: 2 full layers, then 2 with a window of 8).
 ARCHS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, num_attention_heads=2,
                   num_key_value_heads=1, tie_word_embeddings=True),
@@ -195,6 +205,9 @@ ARCHS = {
                   num_key_value_heads=2, head_dim=64, attention_bias=False, tie_word_embeddings=True),
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=192,
                     num_attention_heads=3, num_key_value_heads=1, sliding_window=12, tie_word_embeddings=False),
+    "qwen2_hybrid": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+                         num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
 }  # fmt: skip
 
 #: RoPE variants over a short trained context, so test prompts cross ``original_max_position_embeddings``.
@@ -227,8 +240,8 @@ def write_checkpoint(dst, arch="llama", rope=None, rope_form="rope_scaling", dty
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     vocab = _byte_tokenizer(dst)
-    cfg = dict(ARCHS[arch], vocab_size=vocab, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-6,
-               rope_theta=10000.0, bos_token_id=1, eos_token_id=2, hidden_act="silu",
+    cfg = dict(dict(num_hidden_layers=2), **ARCHS[arch], vocab_size=vocab, intermediate_size=128,
+               rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, hidden_act="silu",
                torch_dtype=dtype)  # fmt: skip
     # 128 positions in all: linear and dynamic stretch 64 trained positions by their factor of 2
     cfg["max_position_embeddings"] = 64 if rope and rope["rope_type"] in ("linear", "dynamic") else 128
@@ -257,7 +270,7 @@ def write_checkpoint(dst, arch="llama", rope=None, rope_form="rope_scaling", dty
         t[p + "mlp.gate_proj.weight"] = w(0.1, 128, hidden)
         t[p + "mlp.up_proj.weight"] = w(0.1, 128, hidden)
         t[p + "mlp.down_proj.weight"] = w(0.1, hidden, 128)
-        if arch == "qwen2":
+        if arch.startswith("qwen2"):
             for n, rows in (("q", heads * D), ("k", kv * D), ("v", kv * D)):
                 t[p + f"self_attn.{n}_proj.bias"] = w(0.1, rows)
         if arch == "qwen3":
@@ -293,15 +306,19 @@ MAX_MODEL_LEN = 128
 FIXTURE = "reference_architectures.json"
 
 
-def record(path) -> dict:
+def record(path, archs=None) -> dict:
     """Greedy ids and top-2 margins of the float64 reference for every (architecture, RoPE) pair and
-    prompt; written to ``path`` (tests/fixtures/reference_architectures.json)."""
+    prompt; written to ``path`` (tests/fixtures/reference_architectures.json). ``archs``: record only these
+    architectures, keeping the other cases already in ``path``."""
     import json
     import tempfile
+    from pathlib import Path
 
     out = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "max_model_len": MAX_MODEL_LEN, "cases": {}}
+    if archs is not None:
+        out["cases"] = json.loads(Path(path).read_text())["cases"]
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ARCHS:
+        for arch in archs or ARCHS:
             for rope in ROPES:
                 cfg, w = write_checkpoint(f"{tmp}/{arch}-{rope}", arch, ROPES[rope])
                 runs = [greedy_reference(cfg, w, p, MAX_TOKENS, MAX_MODEL_LEN) for p in PROMPTS]
@@ -316,6 +333,7 @@ def record(path) -> dict:
 
 
 if __name__ == "__main__":
+    import sys
     from pathlib import Path
 
-    record(Path(__file__).parent / "fixtures" / FIXTURE)
+    record(Path(__file__).parent / "fixtures" / FIXTURE, sys.argv[1:] or None)

@@ -31,10 +31,11 @@ class KVCacheState:
         start: the first block id of the range.
         ref_counts, cached: per block of the range ``start .. start + len(ref_counts) - 1``.
         sequences: per unfinished sequence, running ones first: ``(request_id, index, seq_id, status,
-            num_tokens, num_computed_tokens, block_ids)``.
+            num_tokens, num_computed_tokens, block_ids)``, ``block_ids`` a list per KV cache group.
         step: the scheduler's step counter.
         events, events_missed, next_event_id: ``KVCacheEventLog.since`` and the next id to ask for.
         offload: the second KV tier's blocks and counters (``offload_summary``), or None without one.
+        groups: the pool's KV cache groups, ``{"group_id", "kind", "layer_ids", "sliding_window"}`` each.
     """
 
     block_size: int
@@ -49,6 +50,27 @@ class KVCacheState:
     events_missed: int
     next_event_id: int
     offload: dict | None = None
+    groups: list = ()
+
+
+def groups_summary(kv, seqs) -> list:
+    """The KV cache groups of ``kv`` (a ``KVCacheManager``) as the KV view shows them, with the distinct
+    blocks the sequences ``seqs`` hold in each and the blocks each has given back behind its window."""
+    held = [set() for _ in kv.groups]
+    for s in seqs:
+        for g, blocks in enumerate(kv.group_blocks(s)):
+            held[g].update(blocks)
+    return [
+        {
+            "group_id": i,
+            "kind": g.kind,
+            "layer_ids": list(g.layer_ids),
+            "sliding_window": g.sliding_window,
+            "num_used_blocks": len(held[i]),
+            "num_window_frees": kv.managers[i].num_window_frees,
+        }
+        for i, g in enumerate(kv.groups)
+    ]
 
 
 def offload_summary(tier) -> dict | None:
@@ -110,7 +132,7 @@ def capture(scheduler, start: int = 0, count: int | None = None, since_event: in
             s.status.value,
             s.num_tokens,
             s.num_computed_tokens,
-            list(s.block_table.block_ids) if s.block_table is not None else [],
+            [list(t.block_ids) for t in s.block_tables] if s.block_tables is not None else [[] for _ in kv.groups],
         )
         for s in chain(scheduler.running, scheduler.waiting)
     ]
@@ -127,6 +149,7 @@ def capture(scheduler, start: int = 0, count: int | None = None, since_event: in
         events_missed=missed,
         next_event_id=log.next_event_id,
         offload=offload_summary(scheduler.kv_tier.manager if scheduler.kv_tier is not None else None),
+        groups=groups_summary(kv, chain(scheduler.running, scheduler.waiting)),
     )
 
 
@@ -136,13 +159,17 @@ def to_json(state: KVCacheState) -> dict:
     ``blocks``: one entry per block of the range, ``{"block_id", "ref_count", "owners", "cached"}`` with
     ``owners`` the distinct ids of the requests whose tables hold it (a block shared by the ``n`` choices
     of one request has ``ref_count`` n and one owner) and ``cached`` True while the block is findable in
-    the prefix cache (a free cached block can be reused until it is evicted). ``requests``: each
-    unfinished request's sequences with their ``block_table`` (logical block i -> physical block id).
+    the prefix cache (a free cached block can be reused until it is evicted), and ``group`` the KV cache
+    group whose tables hold it (None while free). ``requests``: each unfinished request's sequences with
+    their ``block_tables``, one per group (logical block i -> physical block id; -1 where a sliding window
+    gave the block back), and ``block_table``, the first group's. ``kv_cache_groups``: the pool's groups
+    (``groups_summary``).
     """
     start, stop = state.start, state.start + len(state.ref_counts)
     owners: dict[int, list] = {}
     requests: dict[str, list] = {}
-    for rid, index, seq_id, status, num_tokens, num_computed, block_ids in state.sequences:
+    group_of: dict[int, int] = {}
+    for rid, index, seq_id, status, num_tokens, num_computed, tables in state.sequences:
         requests.setdefault(rid, []).append(
             {
                 "index": index,
@@ -150,16 +177,25 @@ def to_json(state: KVCacheState) -> dict:
                 "status": status,
                 "num_tokens": num_tokens,
                 "num_computed_tokens": num_computed,
-                "block_table": block_ids,
+                "block_table": tables[0] if tables else [],
+                "block_tables": tables,
             }
         )
-        for bid in block_ids:
-            if start <= bid < stop:
-                held = owners.setdefault(bid, [])
-                if rid not in held:
-                    held.append(rid)
+        for g, block_ids in enumerate(tables):
+            for bid in block_ids:
+                if start <= bid < stop:
+                    group_of[bid] = g
+                    held = owners.setdefault(bid, [])
+                    if rid not in held:
+                        held.append(rid)
     blocks = [
-        {"block_id": start + i, "ref_count": rc, "owners": owners.get(start + i, []), "cached": c}
+        {
+            "block_id": start + i,
+            "ref_count": rc,
+            "owners": owners.get(start + i, []),
+            "cached": c,
+            "group": group_of.get(start + i),
+        }
         for i, (rc, c) in enumerate(zip(state.ref_counts, state.cached))
     ]
     return {
@@ -175,6 +211,7 @@ def to_json(state: KVCacheState) -> dict:
         "events_missed": state.events_missed,
         "next_event_id": state.next_event_id,
         "offload": state.offload,
+        "kv_cache_groups": list(state.groups),
     }
 
 

@@ -23,12 +23,17 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class SwappedTable:
-    """A swapped-out sequence's table: the swap slot of each logical block (``NULL_BLOCK`` where a window
-    had released it), and what its ``BlockTable`` held besides."""
+    """A swapped-out sequence's tables: per KV cache group, the swap slot of each logical block
+    (``NULL_BLOCK`` where a window had released it), and what its ``BlockTable``s held besides."""
 
-    slots: list
+    group_slots: list
     num_tokens: int
     block_hashes: list
+
+    @property
+    def slots(self) -> list:
+        """Every group's swap slots, group by group."""
+        return [s for slots in self.group_slots for s in slots]
 
 
 @dataclass(slots=True)

@@ -60,7 +60,8 @@ class KVTier:
     # ------------------------------------------------------------------ prefix hits
     def get_offloaded_blocks(self, seq, num_computed_blocks: int) -> list:
         """After ``num_computed_blocks`` pool hits: the next full blocks of ``seq``'s prefix found in the tier,
-        as ``(block_hash, token_ids, slot)``, stopping at the first miss (the last token is never taken, as in
+        every KV cache group's block of each, as ``(block_hash, token_ids, slots)`` (a slot per group),
+        stopping at the first block some group misses (the last token is never taken, as in
         ``KVCacheManager.get_computed_blocks``). Empty without prefix caching."""
         kv = self.kv_cache_manager
         if not kv.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
@@ -73,25 +74,26 @@ class KVTier:
         for i in range(num_computed_blocks, (len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = hash_block_tokens(parent, tokens)
-            slot = self.manager.lookup(parent, tokens)
-            if slot is None:
+            slots = tuple(self.manager.lookup(m.key(parent), tokens) for m in kv.managers)
+            if None in slots:
                 break
-            found.append((parent, tokens, slot))
+            found.append((parent, tokens, slots))
         return found
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=(), offloaded=()) -> bool:
         """``KVCacheManager.allocate_slots`` for ``seq`` with the tier's hits ``offloaded`` (from
-        ``get_offloaded_blocks``) after its pool hits: each gets a fresh block, loaded from its slot before the
-        step's kernels (a hit a sliding window has passed is not taken). Returns False, changing nothing, when
-        the pool has too few free blocks."""
+        ``get_offloaded_blocks``) after its pool hits: each gets a fresh block in each group, loaded from its
+        slot before the step's kernels (a hit a sliding window has passed is not taken). Returns False,
+        changing nothing, when the pool has too few free blocks."""
         external = [(block_hash, tokens) for block_hash, tokens, _ in offloaded]
         if not self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_blocks, external):
             return False
         first = len(computed_blocks)
-        for (_, _, slot), bid in zip(offloaded, seq.block_table.block_ids[first : first + len(offloaded)]):
-            if bid != NULL_BLOCK:
-                self._transfers.loads.append((slot, bid))
-                self.manager.stats.prefix_hits += 1
+        for g, table in enumerate(seq.block_tables):
+            for (_, _, slots), bid in zip(offloaded, table.block_ids[first : first + len(offloaded)]):
+                if bid != NULL_BLOCK:
+                    self._transfers.loads.append((slots[g], bid))
+                    self.manager.stats.prefix_hits += 1
         return True
 
     # ------------------------------------------------------------------ swapping
@@ -104,8 +106,9 @@ class KVTier:
         kept = [
             b
             for s in seqs
-            if s.block_table is not None
-            for b in s.block_table.block_ids[: -(-s.num_computed_tokens // bs)]
+            if s.block_tables is not None
+            for t in s.block_tables
+            for b in t.block_ids[: -(-s.num_computed_tokens // bs)]
         ]
         distinct = list(dict.fromkeys(b for b in kept if b != NULL_BLOCK))
         slots = self.manager.allocate_swap(len(distinct))
@@ -117,15 +120,15 @@ class KVTier:
         self._transfers.stores.extend(zip(distinct, slots))
         held = set()
         for seq in seqs:
-            table = seq.block_table
-            if table is None:
+            if seq.block_tables is None:
                 continue
-            entries = [slot_of.get(b, NULL_BLOCK) for b in table.block_ids]
-            for slot in entries:
+            group_slots = [[slot_of.get(b, NULL_BLOCK) for b in t.block_ids] for t in seq.block_tables]
+            for slot in (s for entries in group_slots for s in entries):
                 if slot != NULL_BLOCK and slot in held:
                     self.manager.share_swap(slot)
                 held.add(slot)
-            seq.swapped_table = SwappedTable(entries, table.num_tokens, list(table.block_hashes))
+            table = seq.block_table
+            seq.swapped_table = SwappedTable(group_slots, table.num_tokens, list(table.block_hashes))
             kv.free(seq)
         return True
 
@@ -141,7 +144,9 @@ class KVTier:
         kv = self.kv_cache_manager
         if self.num_blocks_to_swap_in(seqs) > kv.block_pool.num_free_blocks:
             return False
-        layouts = [(s.swapped_table.slots, s.swapped_table.num_tokens, s.swapped_table.block_hashes) for s in seqs]
+        layouts = [
+            (s.swapped_table.group_slots, s.swapped_table.num_tokens, s.swapped_table.block_hashes) for s in seqs
+        ]
         block_of = kv.allocate_shared_tables(seqs, layouts)
         for slot, bid in block_of.items():
             self.manager.load_swap(slot)

@@ -45,6 +45,15 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple) -> int:
     return _digest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
 
 
+def group_block_hash(block_hash: int, group_id: int) -> int:
+    """The prefix-cache key of KV cache group ``group_id``'s block whose chained hash is ``block_hash``: the
+    hash itself for group 0, a content hash of both for the others (the same in every process), so each
+    group's block of one prefix is cached apart."""
+    if group_id == 0:
+        return block_hash
+    return _digest(struct.pack("<Qq", block_hash, -1 - group_id))
+
+
 def find_longest_cache_hit(
     pool: BlockPool, token_ids: list, block_size: int, max_blocks: int, root: int | None = None
 ) -> tuple:

@@ -298,7 +298,7 @@ class Scheduler:
         their tokens must be free; their prefill may still be chunked over several steps."""
         group = [s for s in self.waiting if s.request_id == head.request_id]
         kv = self.kv_cache_manager
-        if sum(-(-s.num_tokens // kv.block_size) for s in group) > kv.block_pool.num_free_blocks:
+        if sum(kv.num_blocks_to_allocate(s, s.num_tokens) for s in group) > kv.block_pool.num_free_blocks:
             return False
         budget = self.max_num_batched_tokens - out.num_batched_tokens
         for s in group:
@@ -318,8 +318,8 @@ class Scheduler:
         recompute (its blocks freed, ``num_computed_tokens`` 0)."""
         if self.admission_policy is not None:
             self.admission_policy.released(seq)
-        if seq.block_table is not None:
-            held = [b for b in seq.block_table.block_ids if b >= 0]
+        if seq.block_tables is not None:
+            held = [b for blocks in self.kv_cache_manager.group_blocks(seq) for b in blocks]
             self.kv_cache_manager.events.record(PREEMPT, seq, block_ids=held)
         if swapped:
             self.stats.num_swapped_out += 1
@@ -332,10 +332,11 @@ class Scheduler:
 
     def _swap_in_group(self, head: Sequence, out: SchedulerOutput) -> bool:
         """Swap ``head``'s request back in: all its swapped-out sequences together (they share blocks), when
-        the pool holds their blocks plus one more block each, so their next tokens fit. Their remaining
-        tokens run from the next step (as running sequences)."""
+        the pool holds their blocks plus one more block each in each KV cache group, so their next tokens
+        fit. Their remaining tokens run from the next step (as running sequences)."""
         group = [s for s in self.waiting if s.request_id == head.request_id and s.swapped_table is not None]
-        if KVTier.num_blocks_to_swap_in(group) + len(group) > self.kv_cache_manager.block_pool.num_free_blocks:
+        kv = self.kv_cache_manager
+        if KVTier.num_blocks_to_swap_in(group) + len(group) * kv.num_groups > kv.block_pool.num_free_blocks:
             return False
         if len(self.running) + len(group) > self.max_num_seqs and self.running:
             return False

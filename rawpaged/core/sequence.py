@@ -34,7 +34,7 @@ class Sequence:
     rng: np.random.Generator | None
     arrival_time: float
     output_token_ids: list = field(default_factory=list)
-    block_table: BlockTable | None = None
+    block_tables: list | None = None  # one BlockTable per KV cache group, while it holds blocks
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     status: SequenceStatus = SequenceStatus.WAITING
@@ -58,6 +58,15 @@ class Sequence:
     spec_token_ids: list = field(default_factory=list)
     spec_misses: int = 0
     spec_backoff: int = 0
+
+    @property
+    def block_table(self) -> BlockTable | None:
+        """The first KV cache group's ``BlockTable`` (the only one with one group), or None."""
+        return None if self.block_tables is None else self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: BlockTable | None) -> None:
+        self.block_tables = None if table is None else [table]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from rawpaged.config import EngineConfig, resolve_dtypes
+from rawpaged.core.kv_cache_groups import group_layers, group_size
 from rawpaged.core.kv_tier import KVTier
 from rawpaged.core.scheduler import Scheduler
 from rawpaged.engine.input_processor import InputProcessor
@@ -49,14 +50,14 @@ class FrontEnd:
             "vocab_size": p.vocab_size,
             "max_model_len": p.max_model_len,
             "num_blocks": p.num_blocks,
-            "sliding_window": p.sliding_window,
+            "group_windows": list(p.group_windows),
         }
 
     @classmethod
     def from_description(cls, config: EngineConfig, info: dict) -> FrontEnd:
         """The front end of an engine on ``config`` that ``describe`` gave ``info``."""
         tokenizer = Tokenizer.from_objects(HFTokenizer.from_str(info["tokenizer_json"]), info["tokenizer_config"])
-        limits = (info["vocab_size"], info["max_model_len"], info["num_blocks"], info["sliding_window"])
+        limits = (info["vocab_size"], info["max_model_len"], info["num_blocks"], tuple(info["group_windows"]))
         return build_front_end(config, tokenizer, *limits)
 
 
@@ -66,17 +67,18 @@ def build_front_end(
     vocab_size: int,
     max_model_len: int,
     num_blocks: int,
-    sliding_window: int | None,
+    group_windows: tuple,
 ) -> FrontEnd:
-    """The ``FrontEnd`` of an engine on ``config`` whose model has ``vocab_size`` tokens and
-    ``sliding_window`` (None: none), its pool ``num_blocks`` blocks."""
+    """The ``FrontEnd`` of an engine on ``config`` whose model has ``vocab_size`` tokens, its pool
+    ``num_blocks`` blocks paged in KV cache groups of ``group_windows`` (each group's window, None: full
+    attention)."""
     processor = InputProcessor(
         tokenizer,
         vocab_size,
         max_model_len,
         config.block_size,
         num_blocks,
-        sliding_window=sliding_window,
+        group_windows=group_windows,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_logprobs=config.max_logprobs,
     )
@@ -135,7 +137,8 @@ def build_engine_parts(config: EngineConfig, backend) -> EngineParts:
     max_model_len = config.max_model_len or mc.context_len
     dtype, kv_dtype = resolve_dtypes(config.dtype, config.kv_cache_dtype, backend, mc.torch_dtype)
     model = build_model(mc, weights, backend, dtype, max_model_len)
-    block_bytes = kv_block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype)
+    groups = group_layers(mc.layer_windows(), hybrid=not config.disable_hybrid_kv_cache_manager)
+    block_bytes = kv_block_bytes(group_size(groups), config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:  # after the weights: on CUDA the budget is what they left free
         budget = config.kv_cache_memory or backend.default_kv_cache_memory(config.gpu_memory_utilization)
@@ -143,9 +146,9 @@ def build_engine_parts(config: EngineConfig, backend) -> EngineParts:
     eos_token_ids = set(mc.eos_token_ids) | set(gen.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos_token_ids.add(tokenizer.eos_token_id)
-    key, tier = _kv_key_and_tier(config, model_dir, backend, dtype, kv_dtype, block_bytes, mc)
+    key, tier = _kv_key_and_tier(config, model_dir, backend, dtype, kv_dtype, block_bytes, mc, group_size(groups))
     pool = KVPoolSpec(
-        num_blocks, config.block_size, kv_dtype, config.enable_prefix_caching, (key.digest,), mc.shared_sliding_window
+        num_blocks, config.block_size, kv_dtype, config.enable_prefix_caching, (key.digest,), kv_cache_groups=groups
     )
     options = RunnerOptions(config.enforce_eager, config.fused_decode, config.max_num_seqs)
     target = build_model_parts(mc, tokenizer, model, max_model_len, pool, options, tier.store if tier else None)
@@ -159,15 +162,18 @@ def build_engine_parts(config: EngineConfig, backend) -> EngineParts:
         key,
         tier,
         _scheduler(config, target, eos_token_ids, tier),
-        build_front_end(config, tokenizer, mc.vocab_size, max_model_len, num_blocks, mc.shared_sliding_window),
+        build_front_end(
+            config, tokenizer, mc.vocab_size, max_model_len, num_blocks, tuple(g.sliding_window for g in groups)
+        ),
         OutputProcessor(tokenizer),
         reasoning_end_token_id(tokenizer, config.reasoning_parser),
         build_speculator(config.speculative_config, target),
     )
 
 
-def _kv_key_and_tier(config, model_dir, backend, dtype, kv_dtype, block_bytes, mc) -> tuple:
-    """The engine's ``KVCacheKey`` and its second KV tier (``KVOffload``, or None)."""
+def _kv_key_and_tier(config, model_dir, backend, dtype, kv_dtype, block_bytes, mc, layers_per_block: int) -> tuple:
+    """The engine's ``KVCacheKey`` and its second KV tier (``KVOffload``, or None), whose slots hold a pool
+    block's ``layers_per_block`` layers."""
     tier_dir = fingerprint_dir(config)
     key = kv_cache_key(
         model_dir,
@@ -178,7 +184,7 @@ def _kv_key_and_tier(config, model_dir, backend, dtype, kv_dtype, block_bytes, m
         backend=backend.name,
         fingerprint_cache=tier_dir / "model-fingerprints.json" if tier_dir is not None else None,
     )
-    geometry = dict(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
+    geometry = dict(num_layers=layers_per_block, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim)
     return key, KVOffload.from_config(config, backend, key, block_bytes, geometry, kv_dtype)
 
 

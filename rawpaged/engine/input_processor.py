@@ -16,8 +16,10 @@ class InputProcessor:
     vocab_size: token ids must lie in ``[0, vocab_size)``.
     max_model_len: prompt + generated tokens per sequence.
     block_size, num_blocks: the KV pool, which must hold a request's whole footprint when empty.
-    sliding_window, max_num_batched_tokens: with a window W (every layer's), a sequence holds at most the
-        blocks of W - 1 positions plus one step's tokens (at most ``max_num_batched_tokens``), plus one.
+    group_windows: the window of each KV cache group of the pool (None: full attention); None is one group
+        of ``sliding_window``. A request needs its blocks in every group: in a sliding group of window W, at
+        most the blocks of W - 1 positions plus one step's tokens (at most ``max_num_batched_tokens``), plus
+        one.
     max_logprobs: ``logprobs`` and ``prompt_logprobs`` a request may ask for at most (-1: the vocabulary).
     """
 
@@ -31,13 +33,14 @@ class InputProcessor:
         sliding_window: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_logprobs: int = 20,
+        group_windows: tuple | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.sliding_window = sliding_window
+        self.group_windows = tuple(group_windows) if group_windows is not None else (sliding_window,)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
 
@@ -94,17 +97,24 @@ class InputProcessor:
         self.check_prompt(ids)
         self.check_logprobs(params)
         total = min(len(ids) + params.max_tokens, self.max_model_len)
-        need = -(-total // self.block_size)
-        if self.sliding_window is not None:
-            step = min(total, self.max_num_batched_tokens or total)
-            need = min(need, -(-(step + self.sliding_window - 1) // self.block_size) + 1)
+        need = sum(self._group_blocks(total, w) for w in self.group_windows)
         if params.use_beam_search:  # beams run together; each may end up holding its own blocks
             need *= params.beam_width
         if need > self.num_blocks:
             beams = f" x beam_width {params.beam_width}" if params.use_beam_search else ""
+            if len(self.group_windows) > 1:
+                beams += f", over {len(self.group_windows)} KV cache groups"
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
                 f"{beams}) but the pool has only {self.num_blocks}",
                 "max_tokens",
             )
         return text, [int(t) for t in ids]
+
+    def _group_blocks(self, total: int, window: int | None) -> int:
+        """Blocks a sequence of ``total`` tokens holds at most in a group of ``window`` (None: full)."""
+        need = -(-total // self.block_size)
+        if window is None:
+            return need
+        step = min(total, self.max_num_batched_tokens or total)
+        return min(need, -(-(step + window - 1) // self.block_size) + 1)

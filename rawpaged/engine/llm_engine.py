@@ -276,7 +276,9 @@ class LLMEngine:
     def stats(self) -> dict:
         """Pool, cache and scheduler counters. ``num_running``/``num_waiting`` count sequences (n > 1 and
         beams have several per request); ``num_requests_running`` counts requests with a sequence in the
-        running batch, ``num_requests_waiting`` the others not finished."""
+        running batch, ``num_requests_waiting`` the others not finished. ``kv_cache_groups``: the pool's KV
+        cache groups with the blocks each holds (``kv_cache_snapshot.groups_summary``); ``kv_block_bytes``:
+        the bytes of one block (its group's layers, K and V)."""
         kv = self.kv_cache_manager
         pool = kv.block_pool
         sched = self.scheduler
@@ -304,6 +306,9 @@ class LLMEngine:
             "num_swapped_out": sched.stats.num_swapped_out,
             "num_swapped_in": sched.stats.num_swapped_in,
             "num_window_frees": kv.num_window_frees,
+            "kv_block_bytes": self.kv_block_bytes,
+            "num_kv_cache_groups": kv.num_groups,
+            "kv_cache_groups": kv_cache_snapshot.groups_summary(kv, sched.running),
             **self._spec_decode_stats(),
             **self._offload_stats(),
         }

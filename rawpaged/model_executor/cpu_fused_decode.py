@@ -105,8 +105,14 @@ class CPUFusedDecode:
 
     def can_run(self, step) -> bool:
         """Whether ``step`` (a ``StepInput``) runs here: pure decode (drafts included) of 1 to
-        ``max_batch_size`` rows, on a model whose layers share their formats and their window."""
-        return self.supported and not step.prefills and 0 < step.num_decode_tokens <= self.max_batch_size
+        ``max_batch_size`` rows, on a model whose layers share their formats and their window (one KV cache
+        group)."""
+        return (
+            self.supported
+            and step.num_groups == 1
+            and not step.prefills
+            and 0 < step.num_decode_tokens <= self.max_batch_size
+        )
 
     def forward_step(self, step) -> tuple:
         """``(logits of the step's logits rows, hidden states)`` of a ``StepInput`` that :meth:`can_run`."""

@@ -91,17 +91,18 @@ class DecodeInputBuffers:
         i32 = buf[i64_bytes:].view(np.int32)
         return i64[:B], i64[B : 2 * B], i64[2 * B :], i32[:B], i32[B:].reshape(B, W)
 
-    def fill(self, seqs: list, bucket: int) -> None:
-        """Write the decode inputs of ``seqs`` (each computes its last token) into rows ``0 .. len-1`` of
-        the host buffer and padding into rows ``len .. bucket-1`` (see :meth:`write`)."""
+    def fill(self, seqs: list, bucket: int, group: int = 0) -> None:
+        """Write the decode inputs of ``seqs`` (each computes its last token), with their block tables of KV
+        cache group ``group``, into rows ``0 .. len-1`` of the host buffer and padding into rows
+        ``len .. bucket-1`` (see :meth:`write`)."""
         pos = [seq.num_computed_tokens for seq in seqs]
         self.write(
             bucket,
             [seq.token_at(p) for seq, p in zip(seqs, pos)],
             pos,
-            [seq.block_table.slots(p, p + 1)[0] for seq, p in zip(seqs, pos)],
+            [seq.block_tables[group].slots(p, p + 1)[0] for seq, p in zip(seqs, pos)],
             [seq.num_tokens for seq in seqs],
-            [seq.block_table.block_ids for seq in seqs],
+            [seq.block_tables[group].block_ids for seq in seqs],
         )
 
     def write(self, bucket: int, input_ids, positions, slot_mapping, context_lens, block_ids: list) -> None:
@@ -155,9 +156,20 @@ class CUDAGraphRunner:
         capture_sizes: ascending batch sizes (:func:`cudagraph_capture_sizes`).
         max_model_len: sizes decode attention's launch (and the block-table width with ``block_size``).
         block_size: tokens per KV block.
+        layer_groups: each layer's KV cache group index (empty: one group); each group has its own buffers
+            (its ``slot_mapping`` and block tables; the first group's hold the step's other inputs).
     """
 
-    def __init__(self, model, key_caches, value_caches, capture_sizes: list, max_model_len: int, block_size: int):
+    def __init__(
+        self,
+        model,
+        key_caches,
+        value_caches,
+        capture_sizes: list,
+        max_model_len: int,
+        block_size: int,
+        layer_groups: tuple = (),
+    ):
         if not capture_sizes or list(capture_sizes) != sorted(set(capture_sizes)) or capture_sizes[0] < 1:
             raise ValueError(f"capture_sizes must be ascending positive sizes, got {capture_sizes}")
         self.model = model
@@ -165,7 +177,13 @@ class CUDAGraphRunner:
         self.key_caches, self.value_caches = key_caches, value_caches
         self.capture_sizes = list(capture_sizes)
         self.max_model_len = max_model_len
-        self.buffers = DecodeInputBuffers(self.backend, self.capture_sizes[-1], -(-max_model_len // block_size))
+        self.layer_groups = tuple(layer_groups)
+        width = -(-max_model_len // block_size)
+        num_groups = max(self.layer_groups, default=0) + 1
+        self.group_buffers = [
+            DecodeInputBuffers(self.backend, self.capture_sizes[-1], width) for _ in range(num_groups)
+        ]
+        self.buffers = self.group_buffers[0]
         be = self.backend
         self._no_prefill_tables = be.asarray(np.zeros((0, 1), np.int32))
         self._no_prefill_lens = be.asarray(np.zeros(0, np.int32))
@@ -182,17 +200,23 @@ class CUDAGraphRunner:
         ``[bucket, vocab]``. What a graph captures, with decode attention sized for ``max_model_len``
         (a step run without a graph passes its own longest context instead)."""
         b = self.buffers
-        attn = AttentionMetadata(
-            slot_mapping=b.slot_mapping[:bucket],
-            num_decode_tokens=bucket,
-            decode_block_tables=b.block_tables[:bucket],
-            decode_context_lens=b.context_lens[:bucket],
-            prefill_block_tables=self._no_prefill_tables,
-            query_start_loc=self._query_start_loc,
-            prefill_seq_lens=self._no_prefill_lens,
-            max_query_len=0,
-            max_context_len=self.max_model_len if max_context_len is None else max_context_len,
+        groups = tuple(
+            AttentionMetadata(
+                slot_mapping=g.slot_mapping[:bucket],
+                num_decode_tokens=bucket,
+                decode_block_tables=g.block_tables[:bucket],
+                decode_context_lens=b.context_lens[:bucket],
+                prefill_block_tables=self._no_prefill_tables,
+                query_start_loc=self._query_start_loc,
+                prefill_seq_lens=self._no_prefill_lens,
+                max_query_len=0,
+                max_context_len=self.max_model_len if max_context_len is None else max_context_len,
+            )
+            for g in self.group_buffers
         )
+        attn = groups[0]
+        if len(groups) > 1:
+            attn.groups, attn.layer_groups = groups, self.layer_groups
         hidden = self.model.forward(
             b.input_ids[:bucket], b.positions[:bucket], attn, self.key_caches, self.value_caches
         )
@@ -214,21 +238,30 @@ class CUDAGraphRunner:
         computing its last token, in their order. With graphs the array is the graph's output buffer:
         read it before the next step. Raises ValueError above the largest size."""
         bucket = self._bucket(len(seqs))
-        self.buffers.fill(seqs, bucket)
+        for g, buffers in enumerate(self.group_buffers):
+            buffers.fill(seqs, bucket, g)
         return self._replay(bucket, len(seqs), max(seq.num_tokens for seq in seqs))
 
     def can_run(self, step) -> bool:
-        """Whether ``step`` (a ``StepInput``) runs here: pure decode, no drafts, 1 to ``max_batch_size`` rows."""
-        return not step.prefills and not step.has_drafts and 0 < len(step.decodes) <= self.max_batch_size
+        """Whether ``step`` (a ``StepInput``) runs here: pure decode, no drafts, 1 to ``max_batch_size`` rows,
+        the KV cache groups these buffers were made for."""
+        return (
+            step.num_groups == len(self.group_buffers)
+            and not step.prefills
+            and not step.has_drafts
+            and 0 < len(step.decodes) <= self.max_batch_size
+        )
 
     def forward_step(self, step) -> tuple:
         """``(logits, None)`` of a ``StepInput`` that :meth:`can_run` (as :meth:`run` of its decodes; the
         step's host arrays fill the buffers). No hidden states: no row of such a step scores its prompt."""
         n = len(step.decodes)
         bucket = self._bucket(n)
-        tables = [s.block_table.block_ids for s, _ in step.decodes]
         lens = step.decode_context_lens
-        self.buffers.write(bucket, step.input_ids, step.positions, step.slot_mapping, lens, tables)
+        slots = step.group_slot_mappings or (step.slot_mapping,)
+        for g, buffers in enumerate(self.group_buffers):
+            tables = [s.block_tables[g].block_ids for s, _ in step.decodes]
+            buffers.write(bucket, step.input_ids, step.positions, slots[g], lens, tables)
         return self._replay(bucket, n, int(lens.max())), None
 
     def _bucket(self, num_seqs: int) -> int:
@@ -240,7 +273,8 @@ class CUDAGraphRunner:
     def _replay(self, bucket: int, n: int, max_context_len: int):
         """Upload the filled buffers and run the step: the graph of ``bucket`` if captured, else kernel by
         kernel. Logits of the first ``n`` rows."""
-        self.buffers.upload(bucket)
+        for buffers in self.group_buffers:
+            buffers.upload(bucket)
         self.num_steps[bucket] += 1
         graph = self.graphs.get(bucket)
         if graph is None:

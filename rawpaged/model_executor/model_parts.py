@@ -20,7 +20,9 @@ from rawpaged.tokenizer import Tokenizer
 class KVPoolSpec:
     """A paged KV pool: ``num_blocks`` blocks of ``block_size`` tokens, cached as ``kv_cache_dtype``.
 
-    ``enable_prefix_caching``, ``cache_keys`` and ``sliding_window`` go to the ``KVCacheManager``.
+    ``enable_prefix_caching``, ``cache_keys`` and ``sliding_window`` go to the ``KVCacheManager``;
+    ``kv_cache_groups`` (``kv_cache_groups.group_layers``) to it and the ``ModelRunner`` (None: one group of
+    every layer, with ``sliding_window``).
     """
 
     num_blocks: int
@@ -29,6 +31,7 @@ class KVPoolSpec:
     enable_prefix_caching: bool = False
     cache_keys: tuple = ()
     sliding_window: int | None = None
+    kv_cache_groups: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ def build_model_parts(
         pool.enable_prefix_caching,
         cache_keys=pool.cache_keys,
         sliding_window=pool.sliding_window,
+        groups=pool.kv_cache_groups,
     )
     runner = ModelRunner(
         model,
@@ -119,5 +123,6 @@ def build_model_parts(
         max_num_seqs=options.max_num_seqs,
         max_model_len=max_model_len,
         kv_store=kv_store,
+        kv_cache_groups=pool.kv_cache_groups,
     )
     return ModelParts(model_config, tokenizer, model, max_model_len, kv, runner, pool.kv_cache_dtype)

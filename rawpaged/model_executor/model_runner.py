@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 
+from rawpaged.core.kv_cache_groups import KVCacheGroupSpec, group_size, layer_slots
 from rawpaged.core.scheduler import SchedulerOutput
 from rawpaged.dtypes import kv_row_bytes
 from rawpaged.kernels.backend import split_block_mapping
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str) -> int:
-    """Bytes of one block across all layers, K and V (a quantized cache's scales included)."""
+    """Bytes of one block of ``num_layers`` layers (a KV cache group's ``group_size``; every layer with one
+    group), K and V (a quantized cache's scales included)."""
     return 2 * num_layers * block_size * num_kv_heads * kv_row_bytes(kv_cache_dtype, head_dim)
 
 
@@ -32,8 +34,10 @@ class ModelRunner:
 
     Args:
         model: the ``LlamaModel`` (weights already on ``model.backend``).
-        num_blocks, block_size: KV pool geometry; caches per layer are
-            ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``.
+        num_blocks, block_size: KV pool geometry; the pool is ``group_size`` K and V tensors of
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``kv_cache_dtype``, and layer i's cache
+            (``key_caches[i]``) is the tensor of its position in its KV cache group.
+        kv_cache_groups: the pool's ``KVCacheGroupSpec``s; None: one group of every layer.
         enforce_eager: run every step kernel by kernel. Otherwise pure-decode steps of up to
             ``max_num_seqs`` sequences run on static input buffers (``cuda_graph``), replayed as CUDA
             graphs captured here on a backend that has them (``backend.supports_cuda_graphs``).
@@ -58,16 +62,23 @@ class ModelRunner:
         max_model_len: int | None = None,
         fused_decode: bool = True,
         kv_store=None,
+        kv_cache_groups: tuple | None = None,
     ):
         self.kv_store = kv_store
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
         cfg = model.config
+        groups = kv_cache_groups or (KVCacheGroupSpec(tuple(range(cfg.num_hidden_layers))),)
+        slots = layer_slots(groups, cfg.num_hidden_layers)
+        self.layer_groups = tuple(g for g, _ in slots) if len(groups) > 1 else ()
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         be = self.backend
-        self.key_caches = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
-        self.value_caches = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(cfg.num_hidden_layers)]
+        #: the pool's tensors, one K and one V per position in a group
+        self.key_tensors = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(group_size(groups))]
+        self.value_tensors = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(group_size(groups))]
+        self.key_caches = [self.key_tensors[pos] for _, pos in slots]
+        self.value_caches = [self.value_tensors[pos] for _, pos in slots]
         self.fused_decode = (
             CPUFusedDecode(model, self.key_caches, self.value_caches) if fused_decode and be.name == "cpu" else None
         )
@@ -82,6 +93,7 @@ class ModelRunner:
                 cudagraph_capture_sizes(max_num_seqs),
                 max_model_len,
                 block_size,
+                self.layer_groups,
             )
             if be.supports_cuda_graphs:
                 self.cuda_graph.capture_all()
@@ -96,7 +108,7 @@ class ModelRunner:
         Called first by ``execute_model``; the engine calls it alone for a step that runs no model."""
         if self.kv_store is None or not transfers:
             return
-        self.kv_store.run(transfers, self.key_caches, self.value_caches)
+        self.kv_store.run(transfers, self.key_tensors, self.value_tensors)
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Run the model for ``scheduler_output.scheduled`` = [(seq, num_new_tokens)].
@@ -113,7 +125,7 @@ class ModelRunner:
         """
         self.run_kv_transfers(scheduler_output.kv_transfers)
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
-            self.backend.copy_blocks(self.key_caches, self.value_caches, group)
+            self.backend.copy_blocks(self.key_tensors, self.value_tensors, group)
         step = build_step_input(scheduler_output)
         logits, hidden = self._forward_path(step).forward_step(step)
         scored = {} if hidden is None else self._prompt_logprobs(hidden, step.ordered)
@@ -125,7 +137,7 @@ class ModelRunner:
         for path in (self.cuda_graph, self.fused_decode):
             if path is not None and path.can_run(step):
                 return path
-        return EagerForward(self.model, self.key_caches, self.value_caches)
+        return EagerForward(self.model, self.key_caches, self.value_caches, self.layer_groups)
 
     def _prompt_logprobs(self, hidden, ordered: list) -> dict:
         """Prompt logprobs of this step's prompt positions, for the sequences that ask (see

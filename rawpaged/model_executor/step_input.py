@@ -51,7 +51,8 @@ class StepInput:
     """A step's model inputs on the host (see the module doc).
 
     decodes, prefills: ``((sequence, num_new_tokens), ...)``. has_drafts: some decode verifies drafts.
-    input_ids, positions, slot_mapping: int64 ``[num_tokens]``, decodes' tokens first.
+    input_ids, positions, slot_mapping: int64 ``[num_tokens]``, decodes' tokens first (``slot_mapping``:
+    the first KV cache group's slots; ``group_slot_mappings``: each group's, the same shape).
     decode_context_lens: int32 ``[num_decode_tokens]``, what each decode row attends (its context and
     the new tokens up to its own). layout: the logits rows (``LogitsLayout``).
     """
@@ -64,6 +65,12 @@ class StepInput:
     slot_mapping: np.ndarray
     decode_context_lens: np.ndarray
     layout: LogitsLayout
+    group_slot_mappings: tuple = ()
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups the step's sequences hold tables in."""
+        return max(1, len(self.group_slot_mappings))
 
     @property
     def ordered(self) -> tuple:
@@ -74,40 +81,52 @@ class StepInput:
     def num_decode_tokens(self) -> int:
         return len(self.decode_context_lens)
 
-    def attention_metadata(self, backend) -> AttentionMetadata:
-        """The step's ``AttentionMetadata`` on ``backend``. A sequence verifying k drafts is k + 1 decode
-        rows over its one block table, row i attending its context plus the first i new tokens (causal,
-        as its prefill would), since each layer writes every row's K and V before any row attends."""
+    def attention_metadata(self, backend, layer_groups: tuple = ()) -> AttentionMetadata:
+        """The step's ``AttentionMetadata`` on ``backend``: the first KV cache group's, with every group's in
+        ``groups`` and ``layer_groups`` (each layer's group index) so that ``layer(i)`` is layer i's. A
+        sequence verifying k drafts is k + 1 decode rows over its one block table, row i attending its
+        context plus the first i new tokens (causal, as its prefill would), since each layer writes every
+        row's K and V before any row attends."""
+        groups = tuple(self._group_metadata(backend, g) for g in range(self.num_groups))
+        if len(groups) == 1:
+            return groups[0]
+        groups[0].groups, groups[0].layer_groups = groups, tuple(layer_groups)
+        return groups[0]
+
+    def _group_metadata(self, backend, group: int) -> AttentionMetadata:
         be, prefills = backend, self.prefills
         qsl = np.zeros(len(prefills) + 1, dtype=np.int32)
         qsl[1:] = np.cumsum([n for _, n in prefills])
+        slots = self.group_slot_mappings[group] if self.group_slot_mappings else self.slot_mapping
         return AttentionMetadata(
-            slot_mapping=be.asarray(self.slot_mapping),
+            slot_mapping=be.asarray(slots),
             num_decode_tokens=self.num_decode_tokens,
-            decode_block_tables=be.asarray(_block_tables(self.decodes, lambda n: n)),
+            decode_block_tables=be.asarray(_block_tables(self.decodes, lambda n: n, group)),
             decode_context_lens=be.asarray(self.decode_context_lens),
-            prefill_block_tables=be.asarray(_block_tables(prefills, lambda n: 1)),
+            prefill_block_tables=be.asarray(_block_tables(prefills, lambda n: 1, group)),
             query_start_loc=be.asarray(qsl),
             prefill_seq_lens=be.asarray(np.array([s.num_computed_tokens + n for s, n in prefills], dtype=np.int32)),
             max_query_len=max((n for _, n in prefills), default=0),
             max_context_len=int(self.decode_context_lens.max(initial=0)),
         )
 
-    def device_inputs(self, backend) -> tuple:
-        """``(input_ids, positions, attention metadata)`` on ``backend``, as ``LlamaModel.forward`` takes them."""
-        attn = self.attention_metadata(backend)
+    def device_inputs(self, backend, layer_groups: tuple = ()) -> tuple:
+        """``(input_ids, positions, attention metadata)`` on ``backend``, as ``LlamaModel.forward`` takes them
+        (``layer_groups``: each layer's KV cache group, see ``attention_metadata``)."""
+        attn = self.attention_metadata(backend, layer_groups)
         return backend.asarray(self.input_ids), backend.asarray(self.positions), attn
 
 
-def _block_tables(group: tuple, rows_each) -> np.ndarray:
+def _block_tables(group: tuple, rows_each, kv_group: int = 0) -> np.ndarray:
     """int32 ``[sum(rows_each(n)), widest table]`` (at least one column, zero-padded): each sequence's
-    block table repeated over its ``rows_each(n)`` rows."""
-    width = max((len(s.block_table.block_ids) for s, _ in group), default=0)
+    block table of KV cache group ``kv_group`` repeated over its ``rows_each(n)`` rows."""
+    width = max((len(s.block_tables[kv_group].block_ids) for s, _ in group), default=0)
     bt = np.zeros((sum(rows_each(n) for _, n in group), max(width, 1)), dtype=np.int32)
     row = 0
     for s, n in group:
         rows = rows_each(n)
-        bt[row : row + rows, : len(s.block_table.block_ids)] = s.block_table.block_ids
+        ids = s.block_tables[kv_group].block_ids
+        bt[row : row + rows, : len(ids)] = ids
         row += rows
     return bt
 
@@ -120,14 +139,17 @@ def build_step_input(scheduler_output: SchedulerOutput) -> StepInput:
     for s, n in scheduler_output.scheduled:
         decoding = s.num_computed_tokens == s.num_tokens - 1 and n == 1 + len(spec.get(s.seq_id, ()))
         (decodes if decoding else prefills).append((s, n))
-    ids, positions, slots = [], [], []
-    for seq, n in decodes + prefills:
+    ordered = decodes + prefills
+    num_groups = max((len(s.block_tables) for s, _ in ordered), default=1)
+    ids, positions, slots = [], [], [[] for _ in range(num_groups)]
+    for seq, n in ordered:
         start = seq.num_computed_tokens
         positions.extend(range(start, start + n))
         drafts = spec.get(seq.seq_id, ())
         ids.extend(seq.token_at(p) for p in range(start, start + n - len(drafts)))
         ids.extend(drafts)
-        slots.extend(seq.block_table.slots(start, start + n))
+        for g, table in enumerate(seq.block_tables):
+            slots[g].extend(table.slots(start, start + n))
     decode_lens = [s.num_computed_tokens + i + 1 for s, n in decodes for i in range(n)]
     return StepInput(
         decodes=tuple(decodes),
@@ -135,9 +157,10 @@ def build_step_input(scheduler_output: SchedulerOutput) -> StepInput:
         has_drafts=bool(spec),
         input_ids=np.array(ids, dtype=np.int64),
         positions=np.array(positions, dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
+        slot_mapping=np.array(slots[0], dtype=np.int64),
         decode_context_lens=np.array(decode_lens, dtype=np.int32),
-        layout=_logits_layout(scheduler_output, decodes + prefills),
+        layout=_logits_layout(scheduler_output, ordered),
+        group_slot_mappings=tuple(np.array(g, dtype=np.int64) for g in slots),
     )
 
 

@@ -75,7 +75,15 @@ def test_preemption_event_names_the_blocks_released():
     check_against_tables(snap, [a, b], 4)
     waiting = [q for r in snap["requests"] for q in r["sequences"] if q["status"] == "waiting"]
     assert waiting == [
-        {"index": 0, "seq_id": 1, "status": "waiting", "num_tokens": 9, "num_computed_tokens": 0, "block_table": []}
+        {
+            "index": 0,
+            "seq_id": 1,
+            "status": "waiting",
+            "num_tokens": 9,
+            "num_computed_tokens": 0,
+            "block_table": [],
+            "block_tables": [[]],
+        }
     ]
 
 

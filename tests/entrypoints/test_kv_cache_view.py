@@ -66,7 +66,7 @@ def test_page_is_public_and_the_snapshot_is_not(server):
     status, _, snap = out["kv"]
     assert status == 200 and (snap["num_blocks"], snap["count"], snap["block_size"]) == (96, 96, 16)
     assert [b["block_id"] for b in snap["blocks"]] == list(range(96))
-    assert set(snap["blocks"][0]) == {"block_id", "ref_count", "owners", "cached"}
+    assert set(snap["blocks"][0]) == {"block_id", "ref_count", "owners", "cached", "group"}
     assert {"requests", "events", "next_event_id", "num_free_blocks", "step"} <= set(snap)
     assert [b["block_id"] for b in out["range"][2]["blocks"]] == list(range(90, 96))
     bad = (("bad_int", "start"), ("bad_start", "start"), ("bad_count", "count"), ("bad_replica", "replica"))

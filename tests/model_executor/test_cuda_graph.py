@@ -48,7 +48,7 @@ class _Seq:
     def __init__(self, tokens, block_ids, block_size=4):
         self.tokens = list(tokens)
         self.num_computed_tokens = len(tokens) - 1
-        self.block_table = BlockTable(0, block_size, list(block_ids), num_tokens=len(tokens))
+        self.block_tables = [BlockTable(0, block_size, list(block_ids), num_tokens=len(tokens))]  # one KV cache group
 
     @property
     def num_tokens(self):

@@ -156,8 +156,30 @@ class _EngineStatsCollector:
             for pos, count in enumerate((source.get("spec_decode") or {}).get("num_accepted_tokens_per_pos", ())):
                 per_pos.add_metric([*label_values, str(pos)], float(count))
         yield per_pos
+        yield from _group_metrics(labels, sources)
         if replicas is not None:
             yield from _router_metrics(replicas, s.get("router", {}))
+
+
+def _group_metrics(labels: list, sources: list):
+    """Per KV cache group (labels ``group``, its index, and ``kind``): the blocks its tables hold and those
+    its sliding window gave back."""
+    used = GaugeMetricFamily(
+        "rawpaged:kv_cache_group_used_blocks",
+        "KV-cache blocks held by a KV cache group's tables.",
+        labels=[*labels, "group", "kind"],
+    )
+    frees = CounterMetricFamily(
+        "rawpaged:kv_cache_group_window_frees",
+        "Blocks a KV cache group gave back because its sliding window had passed them.",
+        labels=[*labels, "group", "kind"],
+    )
+    for label_values, source in sources:
+        for g in source.get("kv_cache_groups") or ():
+            group = [*label_values, str(g["group_id"]), g["kind"]]
+            used.add_metric(group, float(g["num_used_blocks"]))
+            frees.add_metric(group, float(g["num_window_frees"]))
+    yield from (used, frees)
 
 
 def _router_metrics(replicas: list, router: dict):

@@ -15,6 +15,7 @@ window.rawpagedKvView = (() => {
     blocks: [],
     cells: [],
     requests: [],
+    groups: [], // the pool's KV cache groups (kv_cache_groups of the snapshot)
     colors: new Map(),
     highlighted: [],
     hovered: null, // the request id whose block tables are shown
@@ -77,10 +78,22 @@ window.rawpagedKvView = (() => {
     let title = `block ${b.block_id} · ref_count ${b.ref_count}`;
     if (b.owners.length) title += ` · ${b.owners.join(", ")}`;
     if (b.cached) title += " · prefix cached";
+    if (b.group !== undefined && b.group !== null && kv.groups.length > 1) title += ` · ${groupName(b.group)}`;
     el.title = title;
   }
 
+  // KV cache groups (a hybrid model's layers of one kind page together): "group 1 (sliding_window_8, layers 2, 3)"
+  function groupName(g) {
+    const spec = kv.groups[g];
+    return spec ? `group ${g} (${spec.kind}, layers ${spec.layer_ids.join(", ")})` : `group ${g}`;
+  }
+
+  function tablesOf(q) {
+    return q.block_tables || [q.block_table];
+  }
+
   function applySnapshot(s) {
+    kv.groups = s.kv_cache_groups || [];
     kv.start = s.start;
     kv.count = s.count;
     kv.numBlocks = s.num_blocks;
@@ -105,6 +118,7 @@ window.rawpagedKvView = (() => {
   }
 
   function applyDelta(d) {
+    kv.groups = d.kv_cache_groups || kv.groups;
     for (const b of d.blocks) {
       kv.blocks[b.block_id - kv.start] = b;
       paint(b);
@@ -130,9 +144,13 @@ window.rawpagedKvView = (() => {
         `(prefix ${o.num_prefix_blocks}, swapped ${o.num_swap_blocks}), hits ${o.prefix_hits}, ` +
         `swaps out/in ${o.swap_out_blocks}/${o.swap_in_blocks}`
       : "";
+    const groups =
+      kv.groups.length > 1
+        ? " · " + kv.groups.map((g) => `${groupName(g.group_id)}: ${g.num_used_blocks} held`).join(", ")
+        : "";
     $("kv-counts").textContent =
       `${replica}${s.num_blocks} blocks of ${s.block_size} tokens · used ${used} (shared ${shared}) · ` +
-      `free ${s.num_free_blocks} (prefix cached ${cached}) · step ${s.step}${tier}`;
+      `free ${s.num_free_blocks} (prefix cached ${cached}) · step ${s.step}${tier}${groups}`;
   }
 
   function setRequests(requests) {
@@ -147,7 +165,7 @@ window.rawpagedKvView = (() => {
       sw.className = "swatch";
       sw.style.background = colorOf(r.request_id);
       const longest = Math.max(...r.sequences.map((q) => q.num_tokens));
-      const blocks = new Set(r.sequences.flatMap((q) => q.block_table)).size;
+      const blocks = new Set(r.sequences.flatMap((q) => tablesOf(q).flat()).filter((p) => p >= 0)).size;
       const seqs = r.sequences.length === 1 ? "1 sequence" : `${r.sequences.length} sequences`;
       li.append(sw, `${short(r.request_id)} · ${seqs} · ${plural(blocks, "block")} · longest ${longest} tokens`);
       list.append(li);
@@ -188,14 +206,17 @@ window.rawpagedKvView = (() => {
         `${short(r.request_id)} #${q.index} (${q.status}, ${q.num_tokens} tokens, ` +
           `${q.num_computed_tokens} computed):`,
       );
-      lines.push("  " + (q.block_table.map((p, i) => `${i}→${p}`).join("  ") || "(no blocks)"));
-      for (const p of q.block_table) {
-        const el = kv.cells[p - kv.start];
-        if (el) {
-          el.classList.add("hl");
-          kv.highlighted.push(el);
+      tablesOf(q).forEach((table, g) => {
+        const row = table.map((p, i) => `${i}→${p}`).join("  ") || "(no blocks)";
+        lines.push(kv.groups.length > 1 ? `  ${groupName(g)}: ${row}` : "  " + row);
+        for (const p of table) {
+          const el = p >= 0 ? kv.cells[p - kv.start] : null; // -1: given back behind a sliding window
+          if (el) {
+            el.classList.add("hl");
+            kv.highlighted.push(el);
+          }
         }
-      }
+      });
     }
     table.textContent = lines.join("\n");
   }

@@ -30,6 +30,8 @@ class AttentionMetadata:
     decode_block_tables: int32 ``[num_decodes, max_blocks]``; decode_context_lens: int32 ``[num_decodes]``.
     prefill_block_tables: int32 ``[num_prefills, max_blocks]``; query_start_loc: int32
     ``[num_prefills + 1]`` (relative to the first prefill token); prefill_seq_lens: int32 ``[num_prefills]``.
+    With several KV cache groups, this is the first group's; ``groups`` holds every group's (same fields,
+    their own slots and block tables) and ``layer_groups`` each layer's group index.
     """
 
     slot_mapping: object
@@ -41,10 +43,14 @@ class AttentionMetadata:
     prefill_seq_lens: object
     max_query_len: int = 0  # host-side maxima, for launch sizing on the GPU
     max_context_len: int = 0
+    groups: tuple = ()
+    layer_groups: tuple = ()
 
     def layer(self, layer_idx: int) -> AttentionMetadata:
-        """The metadata layer ``layer_idx`` attends with (one set for every layer today)."""
-        return self
+        """The metadata layer ``layer_idx`` attends with: its KV cache group's (this one with one group)."""
+        if not self.layer_groups:
+            return self
+        return self.groups[self.layer_groups[layer_idx]]
 
 
 class LlamaModel:
