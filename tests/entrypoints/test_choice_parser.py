@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no package index)
+
 from rawpaged.engine.outputs import CompletionDelta, CompletionOutput
 from rawpaged.entrypoints.generation.choice_parser import ChoiceParser, parse_choice
 from rawpaged.entrypoints.generation.output_json import ChatFormat

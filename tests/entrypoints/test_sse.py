@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+pytest.importorskip("aiohttp")  # absent on some hosts (the GPU host has no package index)
+
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer

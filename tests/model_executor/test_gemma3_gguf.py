@@ -251,7 +251,7 @@ def test_greedy_matches_llama_cpp():
     ref = json.loads((DATA / "gemma3_270m_llama_cpp_greedy.json").read_text(encoding="utf-8"))
     cases = ref["cases"]
     assert sum(len(c["prompt_ids"]) > 1000 for c in cases) == 2
-    llm = LLM(model=str(GGUF), device="cpu", num_kv_blocks=512, max_model_len=2560)
+    llm = LLM(model=str(GGUF), device="cpu", num_kv_blocks=4096, max_model_len=2560)
     assert [llm.tokenizer.encode(c["prompt"]) for c in cases] == [c["prompt_ids"] for c in cases]
     params = SamplingParams(temperature=0.0, max_tokens=ref["n_new"], ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params)
