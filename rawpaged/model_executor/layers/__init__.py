@@ -1,1 +1,1 @@
-"""Model building blocks computed once at load (RoPE variants)."""
+"""Model building blocks: RoPE variants computed once at load, and a layer's paged attention call."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rawpaged.model_executor.layers.attention import paged_attention_layer
 from rawpaged.model_executor.layers.rotary_embedding import cos_sin_cache
 from rawpaged.model_executor.model_config import ModelConfig
 from rawpaged.model_executor.models.llama import AttentionMetadata
@@ -103,7 +104,6 @@ class GemmaModel:
         T = x.shape[0]
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         a, window = attn.layer(i), self.layer_windows[i]
-        nd = a.num_decode_tokens
         q, k, v = be.split_qkv(be.linear(x, layer["qkv_proj"]), Hq, Hkv, D)
         if layer["q_norm"] is not None:
             q = be.rms_norm(q.reshape(T * Hq, D), layer["q_norm"], cfg.rms_norm_eps).reshape(T, Hq, D)
@@ -112,33 +112,7 @@ class GemmaModel:
             positions, q, k, v, key_caches[i], value_caches[i], a.slot_mapping, self.layer_cos_sin[i]
         )
         out = be.xp.empty((T, Hq, D), dtype=q.dtype)
-        if nd:
-            be.paged_attention(
-                out[:nd],
-                q[:nd],
-                key_caches[i],
-                value_caches[i],
-                a.decode_block_tables,
-                a.decode_context_lens,
-                self.scale,
-                max_context_len=a.max_context_len,
-                sliding_window=window,
-                logits_soft_cap=self.soft_cap,
-            )
-        if nd < T:
-            be.prefill_attention(
-                out[nd:],
-                q[nd:],
-                key_caches[i],
-                value_caches[i],
-                a.prefill_block_tables,
-                a.query_start_loc,
-                a.prefill_seq_lens,
-                self.scale,
-                max_query_len=a.max_query_len,
-                sliding_window=window,
-                logits_soft_cap=self.soft_cap,
-            )
+        paged_attention_layer(be, out, q, key_caches[i], value_caches[i], a, self.scale, window, self.soft_cap)
         return be.linear(out.reshape(T, Hq * D), layer["o_proj"])
 
     def compute_logits(self, hidden):

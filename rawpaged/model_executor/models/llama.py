@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rawpaged.model_executor.layers.attention import paged_attention_layer
 from rawpaged.model_executor.layers.rotary_embedding import cos_sin_cache
 from rawpaged.model_executor.model_config import ModelConfig
 
@@ -115,7 +116,6 @@ class LlamaModel:
         be, cfg = self.backend, self.config
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        nd = attn.num_decode_tokens
         residual = be.embedding(input_ids, self.embed_tokens)
         attn_out = be.xp.empty((T, Hq, D), dtype=residual.dtype)
         h = None  # the previous layer's output, added into ``residual`` by the next fused norm
@@ -133,31 +133,7 @@ class LlamaModel:
             be.rotary_embedding_and_cache(
                 positions, q, k, v, key_caches[i], value_caches[i], a.slot_mapping, self.cos_sin_cache
             )
-            if nd:
-                be.paged_attention(
-                    attn_out[:nd],
-                    q[:nd],
-                    key_caches[i],
-                    value_caches[i],
-                    a.decode_block_tables,
-                    a.decode_context_lens,
-                    self.scale,
-                    max_context_len=a.max_context_len,
-                    sliding_window=window,
-                )
-            if nd < T:
-                be.prefill_attention(
-                    attn_out[nd:],
-                    q[nd:],
-                    key_caches[i],
-                    value_caches[i],
-                    a.prefill_block_tables,
-                    a.query_start_loc,
-                    a.prefill_seq_lens,
-                    self.scale,
-                    max_query_len=a.max_query_len,
-                    sliding_window=window,
-                )
+            paged_attention_layer(be, attn_out, q, key_caches[i], value_caches[i], a, self.scale, window)
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
             h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])
