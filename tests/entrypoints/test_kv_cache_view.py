@@ -182,8 +182,18 @@ def test_subscription_shows_n4_sharing_then_every_block_returned(server):
                 while any(b["ref_count"] for b in state["blocks"].values()):
                     assert asyncio.get_running_loop().time() < deadline, "blocks still referenced"
                     apply(state, await ws.receive_json(timeout=10))
-                async with s.get(server.url + "/v1/debug/kv_cache") as r:
-                    fresh = await r.json()
+                # the subscription may lag a fresh look by one interval (a freed block's ``cached`` flag
+                # changes after its ref_count): read deltas until both agree, or fail at the deadline
+                while True:
+                    async with s.get(server.url + "/v1/debug/kv_cache") as r:
+                        fresh = await r.json()
+                    if state["blocks"] == {b["block_id"]: b for b in fresh["blocks"]}:
+                        break
+                    assert asyncio.get_running_loop().time() < deadline, "deltas never caught up with the pool"
+                    try:
+                        apply(state, await ws.receive_json(timeout=0.5))
+                    except asyncio.TimeoutError:
+                        pass
                 await ws.send_json({"type": "cancel", "id": "kv"})
         return looks, state, rid, fresh
 
