@@ -75,11 +75,6 @@ class ModelConfig:
             kind = "full_attention" if self.sliding_window is None else "sliding_attention"
             object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
 
-    @property
-    def shared_sliding_window(self) -> int | None:
-        """The window every layer applies, or None when some layer (or every one) attends in full."""
-        return self.sliding_window if set(self.layer_types) == {"sliding_attention"} else None
-
     def layer_windows(self) -> tuple:
         """Per layer, the window its attention applies (``sliding_window``) or None (full attention)."""
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)

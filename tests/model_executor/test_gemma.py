@@ -59,7 +59,7 @@ def test_gemma3_layer_types_from_sliding_window_pattern():
     assert _cfg("Gemma3ForCausalLM").layer_types == (S, S, S, S, S, F, S)
     cfg = _cfg("Gemma3ForCausalLM", sliding_window_pattern=2, sliding_window=16)
     assert cfg.layer_types == (S, F, S, F, S, F, S)
-    assert cfg.layer_windows() == (16, None, 16, None, 16, None, 16) and cfg.shared_sliding_window is None
+    assert cfg.layer_windows() == (16, None, 16, None, 16, None, 16)
     assert _cfg("Gemma3ForCausalLM", sliding_window_pattern=1).layer_types == (F,) * 7
 
 

@@ -173,7 +173,7 @@ def test_family_features_from_config():
     hybrid = dict(base, architectures=["Qwen2ForCausalLM"], num_hidden_layers=3, use_sliding_window=True)
     qwen2_swa = ModelConfig.from_dict(dict(hybrid, sliding_window=8, max_window_layers=1))
     assert qwen2_swa.layer_types == ("full_attention",) + ("sliding_attention",) * 2
-    assert (qwen2_swa.layer_windows(), qwen2_swa.shared_sliding_window) == ((None, 8, 8), None)
+    assert qwen2_swa.layer_windows() == (None, 8, 8)
     explicit = ["sliding_attention", "full_attention", "sliding_attention"]
     assert ModelConfig.from_dict(dict(hybrid, sliding_window=8, layer_types=explicit)).layer_windows() == (8, None, 8)
     assert ModelConfig.from_dict(dict(hybrid, sliding_window=None)).layer_windows() == (None,) * 3
