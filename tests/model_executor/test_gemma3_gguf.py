@@ -4,7 +4,8 @@ tokenizer rebuilt from the metadata against HF's ``tokenizer.json`` (recorded by
 ``scripts/record_gemma3_tokenizer_cases.py``), the chat template kept beside the file, and greedy decoding
 against llama.cpp on the same file (recorded by ``scripts/record_gemma3_reference.py``); teacher-forced logits
 and greedy decoding against a float64 NumPy reference of the dequantized file (recorded by
-``scripts/record_gemma3_float64_reference.py``).
+``scripts/record_gemma3_float64_reference.py``), and greedy decoding against HF transformers on the file
+(recorded by ``scripts/record_gemma3_hf_reference.py``).
 
 The tests on the real file (Gemma 3 270M, Q4_K_M) prepare it first (the session fixture ``gemma3_gguf``,
 ``python -m rawpaged.weights prepare gemma-3-270m``); they skip only where it cannot be downloaded."""
@@ -319,6 +320,21 @@ def test_greedy_matches_float64_reference(greedy_run):
     # 2026-12-07, AMD EPYC: 8 of 8 equal over all 64 tokens (smallest top-2 gaps on the way: 0.0048 in
     # case 0, then 0.028); allow one near-tie parting elsewhere
     assert equal >= 7, f"only {equal} of {len(cases)} prompts equal the float64 reference's 64 tokens"
+
+
+def test_greedy_matches_hf_transformers(greedy_run):
+    """Reference: HF transformers' ``Gemma3ForCausalLM`` on the same file (``gguf_file=``, float32, eager
+    attention; ``gemma3_270m_hf_greedy.json``, recorded outside the suite by
+    ``scripts/record_gemma3_hf_reference.py``). Its ids equal the float64 reference's on all 8 prompts x 64
+    tokens (two implementations that share only the ``gguf`` package's dequantization), and ours equal its,
+    or parted first where its top-2 gap was under ``NEAR_TIE_F64``."""
+    hf = json.loads((DATA / "gemma3_270m_hf_greedy.json").read_text(encoding="utf-8"))
+    f64 = _float64_reference()["greedy"]
+    assert [c["prompt_ids"] for c in hf["cases"]] == [c["prompt_ids"] for c in f64]
+    assert [c["greedy_ids"] for c in hf["cases"]] == [c["greedy_ids"] for c in f64]
+    equal, report = _partings(greedy_run["ids"], hf["cases"], NEAR_TIE_F64)
+    assert not report, f"parted from HF transformers at decisive steps (case, step, gap, ours, its): {report}"
+    assert equal >= 7, f"only {equal} of {len(hf['cases'])} prompts equal HF transformers' 64 tokens"
 
 
 def _one_sequence(blocks, block_size, start, n, decode):
