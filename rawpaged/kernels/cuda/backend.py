@@ -186,6 +186,14 @@ class CudaBackend:
         current stream: kernels launched after it, and graphs replayed after it, see the data."""
         self.ctx.copy_to_device(dst, host)
 
+    def load_experts(self, parts: list, dtype: str):
+        """Not on this backend yet: mixture-of-experts models run on the CPU backend. Raises
+        NotImplementedError naming MoE."""
+        raise NotImplementedError(
+            "mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) are not supported on the CUDA backend "
+            "yet: run them with device='cpu'"
+        )
+
     def finish_loading(self) -> None:
         """Wait for the weight uploads and free the pinned staging buffers."""
         close = getattr(self.ctx.copy_to_device, "close", None)
