@@ -81,6 +81,9 @@ class Backend(Protocol):
     """The array module (``numpy`` or ``cupy``)."""
     dtype_pairs: tuple
     """(activation dtype, KV-cache dtype) name pairs this backend runs."""
+    supports_moe: bool
+    """Whether the mixture-of-experts ops below are implemented (else they raise NotImplementedError and a
+    mixture-of-experts model is refused before its weights load)."""
 
     def auto_dtype(self, checkpoint_dtype: str | None) -> str:
         """The activation dtype ``dtype="auto"`` means here, given the checkpoint's ``torch_dtype``."""

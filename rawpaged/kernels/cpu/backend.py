@@ -44,6 +44,8 @@ class CPUBackend:
     dtype_pairs = (("float32", "float32"), ("float32", "bfloat16"), ("float32", "int8"), ("float32", "fp8_e4m3"))
     #: no graphs to capture: a decode step on static buffers runs kernel by kernel (``cuda_graph``)
     supports_cuda_graphs = False
+    #: the mixture-of-experts ops (``moe``): float32 experts
+    supports_moe = True
 
     @staticmethod
     def auto_dtype(checkpoint_dtype: str | None) -> str:

@@ -70,7 +70,7 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32", max_position: int = 2048):
-        if config.moe and not hasattr(backend, "moe_route"):
+        if config.moe and not backend.supports_moe:
             raise NotImplementedError(
                 f"{config.architecture} is a mixture-of-experts model: the {backend.name} backend has no MoE "
                 "kernels yet (run it with device='cpu')"
