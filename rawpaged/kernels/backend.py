@@ -81,6 +81,9 @@ class Backend(Protocol):
     """The array module (``numpy`` or ``cupy``)."""
     dtype_pairs: tuple
     """(activation dtype, KV-cache dtype) name pairs this backend runs."""
+    supports_moe: bool
+    """Whether the mixture-of-experts ops below are implemented (else they raise NotImplementedError and a
+    mixture-of-experts model is refused before its weights load)."""
 
     def auto_dtype(self, checkpoint_dtype: str | None) -> str:
         """The activation dtype ``dtype="auto"`` means here, given the checkpoint's ``torch_dtype``."""
@@ -103,6 +106,11 @@ class Backend(Protocol):
 
     def load_linear(self, parts: list, dtype: str):
         """HF ``[out_i, in]`` weights fused along ``out`` -> the weight layout ``linear`` takes."""
+
+    def load_experts(self, parts: list, dtype: str):
+        """Mixture-of-experts weights: stacks ``[E, N_i, K]`` (one ``[N_i, K]`` weight per expert, HF's
+        ``[out, in]``; float arrays or GGUF ``QuantizedExperts``) fused along N -> the handle
+        ``grouped_linear`` takes. A backend without MoE kernels raises NotImplementedError naming MoE."""
 
     def finish_loading(self) -> None:
         """Wait for weight uploads and release what loading needed."""
@@ -130,6 +138,27 @@ class Backend(Protocol):
 
     def gelu_tanh_and_mul(self, x):
         """``gelu_tanh(x[:, :d]) * x[:, d:]`` for ``x [T, 2d]`` (GeGLU, PyTorch's tanh approximation)."""
+
+    # ---------------------------------------------------------------- mixture of experts
+    def moe_route(self, router_logits, top_k: int, softmax_before_topk: bool, renormalize: bool) -> tuple:
+        """Router top-k of float32 logits ``[T, E]`` -> ``(topk_ids int32 [T, k], topk_weights float32 [T,
+        k])``: the k largest (ties: the lower expert index), weighted by the softmax over all E
+        (``softmax_before_topk``; divided by their sum when ``renormalize``) or by the softmax over the k
+        selected logits. ValueError for k outside ``[1, E]``."""
+
+    def moe_align(self, topk_ids, num_experts: int) -> tuple:
+        """``(sorted_ids int32 [T * k], expert_offsets int64 [E + 1])``: the flat (token, slot) indices
+        ``t * k + j`` of ``topk_ids [T, k]`` sorted by expert (stable); expert e's rows are
+        ``expert_offsets[e] : expert_offsets[e + 1]``."""
+
+    def grouped_linear(self, x, expert_offsets, experts):
+        """``x [M, K]`` (rows in expert order, ``expert_offsets`` int64 ``[E + 1]``) -> ``[M, N]``: row r of
+        expert e times expert e's weight transposed (``x[r] @ W_e.T``), ``experts`` from ``load_experts``.
+        An expert with no rows is never read."""
+
+    def moe_combine(self, y, sorted_ids, topk_weights, num_tokens: int):
+        """``[num_tokens, H]``: each token's k rows of ``y [T * k, H]`` (in ``sorted_ids`` order), weighted
+        by ``topk_weights [T, k]`` and summed in slot order."""
 
     # ---------------------------------------------------------------- paged KV cache
     def allocate_kv_cache(self, shape, kv_cache_dtype: str):

@@ -58,7 +58,8 @@ class CPUFusedDecode:
         self.model = model
         self.max_batch_size = max_batch_size
         #: whether this model's decode steps run here (else op by op): a Llama-family model whose layers
-        #: share their formats and their window (a ``GemmaModel`` has ``fused_cpu_decode = False``)
+        #: share their formats and their window (a ``GemmaModel`` and a mixture-of-experts ``LlamaModel``
+        #: have ``fused_cpu_decode = False``)
         self.supported = getattr(model, "fused_cpu_decode", True)
         if not self.supported:
             return

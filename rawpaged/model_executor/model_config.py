@@ -2,8 +2,9 @@
 needs) and ``GenerationConfig`` (what ``generation_config.json`` adds). Plain data, parsed from dicts; the
 loaders (``model_loader`` for safetensors, ``gguf_loader`` for GGUF metadata) read the files.
 
-Field meanings follow HF transformers' ``LlamaConfig``/``MistralConfig``/``Qwen2Config``/``Qwen3Config``
-and ``Gemma2Config``/``Gemma3TextConfig``.
+Field meanings follow HF transformers' ``LlamaConfig``/``MistralConfig``/``Qwen2Config``/``Qwen3Config``,
+``Gemma2Config``/``Gemma3TextConfig`` and the mixture-of-experts ``MixtralConfig``/``Qwen2MoeConfig``/
+``Qwen3MoeConfig`` (``docs/moe.md``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,46 @@ from dataclasses import dataclass
 from rawpaged.model_executor.layers.rotary_embedding import RopeScaling
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *GEMMA_ARCHITECTURES,
+    *MOE_ARCHITECTURES,
+)
+#: config.json fields of MoE variants this engine does not compute (DeepSeek's grouped top-k and MLA
+#: attention, other routers' scoring and scaling, DeepSeek's dense-first layers): refused when set
+UNSUPPORTED_MOE_FIELDS = (
+    "n_group",
+    "topk_group",
+    "topk_method",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "n_routed_experts",
+    "n_shared_experts",
+    "scoring_func",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "num_experts_group",
+    "moe_topk_group",
+)
+#: the expert/router fields of Mixtral's, Qwen2-MoE's and Qwen3-MoE's configs (the rest of their kind is
+#: refused); the router's jitter and auxiliary loss are training-only
+KNOWN_MOE_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_jitter_noise",
+    "router_aux_loss_coef",
+    "output_router_logits",
 )
 #: Gemma's window when config.json gives none (HF's ``Gemma2Config``/``Gemma3TextConfig`` default)
 GEMMA_DEFAULT_WINDOW = 4096
@@ -34,7 +69,16 @@ class ModelConfig:
     ``"sliding_attention"`` (Mistral: every layer; Qwen2/Qwen3 with ``use_sliding_window``: layers from
     ``max_window_layers`` on, as HF's ``Qwen2Config`` derives them; Gemma 2: even layers; Gemma 3: all but
     every ``sliding_window_pattern``-th); ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3,
-    Gemma 3).
+    Qwen3-MoE, Gemma 3).
+
+    Mixture of experts only (``moe``; ``docs/moe.md``): ``num_experts`` routed experts (Mixtral's
+    ``num_local_experts``), ``num_experts_per_tok`` (k) of them per token, each a SwiGLU MLP of
+    ``moe_intermediate_size`` (Mixtral: ``intermediate_size``); ``moe_softmax_before_topk``: the router's
+    weights are the softmax over all experts of the k selected (Qwen2-MoE, Qwen3-MoE), renormalized to sum
+    1 when ``norm_topk_prob``; else the softmax over the k selected logits (Mixtral);
+    ``shared_expert_intermediate_size``: Qwen2-MoE's shared expert (0: none), added times the sigmoid of
+    its gate; ``moe_layers``: each layer's FFN kind, True for the sparse MoE block, False for a dense MLP
+    of ``intermediate_size`` (HF: ``mlp_only_layers`` and every ``decoder_sparse_step``-th layer).
 
     Gemma only (``gemma``): ``hidden_activation`` (``"gelu_pytorch_tanh"``; else ``"silu"``);
     ``query_pre_attn_scalar``: attention scores scale by its ``** -0.5`` (None: ``head_dim ** -0.5``);
@@ -70,10 +114,20 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     local_rope: RopeScaling | None = None
 
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_softmax_before_topk: bool = True
+    moe_layers: tuple = ()
+
     def __post_init__(self):
         if not self.layer_types:
             kind = "full_attention" if self.sliding_window is None else "sliding_attention"
             object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (False,) * self.num_hidden_layers)
 
     def layer_windows(self) -> tuple:
         """Per layer, the window its attention applies (``sliding_window``) or None (full attention)."""
@@ -83,6 +137,11 @@ class ModelConfig:
     def gemma(self) -> bool:
         """Gemma 2 or 3: (1 + weight) RMSNorms, four norms a layer, scaled embeddings, GeLU-tanh MLP."""
         return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): some layer's FFN is a sparse MoE block."""
+        return any(self.moe_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -116,7 +175,9 @@ class ModelConfig:
                 )
             if head_dim < 2 or head_dim % 2:
                 raise ValueError(f"{source}: head_dim {head_dim} must be even (RoPE rotates pairs)")
+            _refuse_unsupported_moe(cfg, arch, source)
             gemma = _gemma_fields(cfg, arch, source) if arch in GEMMA_ARCHITECTURES else None
+            moe = _moe_fields(cfg, arch, source) if arch in MOE_ARCHITECTURES else {}
             checked = (("mlp_bias", False),) if gemma else (("hidden_act", "silu"), ("mlp_bias", False))
             for field, supported in checked:
                 value = cfg.get(field, supported)
@@ -135,14 +196,15 @@ class ModelConfig:
                 rope_theta=float(cfg.get("rope_theta", 10000.0)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=_attention_bias(cfg, arch),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
                 rope=gemma.pop("rope") if gemma else RopeScaling.from_hf_config(cfg, source),
                 **_windows(cfg, arch, source),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
                 **(gemma or {}),
+                **moe,
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
@@ -154,6 +216,37 @@ class ModelConfig:
         if self.architecture == "Gemma3ForCausalLM":
             return self.max_position_embeddings
         return self.rope.context_len(self.max_position_embeddings)
+
+    def checkpoint_expert_shapes(self, layer: int) -> dict:
+        """HF checkpoint tensor name -> shape of sparse layer ``layer``'s MoE block: the router, each expert's
+        three projections (Mixtral: ``block_sparse_moe.experts.{e}.w1`` gate, ``w3`` up, ``w2`` down; Qwen:
+        ``mlp.experts.{e}.{gate,up,down}_proj``) and Qwen2-MoE's shared expert and its gate."""
+        H, E, Fe, S = (
+            self.hidden_size,
+            self.num_experts,
+            self.moe_intermediate_size,
+            self.shared_expert_intermediate_size,
+        )
+        p = f"model.layers.{layer}."
+        if self.architecture == "MixtralForCausalLM":
+            shapes = {p + "block_sparse_moe.gate.weight": (E, H)}
+            for e in range(E):
+                q = p + f"block_sparse_moe.experts.{e}."
+                shapes.update({q + "w1.weight": (Fe, H), q + "w3.weight": (Fe, H), q + "w2.weight": (H, Fe)})
+            return shapes
+        shapes = {p + "mlp.gate.weight": (E, H)}
+        for e in range(E):
+            q = p + f"mlp.experts.{e}."
+            shapes.update(
+                {q + "gate_proj.weight": (Fe, H), q + "up_proj.weight": (Fe, H), q + "down_proj.weight": (H, Fe)}
+            )
+        if S:
+            q = p + "mlp.shared_expert."
+            shapes.update(
+                {q + "gate_proj.weight": (S, H), q + "up_proj.weight": (S, H), q + "down_proj.weight": (H, S)}
+            )
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, H)
+        return shapes
 
     def expected_shapes(self) -> dict:
         """HF tensor name -> shape, for every tensor the model needs."""
@@ -172,11 +265,18 @@ class ModelConfig:
                     p + "self_attn.k_proj.weight": (kv, H),
                     p + "self_attn.v_proj.weight": (kv, H),
                     p + "self_attn.o_proj.weight": (H, q),
-                    p + "mlp.gate_proj.weight": (F, H),
-                    p + "mlp.up_proj.weight": (F, H),
-                    p + "mlp.down_proj.weight": (H, F),
                 }
             )
+            if self.moe_layers[i]:
+                shapes.update(self.checkpoint_expert_shapes(i))
+            else:
+                shapes.update(
+                    {
+                        p + "mlp.gate_proj.weight": (F, H),
+                        p + "mlp.up_proj.weight": (F, H),
+                        p + "mlp.down_proj.weight": (H, F),
+                    }
+                )
             if self.qk_norm:
                 shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
             if self.gemma:
@@ -205,7 +305,7 @@ def _windows(cfg: dict, arch: str, source: str) -> dict:
         window = _window_size(cfg, source) if cfg.get("use_sliding_window") else None
         start = int(cfg.get("max_window_layers", 28))
         derived = tuple("sliding_attention" if window and i >= start else "full_attention" for i in range(n))
-    elif arch == "MistralForCausalLM":
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         window = _window_size(cfg, source)
         derived = ("full_attention" if window is None else "sliding_attention",) * n
     elif arch in GEMMA_ARCHITECTURES:
@@ -222,6 +322,84 @@ def _windows(cfg: dict, arch: str, source: str) -> dict:
             f" got {list(types)!r}"
         )
     return {"sliding_window": window if "sliding_attention" in types else None, "layer_types": types}
+
+
+def _attention_bias(cfg: dict, arch: str) -> bool:
+    """q/k/v biases: Qwen2's by default, Qwen2-MoE's ``qkv_bias`` (default true), else ``attention_bias``."""
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
+    return bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+
+
+def _refuse_unsupported_moe(cfg: dict, arch: str, source: str) -> None:
+    """ValueError naming the file and the field for a set ``UNSUPPORTED_MOE_FIELDS`` entry (DeepSeek's
+    grouped top-k, MLA attention, ...) or, on an MoE architecture, an expert/router field that is not
+    ``KNOWN_MOE_FIELDS``: such a model would be computed wrongly in silence."""
+    for field in UNSUPPORTED_MOE_FIELDS:
+        value = cfg.get(field)
+        if value in (None, 0) or (field, value) in (("scoring_func", "softmax"), ("routed_scaling_factor", 1.0)):
+            continue
+        raise ValueError(f"{source}: {field} {value!r} is not supported (an MoE variant this engine does not compute)")
+    if arch in MOE_ARCHITECTURES:
+        for field in cfg:
+            if any(w in field for w in ("expert", "moe", "router", "topk")) and field not in KNOWN_MOE_FIELDS:
+                raise ValueError(f"{source}: {field} {cfg[field]!r} is not supported (an unknown MoE field)")
+
+
+def _positive_int(cfg: dict, field: str, default, source: str) -> int:
+    value = cfg.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _moe_fields(cfg: dict, arch: str, source: str) -> dict:
+    """The ``ModelConfig`` fields of a mixture-of-experts architecture, with HF's defaults
+    (``MixtralConfig``, ``Qwen2MoeConfig``, ``Qwen3MoeConfig``). Raises ValueError naming the file and the
+    field: ``num_experts_per_tok`` above the number of experts, a bad ``decoder_sparse_step`` or
+    ``mlp_only_layers`` entry, a sliding window on Qwen2-MoE/Qwen3-MoE (HF derives their windowed layers
+    differently from Qwen2's; none is published), a router jitter or activation this engine does not
+    apply."""
+    n = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        experts = _positive_int(cfg, "num_local_experts", 8, source)
+        top_k = _positive_int(cfg, "num_experts_per_tok", 2, source)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": _check_top_k(top_k, experts, "num_local_experts", source),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+            "moe_softmax_before_topk": False,
+            "moe_layers": (True,) * n,
+        }
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window {cfg['use_sliding_window']!r} is not supported for {arch}")
+    qwen2 = arch == "Qwen2MoeForCausalLM"
+    experts = _positive_int(cfg, "num_experts", 60 if qwen2 else 128, source)
+    top_k = _positive_int(cfg, "num_experts_per_tok", 4 if qwen2 else 8, source)
+    step = _positive_int(cfg, "decoder_sparse_step", 1, source)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in dense
+    ):
+        raise ValueError(f"{source}: mlp_only_layers must list layer indices in [0, {n}), got {dense!r}")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": _check_top_k(top_k, experts, "num_experts", source),
+        "moe_intermediate_size": _positive_int(cfg, "moe_intermediate_size", 1408 if qwen2 else 768, source),
+        "shared_expert_intermediate_size": (
+            _positive_int(cfg, "shared_expert_intermediate_size", 5632, source) if qwen2 else 0
+        ),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_softmax_before_topk": True,
+        "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(n)),
+    }
+
+
+def _check_top_k(top_k: int, experts: int, experts_field: str, source: str) -> int:
+    if top_k > experts:
+        raise ValueError(f"{source}: num_experts_per_tok {top_k} is greater than {experts_field} {experts}")
+    return top_k
 
 
 def _window_size(cfg: dict, source: str, default: int | None = None) -> int | None:

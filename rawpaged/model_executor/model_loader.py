@@ -162,6 +162,33 @@ def load_weights(model_dir: Path, config: ModelConfig) -> dict:
     return {n: tensors[n] for n in expected}
 
 
+def stack_hf_experts(weights: dict, config: ModelConfig) -> dict:
+    """``weights`` (HF checkpoint names) with each sparse layer's per-expert tensors stacked into the names
+    ``LlamaModel`` reads (``docs/moe.md``): ``model.layers.{L}.mlp.experts.{gate,up,down}_proj.weight``
+    ``[E, rows, cols]`` (Mixtral's ``w1``, ``w3``, ``w2``) and the router as ``mlp.gate.weight`` (Mixtral's
+    ``block_sparse_moe.gate``); other tensors unchanged. The stacks are float32 copies (the checkpoint's
+    views are left unread once stacked)."""
+    if not config.moe:
+        return weights
+    out = dict(weights)
+    mixtral = config.architecture == "MixtralForCausalLM"
+    for i, sparse in enumerate(config.moe_layers):
+        if not sparse:
+            continue
+        p = f"model.layers.{i}."
+        src = p + ("block_sparse_moe." if mixtral else "mlp.")
+        out[p + "mlp.gate.weight"] = out.pop(src + "gate.weight")
+        names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            parts = [out.pop(src + f"experts.{e}.{names.get(proj, proj)}.weight") for e in range(config.num_experts)]
+            out[p + f"mlp.experts.{proj}.weight"] = np.stack([np.asarray(w, dtype=np.float32) for w in parts])
+    return out
+
+
+#: router weights stay in float when the checkpoint is quantized on load (as vLLM keeps the gate unquantized)
+_ROUTER_SUFFIXES = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
+
+
 def release_free_heap() -> None:
     """Give the heap pages that loading freed back to the OS (glibc ``malloc_trim``; nothing elsewhere).
 
@@ -196,7 +223,10 @@ def load_model(path: Path, quantization: str | None = None) -> tuple:
     if quantization == "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's formats; {path} is not a GGUF file")
     config = load_config(path)
-    weights = load_weights(path, config)
+    weights = stack_hf_experts(load_weights(path, config), config)
     if quantization == "q8_0":
-        weights = {n: QuantizedTensor.quantize(w, "Q8_0") if w.ndim == 2 else w for n, w in weights.items()}
+        weights = {
+            n: QuantizedTensor.quantize(w, "Q8_0") if w.ndim == 2 and not n.endswith(_ROUTER_SUFFIXES) else w
+            for n, w in weights.items()
+        }
     return config, Tokenizer(path), load_generation_config(path), weights

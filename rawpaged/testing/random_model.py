@@ -4,7 +4,9 @@
 ``write_random_model(dst, ...)`` writes ``config.json`` + ``model.safetensors`` (F32, N(0, 0.02) weights,
 unit norms: Gemma's norm weights 0, as its RMSNorm scales by 1 + weight) and copies
 ``tokenizer.json``/``tokenizer_config.json`` from ``tokenizer_from`` when given (else writes a byte-level
-tokenizer with 256 byte tokens + 3 special tokens, vocab 259).
+tokenizer with 256 byte tokens + 3 special tokens, vocab 259). ``architecture`` may be a mixture of
+experts (``MOE``: Mixtral, Qwen2-MoE, Qwen3-MoE), whose sparse layers get a router and per-expert tensors
+in the HF checkpoint layout.
 """
 
 from __future__ import annotations
@@ -111,6 +113,43 @@ SHAPES = {
 }
 _TINY = SHAPES["tiny"]
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+#: tiny mixtures of experts for tests: ``write_random_model(dst, **MOE_SHAPES[arch])``
+MOE_SHAPES = {
+    "MixtralForCausalLM": dict(architecture="MixtralForCausalLM", hidden_size=64, intermediate_size=32,
+                               num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2),
+    "Qwen2MoeForCausalLM": dict(architecture="Qwen2MoeForCausalLM", num_layers=3, hidden_size=64,
+                                intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=6,
+                                num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=40,
+                                decoder_sparse_step=1, mlp_only_layers=(1,)),
+    "Qwen3MoeForCausalLM": dict(architecture="Qwen3MoeForCausalLM", num_layers=3, hidden_size=64,
+                                intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+                                num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True,
+                                decoder_sparse_step=2),
+}  # fmt: skip
+
+
+def _moe_config(architecture, num_experts, num_experts_per_tok, moe_intermediate_size, shared, norm, step, dense):
+    """config.json fields of a mixture of experts (HF's names for the architecture)."""
+    if architecture == "MixtralForCausalLM":
+        return {"num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok}
+    cfg = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "moe_intermediate_size": moe_intermediate_size,
+        "norm_topk_prob": norm,
+        "decoder_sparse_step": step,
+        "mlp_only_layers": list(dense),
+    }
+    if architecture == "Qwen2MoeForCausalLM":
+        cfg["shared_expert_intermediate_size"] = shared
+    return cfg
+
+
+def _sparse_layer(architecture, i, step, dense) -> bool:
+    if architecture == "MixtralForCausalLM":
+        return True
+    return i not in dense and (i + 1) % step == 0
 
 
 def _gemma_config(architecture: str, head_dim: int, sliding_window) -> dict:
@@ -169,6 +208,15 @@ def write_random_model(
     sliding_window=None,
     rope_scaling=None,
     extra_config=None,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=None,
+    shared_expert_intermediate_size=None,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=(),
+    weight_std=0.02,
+    num_shards=1,
 ) -> Path:
     """Write a random model directory at ``dst`` and return it.
 
@@ -176,7 +224,13 @@ def write_random_model(
     biases, ``"Qwen3ForCausalLM"`` q/k norms; ``sliding_window`` (Mistral) and ``rope_scaling`` go into
     config.json as given. ``"Gemma2ForCausalLM"``/``"Gemma3ForCausalLM"`` add the pre/post feed-forward
     norms (and Gemma 3's q/k norms) and Gemma's config fields (``_gemma_config``). ``extra_config``: fields
-    that override config.json's. Weights are N(0, 0.02) float32, norm weights 1 (Gemma: 0).
+    that override config.json's. Weights are N(0, ``weight_std``) float32, norm weights 1 (Gemma: 0).
+
+    Mixtures of experts (``MOE``): ``num_experts`` experts of ``moe_intermediate_size`` (default
+    ``intermediate_size``; Mixtral's is ``intermediate_size``), ``num_experts_per_tok`` a token,
+    ``norm_topk_prob``, ``decoder_sparse_step`` and ``mlp_only_layers`` (the dense layers get an MLP of
+    ``intermediate_size``) and Qwen2-MoE's shared expert of ``shared_expert_intermediate_size`` (default
+    ``intermediate_size``). ``num_shards`` > 1 splits the tensors over that many files with an index.
     """
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -190,7 +244,7 @@ def write_random_model(
     rng = np.random.default_rng(seed)
 
     def w(*shape):
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+        return (rng.standard_normal(shape, dtype=np.float32) * weight_std).astype(np.float32)
 
     gemma = architecture in GEMMA
 
@@ -214,18 +268,24 @@ def write_random_model(
                 p + "self_attn.k_proj.weight": w(kv, hidden_size),
                 p + "self_attn.v_proj.weight": w(kv, hidden_size),
                 p + "self_attn.o_proj.weight": w(hidden_size, q),
-                p + "mlp.gate_proj.weight": w(intermediate_size, hidden_size),
-                p + "mlp.up_proj.weight": w(intermediate_size, hidden_size),
-                p + "mlp.down_proj.weight": w(hidden_size, intermediate_size),
             }
         )
-        if architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        moe_i = moe_intermediate_size or intermediate_size
+        if architecture in MOE and _sparse_layer(architecture, i, decoder_sparse_step, mlp_only_layers):
+            tensors.update(_experts(architecture, p, w, hidden_size, num_experts, moe_i))
+            if architecture == "Qwen2MoeForCausalLM":
+                shared = shared_expert_intermediate_size or intermediate_size
+                tensors.update(_mlp(p + "mlp.shared_expert.", w, hidden_size, shared))
+                tensors[p + "mlp.shared_expert_gate.weight"] = w(1, hidden_size)
+        else:
+            tensors.update(_mlp(p + "mlp.", w, hidden_size, intermediate_size))
+        if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
             tensors[p + "self_attn.q_norm.weight"] = unit(head_dim)
             tensors[p + "self_attn.k_norm.weight"] = unit(head_dim)
         if gemma:
             tensors[p + "pre_feedforward_layernorm.weight"] = unit(hidden_size)
             tensors[p + "post_feedforward_layernorm.weight"] = unit(hidden_size)
-        if architecture == "Qwen2ForCausalLM":
+        if architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             tensors.update(
                 {
                     p + "self_attn.q_proj.bias": w(q),
@@ -233,8 +293,10 @@ def write_random_model(
                     p + "self_attn.v_proj.bias": w(kv),
                 }
             )
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    model_type = architecture.removesuffix("ForCausalLM").lower()
+    _save(tensors, dst, num_shards)
+    model_type = {"Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}.get(
+        architecture, architecture.removesuffix("ForCausalLM").lower()
+    )
     cfg = {
         "architectures": [architecture],
         "model_type": "gemma3_text" if model_type == "gemma3" else model_type,
@@ -259,6 +321,58 @@ def write_random_model(
     if gemma:
         cfg.pop("hidden_act")
         cfg.update(_gemma_config(architecture, head_dim, sliding_window))
+    if architecture in MOE:
+        cfg.update(
+            _moe_config(
+                architecture,
+                num_experts,
+                num_experts_per_tok,
+                moe_intermediate_size or intermediate_size,
+                shared_expert_intermediate_size or intermediate_size,
+                norm_topk_prob,
+                decoder_sparse_step,
+                mlp_only_layers,
+            )
+        )
     cfg.update(extra_config or {})
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
+
+
+def _mlp(prefix: str, w, hidden: int, inter: int) -> dict:
+    return {
+        prefix + "gate_proj.weight": w(inter, hidden),
+        prefix + "up_proj.weight": w(inter, hidden),
+        prefix + "down_proj.weight": w(hidden, inter),
+    }
+
+
+def _experts(architecture: str, p: str, w, hidden: int, num_experts: int, inter: int) -> dict:
+    """A sparse layer's router and experts in the HF checkpoint names (Mixtral: ``block_sparse_moe``,
+    ``w1`` gate, ``w3`` up, ``w2`` down)."""
+    if architecture == "MixtralForCausalLM":
+        tensors = {p + "block_sparse_moe.gate.weight": w(num_experts, hidden)}
+        for e in range(num_experts):
+            q = p + f"block_sparse_moe.experts.{e}."
+            tensors.update({q + "w1.weight": w(inter, hidden), q + "w3.weight": w(inter, hidden)})
+            tensors[q + "w2.weight"] = w(hidden, inter)
+        return tensors
+    tensors = {p + "mlp.gate.weight": w(num_experts, hidden)}
+    for e in range(num_experts):
+        tensors.update(_mlp(p + f"mlp.experts.{e}.", w, hidden, inter))
+    return tensors
+
+
+def _save(tensors: dict, dst: Path, num_shards: int) -> None:
+    """``model.safetensors``, or ``num_shards`` files ``model-0000i-of-0000n.safetensors`` and their index."""
+    if num_shards == 1:
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for i in range(num_shards):
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = names[i::num_shards]
+        save_file({n: tensors[n] for n in part}, str(dst / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

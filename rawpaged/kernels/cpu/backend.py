@@ -4,7 +4,7 @@ kernels of this package (Numba and NumPy), arrays and weight loading.
 Its kernels, one job a module: ``cache`` (KV writes, block copies), ``attention`` and ``prefill_tiled``
 (paged attention), ``elementwise`` (RMSNorm, RoPE, SwiGLU, GeGLU), ``gemm`` (float32 products for few rows),
 ``quant`` (GGUF block-quantized products), ``sampling`` (bitmask and sampler), ``fused_decode`` (a decode
-step's layers in one compiled call).
+step's layers in one compiled call), ``moe`` (mixture-of-experts routing and grouped expert products).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_em
 from rawpaged.kernels.cpu.elementwise import gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.logprobs import logprob_rows
+from rawpaged.kernels.cpu.moe import grouped_linear, load_experts, moe_align, moe_combine, moe_route
 from rawpaged.kernels.cpu.quant import quant_embedding, quant_linear
 from rawpaged.kernels.cpu.quant_weights import RepackedQuantized, StackedQuantized, repack
 from rawpaged.kernels.cpu.sampling import apply_logits_edits, apply_token_bitmask, sample
@@ -43,6 +44,8 @@ class CPUBackend:
     dtype_pairs = (("float32", "float32"), ("float32", "bfloat16"), ("float32", "int8"), ("float32", "fp8_e4m3"))
     #: no graphs to capture: a decode step on static buffers runs kernel by kernel (``cuda_graph``)
     supports_cuda_graphs = False
+    #: the mixture-of-experts ops (``moe``): float32 experts
+    supports_moe = True
 
     @staticmethod
     def auto_dtype(checkpoint_dtype: str | None) -> str:
@@ -67,6 +70,9 @@ class CPUBackend:
     apply_token_bitmask = staticmethod(apply_token_bitmask)
     apply_logits_edits = staticmethod(apply_logits_edits)
     logprob_rows = staticmethod(logprob_rows)
+    moe_route = staticmethod(moe_route)
+    moe_align = staticmethod(moe_align)
+    moe_combine = staticmethod(moe_combine)
 
     @staticmethod
     def zeros(shape, dtype):
@@ -145,6 +151,18 @@ class CPUBackend:
             return StackedQuantized.from_parts(parts)
         parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
+
+    def load_experts(self, parts: list, dtype: str = "float32"):
+        """Expert stacks ``[E, N_i, K]`` (float arrays) fused along N -> the float32 ``[E, sum N_i, K]`` that
+        ``grouped_linear`` takes (``moe.load_experts``)."""
+        _check_cpu_dtype(dtype)
+        return load_experts(parts)
+
+    @staticmethod
+    def grouped_linear(x, expert_offsets, experts):
+        """``x [M, K]`` (rows in expert order) times each expert's weight transposed -> float32 ``[M, N]``
+        (``moe.grouped_linear``); an expert with no rows is never read."""
+        return grouped_linear(x, expert_offsets, experts)
 
     def finish_loading(self):
         """Forget the host tensors seen while loading (their memory can be freed)."""

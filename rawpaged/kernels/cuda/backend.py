@@ -84,6 +84,13 @@ class _ContextField:
         setattr(obj.ctx, self.name, value)
 
 
+def _no_moe():
+    raise NotImplementedError(
+        "mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) are not supported on the CUDA backend yet: "
+        "run them with device='cpu'"
+    )
+
+
 class CudaBackend:
     """The CUDA kernels behind the backend interface the model calls (same names as ``CPUBackend``).
 
@@ -185,6 +192,29 @@ class CudaBackend:
         """Copy NumPy array ``host``'s bytes into C-contiguous device array ``dst`` (same nbytes), on the
         current stream: kernels launched after it, and graphs replayed after it, see the data."""
         self.ctx.copy_to_device(dst, host)
+
+    #: no mixture-of-experts kernels yet: ``load_experts`` and the MoE ops raise NotImplementedError
+    supports_moe = False
+
+    def load_experts(self, parts: list, dtype: str):
+        """Not on this backend yet (``supports_moe``): raises NotImplementedError naming MoE."""
+        _no_moe()
+
+    def moe_route(self, router_logits, top_k: int, softmax_before_topk: bool, renormalize: bool) -> tuple:
+        """Not on this backend yet: raises NotImplementedError naming MoE."""
+        _no_moe()
+
+    def moe_align(self, topk_ids, num_experts: int) -> tuple:
+        """Not on this backend yet: raises NotImplementedError naming MoE."""
+        _no_moe()
+
+    def grouped_linear(self, x, expert_offsets, experts):
+        """Not on this backend yet: raises NotImplementedError naming MoE."""
+        _no_moe()
+
+    def moe_combine(self, y, sorted_ids, topk_weights, num_tokens: int):
+        """Not on this backend yet: raises NotImplementedError naming MoE."""
+        _no_moe()
 
     def finish_loading(self) -> None:
         """Wait for the weight uploads and free the pinned staging buffers."""

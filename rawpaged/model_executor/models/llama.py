@@ -1,12 +1,13 @@
-"""Llama-family decoder forward (Llama, Mistral, Qwen2, Qwen3) over the backend's ops, K/V kept only in
-the paged cache.
+"""Llama-family decoder forward (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE) over the backend's ops, K/V kept only in the paged cache.
 
 Math as in HF transformers' ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py`` and
 ``modeling_qwen3.py``: token embedding; per layer pre-norm RMSNorm -> fused QKV projection (+ bias for
 Qwen2) -> per-head RMSNorm of q and k (Qwen3) -> RoPE (rotate-half; the variant's table,
 ``layers.rotary_embedding``) -> paged attention with GQA (within ``sliding_window`` for Mistral) ->
-output projection -> residual; RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head (tied to the
-embeddings when ``tie_word_embeddings``).
+output projection -> residual; RMSNorm -> SwiGLU MLP (on a mixture of experts' sparse layers the MoE
+block, ``layers.fused_moe``) -> residual; final RMSNorm; LM head (tied to the embeddings when
+``tie_word_embeddings``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rawpaged.model_executor.layers.attention import paged_attention_layer
+from rawpaged.model_executor.layers.fused_moe import fused_moe, load_moe_weights
 from rawpaged.model_executor.layers.rotary_embedding import cos_sin_cache
 from rawpaged.model_executor.model_config import ModelConfig
 
@@ -68,9 +70,16 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32", max_position: int = 2048):
+        if config.moe and not backend.supports_moe:
+            raise NotImplementedError(
+                f"{config.architecture} is a mixture-of-experts model: the {backend.name} backend has no MoE "
+                "kernels yet (run it with device='cpu')"
+            )
         self.config = config
         self.backend = backend
         self.dtype = dtype
+        #: the CPU's fused decode (``cpu_fused_decode``) computes dense Llama layers only
+        self.fused_cpu_decode = not config.moe
 
         def put(name):
             return backend.load_weight(weights[name], dtype)
@@ -97,9 +106,12 @@ class LlamaModel:
                 "q_norm": put(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 "k_norm": put(p + "self_attn.k_norm.weight") if config.qk_norm else None,
                 "o_proj": lin(p + "self_attn.o_proj.weight"),
-                "gate_up_proj": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                "down_proj": lin(p + "mlp.down_proj.weight"),
             }
+            if config.moe_layers[i]:
+                layer["moe"] = load_moe_weights(config, weights, i, backend, dtype)
+            else:
+                layer["gate_up_proj"] = lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                layer["down_proj"] = lin(p + "mlp.down_proj.weight")
             self.layers.append(layer)
         backend.finish_loading()
         inv_freq, attention_factor = config.rope.inv_freq(config.head_dim, config.max_position_embeddings, max_position)
@@ -136,7 +148,10 @@ class LlamaModel:
             paged_attention_layer(be, attn_out, q, key_caches[i], value_caches[i], a, self.scale, window)
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
-            h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])
+            if "moe" in layer:
+                h = fused_moe(be, x, layer["moe"], cfg)
+            else:
+                h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])
         return be.rms_norm(h, self.norm, cfg.rms_norm_eps, residual=residual)
 
     def compute_logits(self, hidden):
