@@ -264,13 +264,15 @@ class QuantizedExperts:
     def blocks(self) -> np.ndarray:
         """The GGUF bytes, uint8 ``[E, rows, bytes per row]`` (what ``from_blocks`` takes)."""
         num, rows, _ = self.shape
-        return self._flat().blocks().reshape(num, rows, -1)
+        return self.flat().blocks().reshape(num, rows, -1)
 
     def dequantize(self) -> np.ndarray:
         """float32 ``[E, rows, cols]`` (tests and reference paths only: kernels compute on the blocks)."""
-        return self._flat().dequantize().reshape(self.shape)
+        return self.flat().dequantize().reshape(self.shape)
 
-    def _flat(self) -> QuantizedTensor:
+    def flat(self) -> QuantizedTensor:
+        """The stack as one ``[E * rows, cols]`` ``QuantizedTensor`` (views): expert e is rows
+        ``e * rows .. (e + 1) * rows``."""
         num, rows, cols = self.shape
 
         def flat(plane):

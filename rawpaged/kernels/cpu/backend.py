@@ -16,11 +16,12 @@ from rawpaged.kernels.cpu.cache import copy_blocks, reshape_and_cache, rotary_em
 from rawpaged.kernels.cpu.elementwise import gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.logprobs import logprob_rows
+from rawpaged.kernels.cpu.moe_quant import RepackedExperts, StackedExperts, grouped_quant_linear, repack_experts
 from rawpaged.kernels.cpu.quant import quant_embedding, quant_linear
 from rawpaged.kernels.cpu.quant_weights import RepackedQuantized, StackedQuantized, repack
 from rawpaged.kernels.cpu.sampling import apply_logits_edits, apply_token_bitmask, sample
 from rawpaged.kernels.kv_cache import allocate_kv_cache
-from rawpaged.kernels.quantization import QuantizedTensor
+from rawpaged.kernels.quantization import QuantizedExperts, QuantizedTensor
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -145,6 +146,31 @@ class CPUBackend:
             return StackedQuantized.from_parts(parts)
         parts = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
+
+    def load_experts(self, parts: list, dtype: str = "float32"):
+        """A mixture of experts' stacked weights ``[E, N_i, K]`` fused along N (gate then up) -> the handle
+        ``grouped_linear`` takes: ``QuantizedExperts`` parts stay in their blocks (``moe_quant.repack_experts``),
+        float ones (ndarrays) become one C-contiguous float32 ``[E, sum N_i, K]``; quantized parts mixed with
+        float ones are dequantized."""
+        _check_cpu_dtype(dtype)
+        if all(isinstance(p, QuantizedExperts) for p in parts):
+            return repack_experts(parts)
+        parts = [p.dequantize() if isinstance(p, QuantizedExperts) else p for p in parts]
+        return np.ascontiguousarray(np.concatenate([np.asarray(p, dtype=np.float32) for p in parts], axis=1))
+
+    @staticmethod
+    def grouped_linear(x, expert_offsets, experts):
+        """``x [M, K]`` (rows sorted by expert) -> float32 ``[M, N]``: expert e's rows
+        ``expert_offsets[e] .. expert_offsets[e + 1]`` times its weight transposed (``x @ W_e.T``), for a
+        ``load_experts`` handle; an expert with no rows is never read. Quantized experts through
+        ``moe_quant.grouped_quant_linear`` (one compiled call)."""
+        out = np.empty((x.shape[0], experts.shape[1]), np.float32)
+        if isinstance(experts, (RepackedExperts, StackedExperts)):
+            return grouped_quant_linear(x, expert_offsets, experts, out)
+        offsets = np.asarray(expert_offsets, dtype=np.int64)
+        for e in np.flatnonzero(np.diff(offsets)):
+            out[offsets[e] : offsets[e + 1]] = x[offsets[e] : offsets[e + 1]] @ experts[e].T
+        return out
 
     def finish_loading(self):
         """Forget the host tensors seen while loading (their memory can be freed)."""
