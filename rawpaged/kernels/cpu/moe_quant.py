@@ -189,6 +189,23 @@ def _work(fmt, offsets, G):
     return items, pad_off
 
 
+@nb.njit(**JIT)
+def _passes(fmt, qs, qh, scales, mins, sub, e, G, a, b, cf, w, x, res):
+    """Passes ``a .. b`` of expert e (48 weight rows each, dequantized into ``w``) times its padded rows
+    ``x``, into ``res``'s columns of those rows."""
+    gpp = ROWS_PER_PASS // R
+    for p in range(a, b):
+        for gi in range(gpp):
+            gl = p * gpp + gi
+            if gl >= G:
+                w[gi * R : (gi + 1) * R, :] = 0.0
+            elif fmt >= 3:
+                sb.group_rows(fmt, qs, qh, scales, mins, sub, e * G + gl, cf, w, gi * R)
+            else:
+                group_rows(fmt, qs, scales, mins, e * G + gl, cf, w, gi * R)
+        rows_tiles(x, w, res, p * ROWS_PER_PASS)
+
+
 @nb.njit(parallel=True, **JIT)
 def _grouped(fmt, x, offsets, qs, qh, scales, mins, sub, G, out, max_chunks):
     """``grouped_quant_linear``'s kernel on the experts' planes (``quant_weights.kernel_planes``)."""
@@ -249,17 +266,8 @@ def _grouped(fmt, x, offsets, qs, qh, scales, mins, sub, G, out, max_chunks):
                             if col < N:
                                 out[r0 + k, col] = acc[k * R + r]
             else:
-                p0, p1 = pad_off[e], pad_off[e + 1]
-                for p in range(a, b):
-                    for gi in range(gpp):
-                        gl = p * gpp + gi
-                        if gl >= G:
-                            w[gi * R : (gi + 1) * R, :] = 0.0
-                        elif fmt >= 3:
-                            sb.group_rows(fmt, qs, qh, scales, mins, sub, e * G + gl, cf, w, gi * R)
-                        else:
-                            group_rows(fmt, qs, scales, mins, e * G + gl, cf, w, gi * R)
-                    rows_tiles(xp[p0:p1], w, res[p0:p1], p * ROWS_PER_PASS)
+                _passes(fmt, qs, qh, scales, mins, sub, e, G, a, b, cf, w, xp[pad_off[e] : pad_off[e + 1]],
+                        res[pad_off[e] : pad_off[e + 1]])  # fmt: skip
     for e in range(E):
         if pad_off[e + 1] > pad_off[e]:
             m = offsets[e + 1] - offsets[e]
