@@ -204,3 +204,15 @@ def test_expected_shapes_take_the_stacks_in_place_of_per_expert_tensors():
         p + "experts.down_proj.weight": (3, 8, 6),
     }
     assert gguf_moe.expected_shapes(SimpleNamespace(expected_shapes=lambda: dict(hf_names))) == hf_names
+
+
+def test_other_routers_and_the_older_per_expert_layout_are_refused():
+    meta = {"qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2, "qwen3moe.feed_forward_length": 64}
+    names = {f"blk.0.{k}.weight" for k in gguf_moe.SPARSE_TENSORS}
+    assert gguf_moe.moe_config("qwen3moe", meta.get, 1, names, "f")["norm_topk_prob"] is True
+    for key, value in (("expert_gating_func", 2), ("expert_group_count", 8), ("expert_weights_scale", 2.5)):
+        with pytest.raises(ValueError, match=f"qwen3moe.{key}"):
+            gguf_moe.moe_config("qwen3moe", {**meta, f"qwen3moe.{key}": value}.get, 1, names, "f")
+    old = {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate.0.weight", "blk.0.ffn_up.0.weight"}
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate\.0\.weight.*older Mixtral layout"):
+        gguf_moe.check_moe_tensors(old, {"num_hidden_layers": 1}, "f")
