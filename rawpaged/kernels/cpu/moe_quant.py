@@ -240,7 +240,8 @@ def _grouped(fmt, x, offsets, qs, qh, scales, mins, sub, G, out, max_chunks):
             xp[pad_off[e] : pad_off[e] + offsets[e + 1] - offsets[e]] = x[offsets[e] : offsets[e + 1]]
     n = items.shape[0]
     nchunks = min(n, max_chunks)
-    rows = np.empty((max(nchunks, 1), ROWS_PER_PASS, K), np.float32)
+    # the passes' scratch only where some expert takes them (decode needs none: no 1.5 MB map and unmap a step)
+    rows = np.empty((max(nchunks, 1) if Mp else 1, ROWS_PER_PASS, K if Mp else QK), np.float32)
     cfs = np.empty((max(nchunks, 1), 4, R), np.float32)
     accs = np.empty((max(nchunks, 1), sb.INT_MAX_ROWS * R), np.float32)
     for c in nb.prange(nchunks):
