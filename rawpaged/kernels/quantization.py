@@ -31,6 +31,10 @@ The 5-bit formats and the K-quants (``SUBBLOCK``) are held as their GGUF bytes (
   its fifth bit at bit s of ``qh[l]``.
 - ``Q6_K`` (210 / 256, ``block_q6_K``): 128 bytes of low nibbles ql, 64 bytes of 2-bit highs qh, 16 int8
   scales (one per 16 values), fp16 d last; value = d * sc * (q6 - 32) (``dequantize_row_q6_K``).
+
+A mixture of experts' stacked weights (GGUF's 3-D ``ffn_*_exps``) are a ``QuantizedExperts``: the same
+planes with a leading expert axis, each expert a 2-D ``QuantizedTensor`` view; ``concat_rows`` fuses two
+stacks expert by expert (gate and up).
 """
 
 from __future__ import annotations
@@ -180,6 +184,121 @@ class QuantizedTensor:
             np.concatenate([p.scales for p in parts]),
             mins,
         )
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A stack of E ``[rows, cols]`` weights of one native format: a mixture of experts' gate, up or down
+    projections, GGUF's 3-D ``ffn_*_exps`` tensors (ggml ne ``[cols, rows, E]``, so numpy's
+    ``[E, rows, cols]``). The planes are ``QuantizedTensor``'s with a leading expert axis: ``qs`` uint8
+    ``[E, rows, n]`` (the 32-value formats' quants, or the sub-block formats' GGUF bytes), ``scales``
+    and ``mins`` uint16 ``[E, rows, cols / 32]`` (None where the format has none), so each expert's bytes
+    are contiguous. ``expert(e)`` is expert e's 2-D ``QuantizedTensor`` (views, no copy). Nothing is
+    dequantized to build, slice or concatenate a stack."""
+
+    qtype: str
+    shape: tuple
+    qs: np.ndarray
+    scales: np.ndarray | None = None
+    mins: np.ndarray | None = None
+
+    @classmethod
+    def from_blocks(cls, qtype: str, shape: tuple, data: np.ndarray) -> QuantizedExperts:
+        """From GGUF bytes uint8 ``[E, rows, bytes per row]`` (a ``gguf`` reader's 3-D tensor) of a stack of
+        ``shape == (E, rows, cols)``.
+
+        Raises ValueError for a format outside ``NATIVE``, a width not a multiple of its block, or data
+        of another shape or dtype."""
+        num, rows, cols = (int(s) for s in shape)
+        data = np.asarray(data)
+        if data.dtype != np.uint8 or data.ndim != 3 or data.shape[:2] != (num, rows):
+            raise ValueError(f"{qtype} experts data {data.shape} {data.dtype}: expected uint8 [{num}, {rows}, ...]")
+        return cls._of(QuantizedTensor.from_blocks(qtype, (num * rows, cols), data.reshape(num * rows, -1)), num)
+
+    @classmethod
+    def _of(cls, flat: QuantizedTensor, num: int) -> QuantizedExperts:
+        """The stack whose experts are ``num`` equal runs of ``flat``'s rows."""
+        rows, cols = flat.shape[0] // num, flat.shape[1]
+
+        def split(plane):
+            return None if plane is None else plane.reshape(num, rows, plane.shape[1])
+
+        return cls(flat.qtype, (num, rows, cols), split(flat.qs), split(flat.scales), split(flat.mins))
+
+    @classmethod
+    def stack(cls, experts: list) -> QuantizedExperts:
+        """The stack of same-format, same-shape 2-D ``QuantizedTensor``s (their bytes copied once).
+
+        Raises ValueError for experts of different formats or shapes."""
+        first = experts[0]
+        if any(q.qtype != first.qtype or tuple(q.shape) != tuple(first.shape) for q in experts):
+            raise ValueError("stacked experts must share format and shape")
+        return cls._of(QuantizedTensor.concat(list(experts)) if len(experts) > 1 else first, len(experts))
+
+    @property
+    def format(self) -> str:
+        """The GGUF format name (one of ``NATIVE``)."""
+        return self.qtype
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (self.qs, self.scales, self.mins) if p is not None)
+
+    def expert(self, e: int) -> QuantizedTensor:
+        """Expert e's ``[rows, cols]`` weight, views of the stack's planes. Raises IndexError for e
+        outside ``0 .. E - 1``."""
+        if not 0 <= e < self.shape[0]:
+            raise IndexError(f"expert {e} of a stack of {self.shape[0]}")
+        return QuantizedTensor(
+            self.qtype,
+            self.shape[1:],
+            self.qs[e],
+            None if self.scales is None else self.scales[e],
+            None if self.mins is None else self.mins[e],
+        )
+
+    def blocks(self) -> np.ndarray:
+        """The GGUF bytes, uint8 ``[E, rows, bytes per row]`` (what ``from_blocks`` takes)."""
+        num, rows, _ = self.shape
+        return self.flat().blocks().reshape(num, rows, -1)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[E, rows, cols]`` (tests and reference paths only: kernels compute on the blocks)."""
+        return self.flat().dequantize().reshape(self.shape)
+
+    def flat(self) -> QuantizedTensor:
+        """The stack as one ``[E * rows, cols]`` ``QuantizedTensor`` (views): expert e is rows
+        ``e * rows .. (e + 1) * rows``."""
+        num, rows, cols = self.shape
+
+        def flat(plane):
+            return None if plane is None else plane.reshape(num * rows, plane.shape[2])
+
+        return QuantizedTensor(self.qtype, (num * rows, cols), flat(self.qs), flat(self.scales), flat(self.mins))
+
+
+def concat_rows(stacks: list) -> QuantizedExperts:
+    """Expert by expert, the rows of ``stacks`` one after another (gate then up, for a fused product):
+    ``[E, sum rows_i, cols]``, the bytes copied once, never dequantized.
+
+    Raises ValueError for stacks of different formats, expert counts or widths."""
+    first = stacks[0]
+    if any(s.qtype != first.qtype or s.shape[0] != first.shape[0] or s.shape[2] != first.shape[2] for s in stacks):
+        raise ValueError("concatenated expert stacks must share format, expert count and width")
+    if len(stacks) == 1:
+        return first
+
+    def cat(name):
+        planes = [getattr(s, name) for s in stacks]
+        return None if planes[0] is None else np.concatenate(planes, axis=1)
+
+    num, _, cols = first.shape
+    rows = sum(s.shape[1] for s in stacks)
+    return QuantizedExperts(first.qtype, (num, rows, cols), cat("qs"), cat("scales"), cat("mins"))
 
 
 def runs_of_one_format(parts: list) -> list:

@@ -24,8 +24,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tqdm.auto import tqdm
 
 from rawpaged.errors import import_optional
-from rawpaged.kernels.quantization import NATIVE, QuantizedTensor
-from rawpaged.model_executor import gguf_gemma3
+from rawpaged.kernels.quantization import NATIVE, QuantizedExperts, QuantizedTensor
+from rawpaged.model_executor import gguf_gemma3, gguf_moe
 from rawpaged.model_executor.gguf_spm import build_spm_tokenizer
 from rawpaged.model_executor.model_config import GenerationConfig, ModelConfig
 from rawpaged.tokenizer import Tokenizer
@@ -47,7 +47,12 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
 _TOKEN_TYPE_USER_DEFINED = 4
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # Mixtral where llama.expert_count is set (gguf_moe)
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    **{arch: hf for arch, (hf, _) in gguf_moe.MOE_ARCHITECTURES.items()},
+}
 #: the chat template read beside a GGUF that has none (HF's file name for one; ``rawpaged.weights.gemma3``
 #: writes it)
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -96,7 +101,9 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)
     in architecture ``arch`` (``gemma3``: ``ffn_norm`` is ``pre_feedforward_layernorm``, and the norms
-    after attention and the MLP, ``q_norm`` and ``k_norm``).
+    after attention and the MLP, ``q_norm`` and ``k_norm``; a mixture of experts' HF model_type
+    (``gguf_moe.GGUF_ARCH``): the router, expert stacks, shared expert and q/k norms of
+    ``gguf_moe.LAYER_NAMES``).
 
     Raises ValueError for a name outside the architecture's set."""
     base, _, suffix = gguf_name.rpartition(".")
@@ -104,7 +111,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     if base.startswith("blk."):
         _, idx, kind = base.split(".", 2)
-        names = {**LAYER_NAMES, **gguf_gemma3.LAYER_NAMES} if arch == "gemma3" else LAYER_NAMES
+        names = LAYER_NAMES
+        if arch == "gemma3":
+            names = {**LAYER_NAMES, **gguf_gemma3.LAYER_NAMES}
+        elif arch in gguf_moe.GGUF_ARCH:
+            names = {**LAYER_NAMES, **gguf_moe.LAYER_NAMES}
         if kind not in names:
             raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
         return f"model.layers.{int(idx)}.{names[kind]}.{suffix}"
@@ -249,7 +260,8 @@ def read_metadata(reader: Any, source: str) -> tuple:
         bos = tokens[bos_id] if add_bos else None
     else:
         bos = tokens[bos_id] if pre == "llama-bpe" and add_bos else None
-        tok = build_tokenizer(tokens, list(_need(reader, "tokenizer.ggml.merges", source)), token_types, pre, bos)
+        merges = list(field(reader, "tokenizer.ggml.merges", []))  # absent: none (the writer drops empty arrays)
+        tok = build_tokenizer(tokens, merges, token_types, pre, bos)
     pad_id = config.get("pad_token_id")
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -354,16 +366,21 @@ def _hf_config(reader: Any, arch: str, hidden: int, n_head: int, n_tokens: int, 
     }
     if pad_id is not None:
         config["pad_token_id"] = int(pad_id)
+    get = lambda key, default: field(reader, key, default)  # noqa: E731
+    if gguf_moe.is_moe(arch, get):
+        config.update(gguf_moe.moe_config(arch, get, config["num_hidden_layers"], names, source))
+        gguf_moe.check_moe_tensors(names, config, source)
     return config
 
 
 def read_tensors(reader: Any, config: dict, source: str, native: bool = True, progress: bool = False) -> dict:
-    """HF name -> float32 array, or ``QuantizedTensor`` for a native format when ``native``.
+    """HF name -> float32 array, or for a native format when ``native`` a ``QuantizedTensor`` (2-D) or
+    ``QuantizedExperts`` (a mixture of experts' 3-D stacks ``[E, rows, cols]``, ``gguf_moe``).
 
     Raises ValueError naming the file for an unexpected or duplicate tensor."""
     import gguf  # deferred: an optional library (open_reader checked that it is installed)
 
-    permute = config["model_type"] == "llama"
+    permute = config["model_type"] in ("llama", "mixtral")
     gemma = config["model_type"] == "gemma3_text"
     arch = "gemma3" if gemma else config["model_type"]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -376,27 +393,43 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
             raise ValueError(f"{source}: duplicate tensor {t.name}")
         kind = t.name.split(".")[-2]
         qtype = t.tensor_type.name
-        if native and qtype in NATIVE and len(shape) == 2:
-            data = np.asarray(t.data).reshape(shape[0], -1)
-            if permute and kind in heads:
-                data = unpermute_qk(data, heads[kind])
-            tensors[name] = QuantizedTensor.from_blocks(qtype, shape, data)
+        if native and qtype in NATIVE and len(shape) in (2, 3):
+            tensors[name] = _native_tensor(t, qtype, shape, heads.get(kind) if permute else None)
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if permute and kind in heads:
             w = unpermute_qk(w, heads[kind])
         if gemma and name.endswith("norm.weight"):
             w = gguf_gemma3.unshift_norm(w)  # the converter wrote 1 + w
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # ne [hidden] in llama.cpp's files, HF's [1, hidden]
         # a copy even when already float32: a view would keep the whole file mapped and resident
         tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
-        if native and len(shape) == 2 and qtype not in ("F32", "F16", "BF16"):
+        if native and len(shape) >= 2 and qtype not in ("F32", "F16", "BF16"):
             counts = expanded.setdefault(qtype, [0, 0, 0])
             counts[0] += 1
             counts[1] += int(t.n_bytes)
             counts[2] += tensors[name].nbytes
+    _log_formats(tensors, expanded, source)
+    return tensors
+
+
+def _native_tensor(t: Any, qtype: str, shape: tuple, n_head: int | None) -> QuantizedTensor | QuantizedExperts:
+    """A ``gguf`` reader's tensor ``t`` of a native format kept in its blocks: 2-D (Q/K rows un-permuted
+    for ``n_head`` heads unless None) or a 3-D expert stack."""
+    if len(shape) == 3:
+        return QuantizedExperts.from_blocks(qtype, shape, np.asarray(t.data).reshape(shape[0], shape[1], -1))
+    data = np.asarray(t.data).reshape(shape[0], -1)
+    if n_head is not None:
+        data = unpermute_qk(data, n_head)
+    return QuantizedTensor.from_blocks(qtype, shape, data)
+
+
+def _log_formats(tensors: dict, expanded: dict, source: str) -> None:
+    """Log the formats kept in their blocks, and warn of those dequantized (``read_tensors``)."""
     kept: dict[str, int] = {}
     for v in tensors.values():
-        if isinstance(v, QuantizedTensor):
+        if isinstance(v, (QuantizedTensor, QuantizedExperts)):
             kept[v.qtype] = kept.get(v.qtype, 0) + 1
     if kept:
         counts = ", ".join(f"{n} {t}" for t, n in sorted(kept.items()))
@@ -412,7 +445,6 @@ def read_tensors(reader: Any, config: dict, source: str, native: bool = True, pr
             f32_bytes / 1e6,
             file_bytes / 1e6,
         )
-    return tensors
 
 
 def is_gguf(path) -> bool:
@@ -466,9 +498,10 @@ def gguf_generation_config(model_config, tokenizer: Tokenizer) -> GenerationConf
 
 
 def check_tensors(tensors: dict, model_config, source: str) -> dict:
-    """The tensors ``model_config`` needs, in its order. Raises ValueError naming the file for a missing
-    tensor or a shape the metadata does not imply."""
-    expected = model_config.expected_shapes()
+    """The tensors ``model_config`` needs, in its order (a mixture of experts' stacked as GGUF stacks them,
+    ``gguf_moe.expected_shapes``). Raises ValueError naming the file for a missing tensor or a shape the
+    metadata does not imply."""
+    expected = gguf_moe.expected_shapes(model_config)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"{source}: missing tensors {missing[:5]}")

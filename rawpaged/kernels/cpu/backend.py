@@ -17,11 +17,12 @@ from rawpaged.kernels.cpu.elementwise import gelu_tanh_and_mul, rms_norm, rotary
 from rawpaged.kernels.cpu.gemm import SMALL_M, gemm_nt
 from rawpaged.kernels.cpu.logprobs import logprob_rows
 from rawpaged.kernels.cpu.moe import grouped_linear, load_experts, moe_align, moe_combine, moe_route
+from rawpaged.kernels.cpu.moe_quant import RepackedExperts, StackedExperts, grouped_quant_linear, repack_experts
 from rawpaged.kernels.cpu.quant import quant_embedding, quant_linear
 from rawpaged.kernels.cpu.quant_weights import RepackedQuantized, StackedQuantized, repack
 from rawpaged.kernels.cpu.sampling import apply_logits_edits, apply_token_bitmask, sample
 from rawpaged.kernels.kv_cache import allocate_kv_cache
-from rawpaged.kernels.quantization import QuantizedTensor
+from rawpaged.kernels.quantization import QuantizedExperts, QuantizedTensor
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
@@ -153,15 +154,24 @@ class CPUBackend:
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
 
     def load_experts(self, parts: list, dtype: str = "float32"):
-        """Expert stacks ``[E, N_i, K]`` (float arrays) fused along N -> the float32 ``[E, sum N_i, K]`` that
-        ``grouped_linear`` takes (``moe.load_experts``)."""
+        """A mixture of experts' stacked weights ``[E, N_i, K]`` fused along N (gate then up) -> the handle
+        ``grouped_linear`` takes: ``QuantizedExperts`` parts stay in their blocks (``moe_quant.repack_experts``),
+        float ones (ndarrays) become the float32 ``[E, sum N_i, K]`` of ``moe.load_experts``; quantized parts
+        mixed with float ones are dequantized."""
         _check_cpu_dtype(dtype)
-        return load_experts(parts)
+        if all(isinstance(p, QuantizedExperts) for p in parts):
+            return repack_experts(parts)
+        return load_experts([p.dequantize() if isinstance(p, QuantizedExperts) else p for p in parts])
 
     @staticmethod
     def grouped_linear(x, expert_offsets, experts):
-        """``x [M, K]`` (rows in expert order) times each expert's weight transposed -> float32 ``[M, N]``
-        (``moe.grouped_linear``); an expert with no rows is never read."""
+        """``x [M, K]`` (rows sorted by expert) -> float32 ``[M, N]``: expert e's rows
+        ``expert_offsets[e] .. expert_offsets[e + 1]`` times its weight transposed (``x @ W_e.T``), for a
+        ``load_experts`` handle; an expert with no rows is never read. Quantized experts through
+        ``moe_quant.grouped_quant_linear``, float ones through ``moe.grouped_linear`` (one compiled call each)."""
+        if isinstance(experts, (RepackedExperts, StackedExperts)):
+            out = np.empty((x.shape[0], experts.shape[1]), np.float32)
+            return grouped_quant_linear(x, expert_offsets, experts, out)
         return grouped_linear(x, expert_offsets, experts)
 
     def finish_loading(self):

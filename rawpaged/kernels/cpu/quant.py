@@ -68,7 +68,8 @@ def _prefetch_ahead(qs, offset, nbytes):
 
 
 @nb.njit(inline="always")
-def _block_sums(x, nblk):
+def block_sums(x, nblk):
+    """float32 ``[nblk]``: the sums of ``x``'s 32-value blocks."""
     xsum = np.empty(nblk, np.float32)
     for b in range(nblk):
         s = np.float32(0.0)
@@ -78,30 +79,64 @@ def _block_sums(x, nblk):
     return xsum
 
 
+@nb.njit(inline="always")
+def gemv_group_q8_0(x, qs, scales, g, acc):
+    """``acc[r]`` = row ``g * R + r`` of a Q8_0 weight dotted with float32 ``x [K]`` (r < R): the M = 1
+    product's work on one group, shared with ``moe_quant``'s grouped products."""
+    nblk = qs.shape[1]
+    for r in range(R):
+        acc[r] = 0.0
+    for b in range(nblk):
+        _prefetch_ahead(qs, (g * nblk + b) * QK * R, QK * R)
+        for r in range(R):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for j in range(0, QK, 4):
+                s0 += signed_byte(qs[g, b, j, r]) * x[b * QK + j]
+                s1 += signed_byte(qs[g, b, j + 1, r]) * x[b * QK + j + 1]
+                s2 += signed_byte(qs[g, b, j + 2, r]) * x[b * QK + j + 2]
+                s3 += signed_byte(qs[g, b, j + 3, r]) * x[b * QK + j + 3]
+            acc[r] += half_to_float(scales[g, b, r]) * ((s0 + s1) + (s2 + s3))
+
+
+@nb.njit(inline="always")
+def gemv_group_q4(x, xsum, qs, scales, mins, fmt, g, acc, dm):
+    """``acc[r]`` = row ``g * R + r`` of a Q4_0 (``fmt`` 1) or Q4_1 (2) weight dotted with float32 ``x [K]``,
+    ``xsum`` its per-block sums (``block_sums``); ``dm``: float32 ``[2, R]`` scratch."""
+    nblk = qs.shape[1]
+    for r in range(R):
+        acc[r] = 0.0
+    for b in range(nblk):
+        _prefetch_ahead(qs, (g * nblk + b) * 16 * R, 16 * R)
+        _block_scales(fmt, scales, mins, g, b, dm)  # before the row loop: it stays branch-free
+        xs = xsum[b]
+        for r in range(R):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for j in range(0, 16, 2):
+                q = qs[g, b, j, r]
+                s0 += low_nibble(q) * x[b * QK + j]
+                s1 += high_nibble(q) * x[b * QK + 16 + j]
+                q = qs[g, b, j + 1, r]
+                s2 += low_nibble(q) * x[b * QK + j + 1]
+                s3 += high_nibble(q) * x[b * QK + 17 + j]
+            acc[r] += dm[0, r] * ((s0 + s1) + (s2 + s3)) + dm[1, r] * xs
+
+
 @nb.njit(parallel=True, **_JIT)
 def _gemv_q8_0(x, qs, scales, out):
-    groups, nblk = qs.shape[0], qs.shape[1]
+    groups = qs.shape[0]
     N = out.shape[0]
     nchunks = min(groups, CHUNKS)
     scratch = np.empty((nchunks, R), np.float32)
     for c in nb.prange(nchunks):
         acc = scratch[c]
         for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
-            for r in range(R):
-                acc[r] = 0.0
-            for b in range(nblk):
-                _prefetch_ahead(qs, (g * nblk + b) * QK * R, QK * R)
-                for r in range(R):
-                    s0 = np.float32(0.0)
-                    s1 = np.float32(0.0)
-                    s2 = np.float32(0.0)
-                    s3 = np.float32(0.0)
-                    for j in range(0, QK, 4):
-                        s0 += signed_byte(qs[g, b, j, r]) * x[b * QK + j]
-                        s1 += signed_byte(qs[g, b, j + 1, r]) * x[b * QK + j + 1]
-                        s2 += signed_byte(qs[g, b, j + 2, r]) * x[b * QK + j + 2]
-                        s3 += signed_byte(qs[g, b, j + 3, r]) * x[b * QK + j + 3]
-                    acc[r] += half_to_float(scales[g, b, r]) * ((s0 + s1) + (s2 + s3))
+            gemv_group_q8_0(x, qs, scales, g, acc)
             for r in range(R):
                 n = g * R + r
                 if n < N:
@@ -112,7 +147,7 @@ def _gemv_q8_0(x, qs, scales, out):
 def _gemv_q4(x, qs, scales, mins, has_min, out):
     groups, nblk = qs.shape[0], qs.shape[1]
     N = out.shape[0]
-    xsum = _block_sums(x, nblk)
+    xsum = block_sums(x, nblk)
     fmt = 2 if has_min else 1
     nchunks = min(groups, CHUNKS)
     scratch = np.empty((nchunks, 3, R), np.float32)
@@ -120,25 +155,7 @@ def _gemv_q4(x, qs, scales, mins, has_min, out):
         acc = scratch[c, 2]
         dm = scratch[c, :2]
         for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
-            for r in range(R):
-                acc[r] = 0.0
-            for b in range(nblk):
-                _prefetch_ahead(qs, (g * nblk + b) * 16 * R, 16 * R)
-                _block_scales(fmt, scales, mins, g, b, dm)  # before the row loop: it stays branch-free
-                xs = xsum[b]
-                for r in range(R):
-                    s0 = np.float32(0.0)
-                    s1 = np.float32(0.0)
-                    s2 = np.float32(0.0)
-                    s3 = np.float32(0.0)
-                    for j in range(0, 16, 2):
-                        q = qs[g, b, j, r]
-                        s0 += low_nibble(q) * x[b * QK + j]
-                        s1 += high_nibble(q) * x[b * QK + 16 + j]
-                        q = qs[g, b, j + 1, r]
-                        s2 += low_nibble(q) * x[b * QK + j + 1]
-                        s3 += high_nibble(q) * x[b * QK + 17 + j]
-                    acc[r] += dm[0, r] * ((s0 + s1) + (s2 + s3)) + dm[1, r] * xs
+            gemv_group_q4(x, xsum, qs, scales, mins, fmt, g, acc, dm)
             for r in range(R):
                 n = g * R + r
                 if n < N:
@@ -174,7 +191,7 @@ def _dequant_block(fmt, qs, scales, mins, g, b, dm, w, col):
 
 
 @nb.njit(inline="always")
-def _group_rows(fmt, qs, scales, mins, g, dm, w, row0):
+def group_rows(fmt, qs, scales, mins, g, dm, w, row0):
     """``w[row0 + r, :]`` = row r of group g (Q8_0, Q4_0, Q4_1), a block of 16 rows at a time in vector
     registers (``intrinsics.q4_block_rows``); ``dm``: C-contiguous float32 ``[2 or more, R]`` scratch."""
     nblk, L = qs.shape[1], qs.shape[2]
@@ -190,7 +207,7 @@ def _group_rows(fmt, qs, scales, mins, g, dm, w, row0):
 def _gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
     """``out [Mp, P]`` = ``x [Mp, K]`` (Mp a multiple of TILE_M) times the weight's rows, P = the groups
     rounded up to ROWS_PER_PASS, in every format: 48 rows at a time are dequantized into an ``[48, K]``
-    row-major float32 scratch (``_group_rows``; the sub-block formats' ``quant_subblock.group_rows``),
+    row-major float32 scratch (``group_rows``; the sub-block formats' ``quant_subblock.group_rows``),
     then multiplied by ``gemm.rows_tiles`` (rows past the weight's groups are zero). ``max_chunks``:
     passes are split into at most this many chunks, each with its own 110 KB scratch (at K = 576), so it
     is sized to the threads, not to CHUNKS."""
@@ -211,7 +228,7 @@ def _gemm_rows(fmt, x, qs, qh, scales, mins, sub, out, max_chunks):
                 elif fmt >= 3:
                     sb.group_rows(fmt, qs, qh, scales, mins, sub, g, cf, w, gi * R)
                 else:
-                    _group_rows(fmt, qs, scales, mins, g, cf, w, gi * R)
+                    group_rows(fmt, qs, scales, mins, g, cf, w, gi * R)
             rows_tiles(x, w, out, p * ROWS_PER_PASS)
 
 

@@ -169,56 +169,75 @@ def _value(bits, qs, qh, g, s, j, r):
 INT_MAX_ROWS = 8
 
 
+@nb.njit(**_JIT)
+def quantize_rows(x, rows):
+    """The int16 activations of float32 ``x [M, K]``'s rows ``rows`` (``int_dot.quantize_activation``):
+    ``(xq16, dx, xs)``, flat as ``int_group`` reads them, with 3 zero rows past ``M`` (a group of 4
+    rows may start at any row); other rows are zero."""
+    M, K = x.shape
+    nsub = K // QK
+    xq = np.zeros((M + 3, nsub, QK), np.int16)
+    dx = np.zeros((M + 3, nsub), np.float32)
+    xs = np.zeros((M + 3, nsub, 2), np.float32)
+    for i in range(rows.shape[0]):
+        m = rows[i]
+        quantize_activation(x[m], xq[m], dx[m], xs[m])
+    return xq.reshape((M + 3) * nsub * QK).view(np.int32), dx.reshape((M + 3) * nsub), xs.reshape((M + 3) * nsub * 2)
+
+
+@nb.njit(inline="always")
+def int_group(fmt, qs, qh, scales, mins, sub, g, xq16, dxf, xsf, row0, Mp, acc):
+    """``acc[m * R + r]`` = weight row ``g * R + r`` dotted with activation row ``row0 + m`` for m < Mp
+    (Mp = 1, or a multiple of 4: groups of 4 activation rows), the activations as ``quantize_rows``
+    gives them: the integer products' work on one group of 16 weight rows, shared by ``gemv`` and
+    ``moe_quant``'s grouped products."""
+    nsub = qs.shape[1]
+    nscale = scales.shape[1]
+    hstep = qh.shape[2] * qh.shape[3]
+    xrow = nsub * 16
+    for i in range(Mp * R):
+        acc[i] = 0.0
+    for s in range(nsub):
+        off = (g * nsub + s) * 16 * R
+        if off + PREFETCH_BYTES + 256 <= qs.size:
+            for line in range(0, 256, 64):
+                prefetch(qs, off + PREFETCH_BYTES + line)
+        hoff = (g * nsub + s) * hstep
+        if fmt == 3 or fmt == 4:
+            so = (g * nsub + s) * R
+        else:
+            so = (g * nscale + s // _SUBS_PER_SUPER) * R
+        bo = (g * nsub + s) * 2 * R
+        if Mp == 1:
+            xo, do = row0 * xrow + s * 16, row0 * nsub + s
+            dot1(
+                fmt, qs, off, qh, hoff, xq16, xo, xrow, scales, mins, so, sub, bo, dxf, do, nsub, xsf, do * 2, 0,
+                acc, 0,
+            )  # fmt: skip
+        else:
+            for m0 in range(0, Mp, 4):
+                xo, do = (row0 + m0) * xrow + s * 16, (row0 + m0) * nsub + s
+                dot4(
+                    fmt, qs, off, qh, hoff, xq16, xo, xrow, scales, mins, so, sub, bo, dxf, do, nsub, xsf, do * 2,
+                    nsub * 2, acc, m0 * R,
+                )  # fmt: skip
+
+
 @nb.njit(parallel=True, **_JIT)
 def gemv(fmt, x, qs, qh, scales, mins, sub, out):
     """``out [M, N] = x [M, K] @ dequantize(W).T`` for M = 1 or M a multiple of 4 (float32), with x rounded
     to int16 per 32 values (module docstring): one row through the one-row dot products, more in groups of 4
-    rows, each sub-block's quants expanded once per group."""
+    rows, each sub-block's quants expanded once per group (``int_group``)."""
     M = x.shape[0]
-    nr = 1 if M == 1 else 4
-    groups, nsub = qs.shape[0], qs.shape[1]
-    nscale = scales.shape[1]
-    hstep = qh.shape[2] * qh.shape[3]
+    groups = qs.shape[0]
     N = out.shape[1]
-    xq = np.empty((M, nsub, QK), np.int16)
-    dx = np.empty((M, nsub), np.float32)
-    xs = np.empty((M, nsub, 2), np.float32)
-    for m in range(M):
-        quantize_activation(x[m], xq[m], dx[m], xs[m])
-    xq16 = xq.reshape(M * nsub * QK).view(np.int32)  # pairs of activations
-    dxf = dx.reshape(M * nsub)
-    xsf = xs.reshape(M * nsub * 2)
-    xrow = nsub * 16
+    xq16, dxf, xsf = quantize_rows(x, np.arange(M))
     nchunks = min(groups, CHUNKS)
     accs = np.empty((nchunks, M * R), np.float32)
     for c in nb.prange(nchunks):
         acc = accs[c]
         for g in range(c * groups // nchunks, (c + 1) * groups // nchunks):
-            for i in range(M * R):
-                acc[i] = 0.0
-            for s in range(nsub):
-                off = (g * nsub + s) * 16 * R
-                if off + PREFETCH_BYTES + 256 <= qs.size:
-                    for line in range(0, 256, 64):
-                        prefetch(qs, off + PREFETCH_BYTES + line)
-                hoff = (g * nsub + s) * hstep
-                if fmt == 3 or fmt == 4:
-                    so = (g * nsub + s) * R
-                else:
-                    so = (g * nscale + s // _SUBS_PER_SUPER) * R
-                bo = (g * nsub + s) * 2 * R
-                if nr == 1:
-                    dot1(
-                        fmt, qs, off, qh, hoff, xq16, s * 16, xrow, scales, mins, so, sub, bo, dxf, s, nsub, xsf,
-                        s * 2, 0, acc, 0,
-                    )  # fmt: skip
-                else:
-                    for m0 in range(0, M, 4):
-                        xo, do, xso = m0 * xrow + s * 16, m0 * nsub + s, (m0 * nsub + s) * 2
-                        dot4(
-                            fmt, qs, off, qh, hoff, xq16, xo, xrow, scales, mins, so, sub, bo, dxf, do, nsub, xsf,
-                            xso, nsub * 2, acc, m0 * R,
-                        )  # fmt: skip
+            int_group(fmt, qs, qh, scales, mins, sub, g, xq16, dxf, xsf, 0, M, acc)
             for m in range(M):
                 for r in range(R):
                     n = g * R + r
