@@ -127,6 +127,14 @@ MOE_SHAPES = {
                                 num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True,
                                 decoder_sparse_step=2),
 }  # fmt: skip
+#: ``MOE_SHAPES`` with every expert, shared-expert and dense width a multiple of 32, for GGUFs with Q8_0 experts
+#: (``rawpaged.testing.random_moe_gguf``)
+MOE_Q8_SHAPES = {
+    "MixtralForCausalLM": dict(MOE_SHAPES["MixtralForCausalLM"], num_experts=4),
+    "Qwen2MoeForCausalLM": dict(MOE_SHAPES["Qwen2MoeForCausalLM"], intermediate_size=64, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=64),
+    "Qwen3MoeForCausalLM": dict(MOE_SHAPES["Qwen3MoeForCausalLM"], intermediate_size=64, moe_intermediate_size=32),
+}  # fmt: skip
 
 
 def _moe_config(architecture, num_experts, num_experts_per_tok, moe_intermediate_size, shared, norm, step, dense):

@@ -133,11 +133,25 @@ def _add_tokenizer(w, cfg: dict, hf_dir: Path) -> None:
         w.add_chat_template(template)
 
 
+def _refuse_what_gguf_cannot_say(cfg: dict, arch: str, hf_dir: Path) -> None:
+    """ValueError naming the config.json field a GGUF has no key for and llama.cpp's graphs fix otherwise:
+    ``norm_topk_prob`` (false for qwen2moe, true for qwen3moe) and Mixtral's ``sliding_window`` (none)."""
+    if arch != "llama" and bool(cfg.get("norm_topk_prob", False)) != (arch == "qwen3moe"):
+        raise ValueError(
+            f"{hf_dir}: norm_topk_prob {cfg.get('norm_topk_prob')} cannot be written to a {arch} GGUF "
+            f"(llama.cpp's {arch} takes it {arch == 'qwen3moe'})"
+        )
+    if arch == "llama" and cfg.get("sliding_window"):
+        raise ValueError(f"{hf_dir}: sliding_window {cfg['sliding_window']} cannot be written to a Mixtral GGUF")
+
+
 def write_moe_gguf(hf_dir, dst, expert_type: str = "F32") -> Path:
     """Write the GGUF of the mixture-of-experts HF directory ``hf_dir`` at ``dst`` (module docstring) and
     return it; ``expert_type`` "F32" or "Q8_0" for the expert stacks (their widths multiples of 32).
 
-    Raises ValueError for another architecture or expert type; MissingDependencyError without ``gguf``."""
+    Raises ValueError for another architecture or expert type, or a ``norm_topk_prob`` or Mixtral
+    ``sliding_window`` the file could not carry (``_refuse_what_gguf_cannot_say``); MissingDependencyError
+    without ``gguf``."""
     gguf = import_optional("gguf", "writing a GGUF file")
     hf_dir, dst = Path(hf_dir), Path(dst)
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -146,6 +160,7 @@ def write_moe_gguf(hf_dir, dst, expert_type: str = "F32") -> Path:
         raise ValueError(f"{hf_dir}: architectures {cfg.get('architectures')} is not one of {sorted(GGUF_ARCH)}")
     if expert_type not in ("F32", "Q8_0"):
         raise ValueError(f"expert_type {expert_type!r}: F32 or Q8_0 (K-quants: llama_quantize)")
+    _refuse_what_gguf_cannot_say(cfg, arch, hf_dir)
     tensors = _read_checkpoint(hf_dir)
     stacks = _stack_experts(tensors)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg.get("num_key_value_heads")}

@@ -17,19 +17,12 @@ pytest.importorskip("gguf")  # absent on some hosts (the GPU host has no package
 import gguf
 
 from rawpaged import LLM, SamplingParams
-from rawpaged.testing.random_model import MOE_SHAPES, write_random_model
+from rawpaged.testing.random_model import MOE_Q8_SHAPES, MOE_SHAPES, write_random_model
 from rawpaged.testing.random_moe_gguf import find_llama_quantize, llama_quantize, write_moe_gguf
 from tests.model_executor.test_moe import PROMPTS, STD, _teacher_forced
 from tests.moe_reference import forward
 
 ARCHS = list(MOE_SHAPES)
-#: MOE_SHAPES with every expert and dense width a multiple of 32 (Q8_0 blocks)
-Q8_SHAPES = {
-    "MixtralForCausalLM": dict(MOE_SHAPES["MixtralForCausalLM"], num_experts=4),
-    "Qwen2MoeForCausalLM": dict(MOE_SHAPES["Qwen2MoeForCausalLM"], intermediate_size=64, moe_intermediate_size=32,
-                                shared_expert_intermediate_size=64),
-    "Qwen3MoeForCausalLM": dict(MOE_SHAPES["Qwen3MoeForCausalLM"], intermediate_size=64, moe_intermediate_size=32),
-}  # fmt: skip
 #: widths of 256 (K-quant super-blocks): llama-quantize's Q4_K_M takes Q4_K and Q6_K for them
 K_SHAPE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_heads=4, num_kv_heads=2,
                head_dim=64, num_experts=4)  # fmt: skip
@@ -68,7 +61,9 @@ _LAYER = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-_EXPERTS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"), "ffn_down_exps": ("down_proj", "w2")}
+#: expert stack -> (Qwen's, Mixtral's) per-expert name
+_EXPERTS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3")}
+_EXPERTS["ffn_down_exps"] = ("down_proj", "w2")
 
 
 def file_weights(path, cfg: dict) -> dict:
@@ -135,7 +130,7 @@ def _check_quantized(path, hf, rel_tol):
 def test_q8_0_gguf_matches_the_reference_on_its_dequantized_weights(tmp_path, arch):
     """Q8_0 experts (the rest F32; float32 products on the dequantized rows): within 1e-5 of the largest
     logit (measured 5e-7)."""
-    hf = write_random_model(tmp_path / "hf", weight_std=STD, **Q8_SHAPES[arch])
+    hf = write_random_model(tmp_path / "hf", weight_std=STD, **MOE_Q8_SHAPES[arch])
     _check_quantized(write_moe_gguf(hf, tmp_path / "q8_0.gguf", expert_type="Q8_0"), hf, 1e-5)
 
 

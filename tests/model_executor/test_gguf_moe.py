@@ -16,63 +16,18 @@ from safetensors.numpy import load_file, save_file
 from rawpaged.kernels.cpu.backend import CPUBackend
 from rawpaged.kernels.quantization import NATIVE, QuantizedExperts
 from rawpaged.model_executor import gguf_loader, gguf_moe
-from rawpaged.testing.random_model import write_random_model
+from rawpaged.testing.random_model import MOE_Q8_SHAPES, write_random_model
 from rawpaged.testing.random_moe_gguf import find_llama_quantize, llama_quantize, write_moe_gguf
+from tests.moe_reference import sparse_layers
 
-ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-DENSE_BASE = {"MixtralForCausalLM": "LlamaForCausalLM", "Qwen2MoeForCausalLM": "Qwen2ForCausalLM"}
-DENSE_BASE["Qwen3MoeForCausalLM"] = "Qwen3ForCausalLM"
-MODEL_TYPES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHS = tuple(MOE_Q8_SHAPES)
 
 
-def write_hf_moe(dst, arch, hidden=64, moe_i=32, experts=4, top_k=2, layers=3, dense=(1,), seed=0):
-    """A random HF checkpoint of ``arch`` in HF's layout: the dense model of its family, each sparse layer's
-    MLP replaced by a router and per-expert tensors (Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2``;
-    Qwen's ``mlp.experts.{e}.*_proj``, Qwen2-MoE's shared expert and its gate). ``dense``: Qwen's
-    ``mlp_only_layers`` (Mixtral has none)."""
-    mixtral = arch == "MixtralForCausalLM"
-    dense = () if mixtral else tuple(dense)
-    ffn = moe_i if mixtral else 2 * moe_i
-    write_random_model(dst, architecture=DENSE_BASE[arch], num_layers=layers, hidden_size=hidden,
-                       intermediate_size=ffn, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
-                       tie_word_embeddings=False, seed=seed)  # fmt: skip
-    t = load_file(str(dst / "model.safetensors"))
-    rng = np.random.default_rng(seed + 1)
-
-    def w(*shape):
-        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
-
-    for i in range(layers):
-        if i in dense:
-            continue
-        p = f"model.layers.{i}."
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            del t[p + f"mlp.{proj}.weight"]
-        block = p + ("block_sparse_moe." if mixtral else "mlp.")
-        t[block + "gate.weight"] = w(experts, hidden)
-        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        for e in range(experts):
-            t[block + f"experts.{e}.{names[0]}.weight"] = w(moe_i, hidden)
-            t[block + f"experts.{e}.{names[1]}.weight"] = w(moe_i, hidden)
-            t[block + f"experts.{e}.{names[2]}.weight"] = w(hidden, moe_i)
-        if arch == "Qwen2MoeForCausalLM":
-            t[p + "mlp.shared_expert.gate_proj.weight"] = w(ffn, hidden)
-            t[p + "mlp.shared_expert.up_proj.weight"] = w(ffn, hidden)
-            t[p + "mlp.shared_expert.down_proj.weight"] = w(hidden, ffn)
-            t[p + "mlp.shared_expert_gate.weight"] = w(1, hidden)
-    save_file(t, str(dst / "model.safetensors"))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(architectures=[arch], model_type=MODEL_TYPES[arch])
-    cfg["num_experts_per_tok"] = top_k
-    if mixtral:
-        cfg["num_local_experts"] = experts
-    else:  # norm_topk_prob as llama.cpp's graphs assume it (false for Qwen2-MoE, true for Qwen3-MoE)
-        cfg.update(num_experts=experts, moe_intermediate_size=moe_i, decoder_sparse_step=1,
-                   mlp_only_layers=list(dense), norm_topk_prob=arch == "Qwen3MoeForCausalLM")  # fmt: skip
-        if arch == "Qwen2MoeForCausalLM":
-            cfg["shared_expert_intermediate_size"] = ffn
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+def write_hf_moe(dst, arch, **kw):
+    """``random_model``'s checkpoint of ``arch`` (``MOE_Q8_SHAPES``, keyword arguments overriding them) in
+    HF's layout: per-expert tensors (Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2``), Qwen2-MoE's
+    shared expert and its gate."""
+    return write_random_model(dst, weight_std=0.1, **{**MOE_Q8_SHAPES[arch], **kw})
 
 
 def hf_stacked(hf_dir) -> dict:
@@ -109,7 +64,8 @@ def test_f32_gguf_loads_to_the_hf_checkpoints_tensors(tmp_path, arch):
         np.testing.assert_array_equal(tensors[name], arr, err_msg=name)
     hf_cfg = json.loads((hf / "config.json").read_text())
     assert config["architectures"] == [arch] and config["model_type"] == hf_cfg["model_type"]
-    for key in gguf_moe.MOE_FIELDS:
+    assert sparse_layers(config) == sparse_layers(hf_cfg)  # GGUF: step 1, the dense layers listed
+    for key in set(gguf_moe.MOE_FIELDS) - {"decoder_sparse_step", "mlp_only_layers"}:
         if key in hf_cfg:
             assert config[key] == hf_cfg[key], key
 
@@ -123,7 +79,7 @@ def test_q8_0_experts_stay_in_their_blocks(tmp_path, arch):
     raw = {t.name: t for t in reader.tensors}
     want = hf_stacked(hf)
     stacks = [n for n in tensors if ".mlp.experts." in n]
-    assert len(stacks) == 3 * (3 if arch == "MixtralForCausalLM" else 2)
+    assert len(stacks) == 3 * sum(sparse_layers(json.loads((hf / "config.json").read_text())))
     for name in stacks:
         q = tensors[name]
         assert isinstance(q, QuantizedExperts) and q.format == "Q8_0" and q.shape == want[name].shape
@@ -140,7 +96,8 @@ def test_kquant_experts_from_llama_quantize(tmp_path):
     ``gguf`` package dequantizes it, and the grouped product on them as the dense product of each expert."""
     if find_llama_quantize() is None:
         pytest.skip("no llama-quantize (scripts/q4_k_m_check.py builds one; or set RAWPAGED_LLAMA_QUANTIZE)")
-    hf = write_hf_moe(tmp_path / "hf", "Qwen3MoeForCausalLM", hidden=256, moe_i=256, layers=2, dense=())
+    hf = write_hf_moe(tmp_path / "hf", "Qwen3MoeForCausalLM", hidden_size=256, intermediate_size=256,
+                      moe_intermediate_size=256, num_experts=4, num_layers=2, decoder_sparse_step=1)  # fmt: skip
     path = llama_quantize(write_moe_gguf(hf, tmp_path / "f32.gguf"), tmp_path / "q4_k_m.gguf", "Q4_K_M")
     _, tensors = read(path)
     raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
@@ -180,9 +137,22 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
 
 
 def test_more_experts_used_than_there_are_is_refused(tmp_path):
-    hf = write_hf_moe(tmp_path / "hf", "Qwen3MoeForCausalLM", experts=4, top_k=5)
+    hf = write_hf_moe(tmp_path / "hf", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=5)
     with pytest.raises(ValueError, match="qwen3moe.expert_used_count 5 is greater than qwen3moe.expert_count 4"):
         read(write_moe_gguf(hf, tmp_path / "m.gguf"))
+
+
+@pytest.mark.parametrize(
+    "arch,kw,match",
+    [("Qwen2MoeForCausalLM", dict(norm_topk_prob=True), "norm_topk_prob True"),
+     ("Qwen3MoeForCausalLM", dict(norm_topk_prob=False), "norm_topk_prob False"),
+     ("MixtralForCausalLM", dict(sliding_window=16), "sliding_window 16")],
+)  # fmt: skip
+def test_fields_a_gguf_cannot_carry_are_refused_by_the_writer(tmp_path, arch, kw, match):
+    """No GGUF key says them and llama.cpp's graphs fix them: a file written anyway would route (or
+    attend) differently from its checkpoint."""
+    with pytest.raises(ValueError, match=match):
+        write_moe_gguf(write_hf_moe(tmp_path / "hf", arch, **kw), tmp_path / "m.gguf")
 
 
 def test_expected_shapes_take_the_stacks_in_place_of_per_expert_tensors():
