@@ -146,3 +146,56 @@ def test_q4_k_m_gguf_matches_the_reference_on_its_dequantized_weights(tmp_path, 
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if "_exps" in t.name}
     assert "Q4_K" in types
     _check_quantized(path, hf, 2e-3)
+
+
+# ------------------------------------------------------------------------------------------ unread experts
+def _fill_expert(path, layer: int, expert: int, byte: int) -> None:
+    """Overwrite expert ``expert``'s bytes in layer ``layer``'s three stacks of the GGUF ``path`` with
+    ``byte``: 0x00 makes the expert's weights zero; 0xFF sets every block's fp16 scale bits to 0xFFFF (Q8_0's
+    and Q4_K's first two bytes, Q6_K's last two), NaN to the ``gguf`` package but +-131008 to the CPU
+    kernels' ``intrinsics.half_to_float`` (no Inf/NaN case), so weights about 1e5 that no read could hide."""
+    stacks = {f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
+    tensors = [t for t in gguf.GGUFReader(str(path)).tensors if t.name in stacks]
+    assert len(tensors) == 3 and all(t.tensor_type.name != "F32" for t in tensors)
+    with open(path, "r+b") as f:
+        for t in tensors:
+            per_expert = t.n_bytes // int(t.shape[-1])
+            f.seek(t.data_offset + expert * per_expert)
+            f.write(bytes([byte]) * per_expert)
+
+
+def _unreachable_expert_checkpoint(dst, shape):
+    """A Mixtral of 5 experts, top 2, whose layer-0 router can never pick expert 4 (rows u, -u, v, -v, 0:
+    two of the first four logits are >= 0, expert 4's, and the last expert loses ties)."""
+    from safetensors.numpy import load_file, save_file
+
+    hf = write_random_model(dst, weight_std=STD, **dict(shape, num_experts=5))
+    tensors = load_file(str(hf / "model.safetensors"))
+    router = tensors["model.layers.0.block_sparse_moe.gate.weight"]
+    router[1], router[3], router[4] = -router[0], -router[2], 0.0
+    save_file(tensors, str(hf / "model.safetensors"))
+    return hf
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_a_quantized_expert_no_token_selects_is_never_read(tmp_path, ftype):
+    """The unreachable expert's blocks all 0xFF bytes in one copy of the file and zero in another
+    (``_fill_expert``): the engine's teacher-forced logits (prefill and decode) are finite and equal bit
+    for bit, and so are the greedy tokens of a batch. (Poisoning reachable expert 0 instead fails.)"""
+    if ftype == "Q8_0":
+        hf = _unreachable_expert_checkpoint(tmp_path / "hf", MOE_Q8_SHAPES["MixtralForCausalLM"])
+        src = write_moe_gguf(hf, tmp_path / "src.gguf", expert_type="Q8_0")
+    else:
+        if find_llama_quantize() is None:
+            pytest.skip("no llama-quantize (scripts/q4_k_m_check.py builds one; or set RAWPAGED_LLAMA_QUANTIZE)")
+        hf = _unreachable_expert_checkpoint(tmp_path / "hf", K_SHAPES["MixtralForCausalLM"])
+        src = llama_quantize(write_moe_gguf(hf, tmp_path / "f32.gguf"), tmp_path / "src.gguf", ftype)
+    files = []
+    for name, byte in (("poisoned", 0xFF), ("clean", 0x00)):
+        files.append(tmp_path / f"{name}.gguf")
+        files[-1].write_bytes(src.read_bytes())
+        _fill_expert(files[-1], 0, 4, byte)
+    chunks = ((30, False), (1, True), (5, False), (1, True))
+    got, want = (_teacher_forced(f, PROMPTS[4], chunks) for f in files)
+    assert np.isfinite(got).all() and np.array_equal(got, want)
+    assert _greedy(files[0], PROMPTS) == _greedy(files[1], PROMPTS)
