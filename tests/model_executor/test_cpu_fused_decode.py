@@ -18,6 +18,12 @@ VARIANTS = {
     "qwen2-bias": dict(architecture="Qwen2ForCausalLM"),
     "qwen3-qk-norm": dict(architecture="Qwen3ForCausalLM"),
     "mistral-window": dict(architecture="MistralForCausalLM", sliding_window=6),
+    # sliding layers of a 5-token window (two KV cache groups of them) and a full one: three groups, two RoPE
+    # tables, the extra norms and the GeLU gate
+    "gemma3-window-groups": dict(
+        architecture="Gemma3ForCausalLM", num_layers=6, sliding_window=5, extra_config={"sliding_window_pattern": 3}
+    ),
+    "gemma2-soft-cap": dict(architecture="Gemma2ForCausalLM", num_layers=4, sliding_window=5),
 }
 
 
@@ -62,7 +68,7 @@ def _assert_same_caches(a, b):
 @pytest.fixture(scope="module")
 def variant_dirs(tmp_path_factory):
     return {
-        name: write_random_model(tmp_path_factory.mktemp(name), num_layers=3, seed=7, **kw)
+        name: write_random_model(tmp_path_factory.mktemp(name), **{"num_layers": 3, "seed": 7, **kw})
         for name, kw in VARIANTS.items()
     }
 
