@@ -164,6 +164,7 @@ def decode_layers(
     att_rows = np.zeros((Mp, q_dim), np.float32)
     gate_up = np.zeros((Mp, 2 * intermediate_size), np.float32)
     act = np.zeros((Mp, intermediate_size), np.float32)
+    normed = np.empty((M, H), np.float32)  # an output's norm, as the op by op forward's new array
     q_rows, q_flat = q.reshape((M * num_heads, head_dim)), q.reshape(M * q_dim)
     k_rows, k_flat, v_flat = k.reshape((M * num_kv_heads, head_dim)), k.reshape(M * kv_dim), v.reshape(M * kv_dim)
     att_flat = att.reshape(M * q_dim)
@@ -206,7 +207,8 @@ def decode_layers(
                 att_rows[r, c] = att_flat[r * q_dim + c]
         _linear(att_rows, o_proj[i], h, max_chunks)
         if sandwich:
-            elementwise.rms_norm_rows(h[:M], attn_out_norms[i], eps, h[:M])
+            elementwise.rms_norm_rows(h[:M], attn_out_norms[i], eps, normed)
+            h[:M] = normed
         elementwise.add_rms_norm_rows(h[:M], residual, mlp_norms[i], eps, x)
         _linear(x, gate_up_proj[i], gate_up, max_chunks)
         if gelu:
@@ -215,7 +217,8 @@ def decode_layers(
             elementwise.silu_and_mul_rows(gate_up, act)
         _linear(act, down_proj[i], h, max_chunks)
         if sandwich:
-            elementwise.rms_norm_rows(h[:M], mlp_out_norms[i], eps, h[:M])
+            elementwise.rms_norm_rows(h[:M], mlp_out_norms[i], eps, normed)
+            h[:M] = normed
     elementwise.add_rms_norm_rows(h[:M], residual, final_norm, eps, out)
 
 
