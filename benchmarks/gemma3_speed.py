@@ -72,7 +72,7 @@ def long_context(gguf: Path, rounds: int) -> dict:
     from rawpaged import LLM, SamplingParams
 
     longest = max(LONG_CONTEXTS) + LONG_DECODE_TOKENS + 16
-    llm = LLM(model=str(gguf), device="cpu", max_model_len=longest, num_kv_blocks=1024)
+    llm = LLM(model=str(gguf), device="cpu", max_model_len=longest, num_kv_blocks=2048)
 
     def run(prompt, n) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
