@@ -54,11 +54,14 @@ def llama_bench(binary: str, gguf: Path) -> dict:
 
 
 class Ours:
-    def __init__(self, model: str):
+    """Our engine on ``model`` (CPU; ``engine_args`` override the LLM's pool of 256 blocks and
+    max_model_len 2048), compiled on both paths, with :meth:`measure` timing decode and prefill."""
+
+    def __init__(self, model: str, **engine_args):
         from rawpaged import LLM
 
         before = rss_bytes()
-        self.llm = LLM(model=model, device="cpu", num_kv_blocks=256, max_model_len=2048)
+        self.llm = LLM(model=model, device="cpu", **{"num_kv_blocks": 256, "max_model_len": 2048, **engine_args})
         self.rss = rss_bytes() - before
         runner = self.llm.engine.runner
         caches = list(runner.key_caches) + list(runner.value_caches)

@@ -375,12 +375,24 @@ def compare_server_args(server_args: str, model: str, max_num_seqs: int) -> list
 
 
 def compare_with_llama_server(args) -> int:
+    """:func:`compare_servers`, its JSON written to ``args.out``; 0 when no request failed."""
+    out = compare_servers(args)
+    if args.out:
+        from benchmarks.common import write_json
+
+        write_json(args.out, out)
+    failed = sum(r["failed"] for name in ("rawpaged", "llama_server") for r in out[name]["runs"])
+    return 0 if failed == 0 else 1
+
+
+def compare_servers(args) -> dict:
     """Both servers on the same weights, the same client and levels. Both are started first; each level
     then runs ``--compare-rounds`` times on each, alternating which goes first (ABBA), and a server's row
-    pools its requests over the rounds, so drift in the host's speed falls on both."""
+    pools its requests over the rounds, so drift in the host's speed falls on both. Returns the results
+    (``comparison``: ``compare_rows``' rows) with the run's conditions."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks.common import conditions, write_json
+    from benchmarks.common import conditions
     from rawpaged import weights as rp_weights
 
     if args.compare_gguf:
@@ -446,13 +458,11 @@ def compare_with_llama_server(args) -> int:
         "comparison": rows,
         "table": table,
     }
-    if args.out:
-        write_json(args.out, out)
-    failed = sum(r["failed"] for res in results.values() for r in res["runs"])
-    return 0 if failed == 0 else 1
+    return out
 
 
-def main(argv=None) -> int:
+def main_parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -521,6 +531,11 @@ def main(argv=None) -> int:
         help="with --compare-llama-server: this GGUF file for both servers (e.g. the Q4_K_M file that "
         "scripts/q4_k_m_check.py makes), in place of --compare-format",
     )
+    return p
+
+
+def main(argv=None) -> int:
+    p = main_parser()
     args = p.parse_args(argv)
     if args.compare_gguf and not Path(args.compare_gguf).is_file():
         p.error(f"--compare-gguf {args.compare_gguf}: no such file")

@@ -1,6 +1,6 @@
-"""Pure-decode steps on the CPU backend as one compiled call: the decoder layers of ``models.llama`` in
-one Numba function (``kernels.cpu.fused_decode.decode_layers``), the CPU's counterpart of replaying a CUDA graph
-(``cuda_graph``).
+"""Pure-decode steps on the CPU backend as one compiled call: the decoder layers of ``models.llama`` or
+``models.gemma`` in one Numba function (``kernels.cpu.fused_decode.decode_layers``), the CPU's counterpart of
+replaying a CUDA graph (``cuda_graph``).
 
 Kernel by kernel, a decode step of the default model makes about 330 calls from Python into Numba (11
 per layer: norms, products, RoPE, cache write, attention, SwiGLU), each paying argument checks, an
@@ -15,6 +15,11 @@ the serial one does). Op by op, attention below ``cpu.PARALLEL_MIN_WORK`` runs s
 products before it may be OpenBLAS's, whose spinning threads make waking Numba's pool cost more than
 the work; here every product is a Numba kernel, so the pool's threads are already awake.
 
+Gemma's layer is the Llama layer with two more norms (of the attention's and the MLP's outputs), the
+tanh-GeLU gate, the attention's soft cap and per-layer windows and RoPE tables; a model with several KV cache
+groups (Gemma 3's sliding and full layers) gives each layer its group's slots and block tables. The
+embedding (scaled by ``sqrt(hidden)`` for Gemma) and the LM head stay the model's own.
+
 Weights and caches are handed over once, as ``numba.typed.List``s of the arrays the model already holds
 (no copy). Projections may differ in format (float32 or quantized); a projection whose layers differ
 (float32 in some, quantized in others) makes the model run op by op (``CPUFusedDecode.supported``).
@@ -26,7 +31,7 @@ import numba as nb
 import numpy as np
 from numba import typed
 
-from rawpaged.kernels.backend import sliding_window_arg
+from rawpaged.kernels.backend import sliding_window_arg, soft_cap_arg
 from rawpaged.kernels.cpu import fused_decode, gemm
 from rawpaged.model_executor.forward_paths import sampled_logits
 
@@ -43,27 +48,29 @@ class CPUFusedDecode:
     call (module docstring).
 
     Args:
-        model: a ``LlamaModel`` on the ``CPUBackend``.
+        model: a ``LlamaModel`` or ``GemmaModel`` on the ``CPUBackend``.
         key_caches, value_caches: the runner's per-layer caches ``[num_blocks, block_size,
             num_kv_heads, head_dim]`` (float32, bfloat16 or ``QuantizedKVCache``), read and written in place.
         max_batch_size: decode steps with more rows run op by op (``gemm.SMALL_M``: above it the
             backend's products go to BLAS).
+        layer_groups: each layer's KV cache group index (empty: one group), as the runner's.
     Raises:
         ValueError: for a model not on the CPU backend.
     """
 
-    def __init__(self, model, key_caches, value_caches, max_batch_size: int = gemm.SMALL_M):
+    def __init__(self, model, key_caches, value_caches, max_batch_size: int = gemm.SMALL_M, layer_groups=()):
         if model.backend.name != "cpu":
             raise ValueError(f"CPUFusedDecode runs on the cpu backend, not {model.backend.name}")
         self.model = model
         self.max_batch_size = max_batch_size
-        #: whether this model's decode steps run here (else op by op): a Llama-family model whose layers
-        #: share their formats and their window (a ``GemmaModel`` and a mixture-of-experts ``LlamaModel``
-        #: have ``fused_cpu_decode = False``)
+        self.layer_groups = tuple(layer_groups)
+        #: whether this model's decode steps run here (else op by op): a Llama or Gemma model whose layers
+        #: share their formats (a mixture-of-experts ``LlamaModel`` has ``fused_cpu_decode = False``)
         self.supported = getattr(model, "fused_cpu_decode", True)
         if not self.supported:
             return
         cfg = model.config
+        gemma = bool(getattr(cfg, "gemma", False))
         layers = model.layers
         keys = [fused_decode.cache_view(c) for c in key_caches]
         values = [fused_decode.cache_view(c) for c in value_caches]
@@ -85,39 +92,43 @@ class CPUFusedDecode:
                 return typed.List.empty_list(nb.float32[::1])
             return _typed_list(present) if len(present) == len(layers) else None
 
+        def norms(name):
+            return typed.List([layer[name] for layer in layers])
+
+        no_norms = typed.List.empty_list(nb.float32[::1])
         self._weights = (
-            typed.List([layer["input_layernorm"] for layer in layers]),
-            typed.List([layer["post_attention_layernorm"] for layer in layers]),
+            norms("input_layernorm"),
+            norms("post_attention_layernorm") if gemma else no_norms,
+            norms("pre_feedforward_layernorm" if gemma else "post_attention_layernorm"),
+            norms("post_feedforward_layernorm") if gemma else no_norms,
             weights("qkv_proj"),
-            optional("qkv_bias"),
+            no_norms if gemma else optional("qkv_bias"),
             optional("q_norm"),
             optional("k_norm"),
             weights("o_proj"),
             weights("gate_up_proj"),
             weights("down_proj"),
         )
-        windows = set(model.layer_windows)
-        self.supported = all(w is not None for w in self._weights) and len(windows) == 1
+        self.supported = all(w is not None for w in self._weights)
         self._eps = np.float32(cfg.rms_norm_eps)
         self._scale = np.float32(model.scale)
-        self._window = sliding_window_arg(next(iter(windows)))
+        self._cos_sin = typed.List(getattr(model, "layer_cos_sin", None) or [model.cos_sin_cache] * len(layers))
+        self._windows = np.array([sliding_window_arg(w) for w in model.layer_windows], np.int64)
+        self._soft_cap = soft_cap_arg(getattr(model, "soft_cap", None))
+        self._gelu = gemma
+        self._embed_scale = getattr(model, "embed_scale", None)
+        self._layer_groups = np.array(self.layer_groups or [0] * len(layers), np.int64)
         #: attention takes the parallel kernel from this much work (query rows x positions; module docstring)
         self.parallel_attention_min_work = 0
 
     def can_run(self, step) -> bool:
         """Whether ``step`` (a ``StepInput``) runs here: pure decode (drafts included) of 1 to
-        ``max_batch_size`` rows, on a model whose layers share their formats and their window (one KV cache
-        group)."""
-        return (
-            self.supported
-            and step.num_groups == 1
-            and not step.prefills
-            and 0 < step.num_decode_tokens <= self.max_batch_size
-        )
+        ``max_batch_size`` rows, on a model whose layers share their formats."""
+        return self.supported and not step.prefills and 0 < step.num_decode_tokens <= self.max_batch_size
 
     def forward_step(self, step) -> tuple:
         """``(logits of the step's logits rows, hidden states)`` of a ``StepInput`` that :meth:`can_run`."""
-        hidden = self.forward(*step.device_inputs(self.model.backend))
+        hidden = self.forward(*step.device_inputs(self.model.backend, self.layer_groups))
         return sampled_logits(self.model, hidden, step.layout), hidden
 
     def forward(self, input_ids, positions, attn):
@@ -130,24 +141,28 @@ class CPUFusedDecode:
         if attn.num_decode_tokens != M:
             raise ValueError(f"a fused decode step takes decode rows only: {attn.num_decode_tokens} of {M}")
         model, cfg = self.model, self.model.config
-        residual = np.ascontiguousarray(model.backend.embedding(input_ids, model.embed_tokens))
+        residual = np.ascontiguousarray(model.backend.embedding(input_ids, model.embed_tokens, self._embed_scale))
         out = np.empty_like(residual)
+        groups = attn.groups or (attn,)
         num_kv_heads = cfg.num_key_value_heads
         context = int(attn.max_context_len) or attn.decode_block_tables.shape[1] * self._caches[0][0].shape[1]
         parallel = M * cfg.num_attention_heads * context >= self.parallel_attention_min_work
         fused_decode.decode_layers(
             residual,
             np.ascontiguousarray(positions, dtype=np.int64),
-            attn.slot_mapping,
-            attn.decode_block_tables,
-            attn.decode_context_lens,
+            typed.List([g.slot_mapping for g in groups]),
+            typed.List([g.decode_block_tables for g in groups]),
+            typed.List([g.decode_context_lens for g in groups]),
+            self._layer_groups,
             *self._caches,
             *self._weights,
             model.norm,
-            model.cos_sin_cache,
+            self._cos_sin,
             self._eps,
             self._scale,
-            self._window,
+            self._windows,
+            self._soft_cap,
+            self._gelu,
             cfg.num_attention_heads,
             cfg.intermediate_size,
             fused_decode.attention_tasks(M, num_kv_heads),

@@ -80,7 +80,9 @@ class ModelRunner:
         self.key_caches = [self.key_tensors[pos] for _, pos in slots]
         self.value_caches = [self.value_tensors[pos] for _, pos in slots]
         self.fused_decode = (
-            CPUFusedDecode(model, self.key_caches, self.value_caches) if fused_decode and be.name == "cpu" else None
+            CPUFusedDecode(model, self.key_caches, self.value_caches, layer_groups=self.layer_groups)
+            if fused_decode and be.name == "cpu"
+            else None
         )
         self.cuda_graph = None
         if not enforce_eager:

@@ -205,13 +205,13 @@ def _greedy_llm(llm, cfg, w, label):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_cpu_engine_greedy_matches_the_reference(checkpoints, name):
-    """Batched prompts of 5, 19 and 37 tokens (chunked prefill, prefix caching on), decode op by op: the
-    fused CPU decode does not run Gemma."""
+    """Batched prompts of 5, 19 and 37 tokens (chunked prefill, prefix caching on), the decode steps in the
+    CPU's fused decode."""
     path, cfg, w = checkpoints(name)
     llm = LLM(model=str(path), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
               enable_prefix_caching=True)  # fmt: skip
     assert llm.engine.max_model_len == 128
-    assert not llm.engine.runner.fused_decode.supported
+    assert llm.engine.runner.fused_decode.supported
     _greedy_llm(llm, cfg, w, f"cpu {name}")
 
 

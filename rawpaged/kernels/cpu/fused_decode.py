@@ -1,13 +1,13 @@
-"""The CPU kernels composed into one compiled pass over a Llama-family model's decoder layers, for
-decode rows: what ``models.llama.LlamaModel.forward`` does op by op, in one Numba call
-(``model_executor.cpu_fused_decode`` runs pure-decode steps through it).
+"""The CPU kernels composed into one compiled pass over a Llama-family or Gemma model's decoder layers, for
+decode rows: what ``models.llama.LlamaModel.forward`` (or ``models.gemma.GemmaModel.forward``) does op by op,
+in one Numba call (``model_executor.cpu_fused_decode`` runs pure-decode steps through it).
 
 It calls the kernels the backend's ops call (``gemm._gemv_nt``/``_gemm_nt``, ``quant``'s GEMVs and
-row products, ``elementwise``'s ``rms_norm_rows``/``add_rms_norm_rows``, ``rotate_half`` and
-``silu_and_mul_rows``, ``cache``'s writes, ``attention.paged_attention_*``), on the same inputs and in the
-same order, so its hidden states equal the op-by-op forward's bit for bit. Activations are sized once per
-call; x rows are padded to a multiple of ``gemm.TILE_M`` (zero rows, as ``gemm.pad_rows`` pads them) for
-the products.
+row products, ``elementwise``'s ``rms_norm_rows``/``add_rms_norm_rows``, ``rotate_half``,
+``silu_and_mul_rows`` and ``gelu_tanh_and_mul_rows``, ``cache``'s writes, ``attention.paged_attention_*``),
+on the same inputs and in the same order, so its hidden states equal the op-by-op forward's bit for bit.
+Activations are sized once per call; x rows are padded to a multiple of ``gemm.TILE_M`` (zero rows, as
+``gemm.pad_rows`` pads them) for the products.
 
 Weights and caches come as ``numba.typed.List``s (one entry per layer) of the arrays the model holds:
 Numba compiles the pass once per combination of entry types (float32 or quantized per projection, float32
@@ -86,16 +86,19 @@ def _write_kv_impl(key, value, key_cache, value_cache, key_scales, value_scales,
 def decode_layers(
     residual,
     positions,
-    slot_mapping,
+    slot_mappings,
     block_tables,
     context_lens,
+    layer_groups,
     key_caches,
     value_caches,
     key_scales,
     value_scales,
     kv_qmax,
     input_norms,
-    post_norms,
+    attn_out_norms,
+    mlp_norms,
+    mlp_out_norms,
     qkv_proj,
     qkv_bias,
     q_norms,
@@ -104,10 +107,12 @@ def decode_layers(
     gate_up_proj,
     down_proj,
     final_norm,
-    cos_sin_cache,
+    cos_sin_caches,
     eps,
     scale,
-    window,
+    windows,
+    soft_cap,
+    gelu,
     num_heads,
     intermediate_size,
     attention_nkv,
@@ -115,31 +120,40 @@ def decode_layers(
     max_chunks,
     out,
 ):
-    """The decoder layers of a Llama-family model for M decode rows, then the final norm.
+    """The decoder layers of a Llama-family or Gemma model for M decode rows, then the final norm.
 
     Args:
-        residual: float32 ``[M, hidden]``, the token embeddings; updated in place (the residual stream).
-        positions: int64 ``[M]``; slot_mapping: int64 ``[M]``; block_tables: int32 ``[M, max_blocks]``;
-            context_lens: int32 ``[M]`` (as ``attention.paged_attention`` takes them).
+        residual: float32 ``[M, hidden]``, the (scaled) token embeddings; updated in place (the residual
+            stream).
+        positions: int64 ``[M]``. slot_mappings, block_tables, context_lens: typed lists, one entry per KV
+            cache group, of int64 ``[M]``, int32 ``[M, max_blocks]`` and int32 ``[M]`` (as
+            ``attention.paged_attention`` takes them); layer_groups: int64 ``[num_layers]``, each layer's group.
         key_caches, value_caches, key_scales, value_scales: typed lists of each layer's cache values and
             scales (``cache_view``), written in place; kv_qmax: float32, a quantized cache's ``qmax``.
-        input_norms, post_norms: typed lists of float32 ``[hidden]``; final_norm: float32 ``[hidden]``.
+        input_norms, mlp_norms: typed lists of float32 ``[hidden]``, the norms before attention and before
+            the MLP; attn_out_norms, mlp_out_norms: the norms of the attention's and the MLP's outputs
+            (Gemma's post-attention and post-feed-forward norms), or empty (none); final_norm: float32
+            ``[hidden]``.
         qkv_proj, o_proj, gate_up_proj, down_proj: typed lists of ``linear_weight`` entries.
         qkv_bias, q_norms, k_norms: typed lists, one per layer, or empty (no bias / no q-k norm).
-        cos_sin_cache: float32 ``[max_position, head_dim]``; eps, scale: float32; window: the attention
-            kernels' ``sliding_window`` argument (0: none); num_heads, intermediate_size: ints.
+        cos_sin_caches: typed list of each layer's float32 ``[max_position, head_dim]`` RoPE table; eps,
+            scale: float32; windows: int64 ``[num_layers]``, the attention kernels' ``sliding_window``
+            argument per layer (0: none); soft_cap: float32, the attention scores' soft cap (0: none);
+            gelu: the MLP's gate is the tanh GeLU (Gemma's GeGLU), else SiLU; num_heads,
+            intermediate_size: ints.
         attention_nkv: KV heads per attention task (``attention.kv_heads_per_task``); parallel_attention:
             the thread-parallel attention kernel or the serial one (the same results).
         max_chunks: chunks of the quantized row products (as ``quant.quant_linear`` sizes them).
         out: float32 ``[M, hidden]``, written.
-    Math: ``models.llama.LlamaModel.forward``, step for step, on the kernels named in the module
-    docstring."""
+    Math: ``models.llama.LlamaModel.forward`` or ``models.gemma.GemmaModel.forward``, step for step, on the
+    kernels named in the module docstring."""
     M, H = residual.shape
     Mp = 1 if M == 1 else -(-M // gemm.TILE_M) * gemm.TILE_M
     num_kv_heads, head_dim = key_caches[0].shape[2], key_caches[0].shape[3]
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     has_bias = len(qkv_bias) == len(qkv_proj)
     has_qk_norm = len(q_norms) == len(qkv_proj)
+    sandwich = len(attn_out_norms) == len(qkv_proj)
     x = np.zeros((Mp, H), np.float32)  # padding rows stay zero through every product
     h = np.zeros((Mp, H), np.float32)
     qkv = np.zeros((Mp, q_dim + 2 * kv_dim), np.float32)
@@ -150,6 +164,7 @@ def decode_layers(
     att_rows = np.zeros((Mp, q_dim), np.float32)
     gate_up = np.zeros((Mp, 2 * intermediate_size), np.float32)
     act = np.zeros((Mp, intermediate_size), np.float32)
+    normed = np.empty((M, H), np.float32)  # an output's norm, as the op by op forward's new array
     q_rows, q_flat = q.reshape((M * num_heads, head_dim)), q.reshape(M * q_dim)
     k_rows, k_flat, v_flat = k.reshape((M * num_kv_heads, head_dim)), k.reshape(M * kv_dim), v.reshape(M * kv_dim)
     att_flat = att.reshape(M * q_dim)
@@ -173,26 +188,37 @@ def decode_layers(
         if has_qk_norm:
             elementwise.rms_norm_rows(q_rows, q_norms[i], eps, q_rows)
             elementwise.rms_norm_rows(k_rows, k_norms[i], eps, k_rows)
-        elementwise.rotate_half(positions, q, cos_sin_cache)
-        elementwise.rotate_half(positions, k, cos_sin_cache)
+        elementwise.rotate_half(positions, q, cos_sin_caches[i])
+        elementwise.rotate_half(positions, k, cos_sin_caches[i])
         kc, vc, ks, vs = key_caches[i], value_caches[i], key_scales[i], value_scales[i]
-        _write_kv(k, v, kc, vc, ks, vs, slot_mapping, kv_qmax)
+        g = layer_groups[i]
+        _write_kv(k, v, kc, vc, ks, vs, slot_mappings[g], kv_qmax)
+        tables, lens, window = block_tables[g], context_lens[g], windows[i]
         if parallel_attention:
             attention.paged_attention_parallel(
-                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window, np.float32(0.0)
+                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap
             )
         else:
             attention.paged_attention_serial(
-                att, q, kc, vc, ks, vs, block_tables, context_lens, scale, attention_nkv, window, np.float32(0.0)
+                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap
             )
         for r in range(M):
             for c in range(q_dim):
                 att_rows[r, c] = att_flat[r * q_dim + c]
         _linear(att_rows, o_proj[i], h, max_chunks)
-        elementwise.add_rms_norm_rows(h[:M], residual, post_norms[i], eps, x)
+        if sandwich:
+            elementwise.rms_norm_rows(h[:M], attn_out_norms[i], eps, normed)
+            h[:M] = normed
+        elementwise.add_rms_norm_rows(h[:M], residual, mlp_norms[i], eps, x)
         _linear(x, gate_up_proj[i], gate_up, max_chunks)
-        elementwise.silu_and_mul_rows(gate_up, act)
+        if gelu:
+            elementwise.gelu_tanh_and_mul_rows(gate_up, act)
+        else:
+            elementwise.silu_and_mul_rows(gate_up, act)
         _linear(act, down_proj[i], h, max_chunks)
+        if sandwich:
+            elementwise.rms_norm_rows(h[:M], mlp_out_norms[i], eps, normed)
+            h[:M] = normed
     elementwise.add_rms_norm_rows(h[:M], residual, final_norm, eps, out)
 
 

@@ -31,9 +31,6 @@ class GemmaModel:
     Args: as ``LlamaModel``'s (config, weights HF name -> host array, backend, dtype, max_position).
     """
 
-    #: the CPU's fused decode (``cpu_fused_decode``) computes the Llama layer only
-    fused_cpu_decode = False
-
     def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32", max_position: int = 2048):
         if not config.gemma:
             raise ValueError(f"GemmaModel runs Gemma 2 and Gemma 3, not {config.architecture}")
