@@ -230,7 +230,7 @@ def read_metadata(reader: Any, source: str) -> tuple:
 
     Raises:
         ValueError naming the file: an architecture other than llama/qwen2/gemma3, missing metadata, RoPE
-        scaling, or a pre-tokenizer this loader cannot reproduce (its token ids would be wrong).
+        scaling other than linear, or a pre-tokenizer this loader cannot reproduce (its token ids would be wrong).
     """
     arch, pre = _supported(reader, source)
     hidden = int(_need(reader, f"{arch}.embedding_length", source))
@@ -242,12 +242,13 @@ def read_metadata(reader: Any, source: str) -> tuple:
     if "rope_freqs.weight" in names:
         raise ValueError(
             f"{source}: rope_freqs.weight (Llama 3.1 RoPE scaling in GGUF form) is not supported; "
-            "load the safetensors checkpoint, whose rope_scaling is"
+            "load the safetensors checkpoint instead (its config.json rope_scaling is read)"
         )
     if arch == "gemma3":
         config = _gemma3_config(reader, len(tokens), names, source)
     else:
         config = _hf_config(reader, arch, hidden, n_head, len(tokens), names, source)
+    config["rope_scaling"] = _rope_scaling(reader, arch, source)
     # Llama 3's and SentencePiece's BOS come from the tokenizer's post-processor; the others' from
     # add_bos_token (below).
     bos_id = config["bos_token_id"]
@@ -298,6 +299,38 @@ def _gemma3_config(reader: Any, n_tokens: int, names: set, source: str) -> dict:
         raise ValueError(f"{source}: gemma3.attention.{e}") from None
 
 
+def _rope_scaling(reader: Any, arch: str, source: str) -> dict | None:
+    """HF ``rope_scaling`` of a GGUF's ``{arch}.rope.scaling.*`` keys: None, or linear position
+    interpolation ``{"rope_type": "linear", "factor": f}``.
+
+    llama.cpp (``llama_model::load_hparams``) reads ``rope.scaling.factor`` (or the older
+    ``rope.scale_linear``; 0 means none) as ``rope_freq_scale = 1 / factor``, and ``rope.scaling.type``
+    with ``linear`` as its default. For ``gemma3`` it scales the full-attention layers only (the sliding
+    ones keep ``rope_freq_scale_train_swa = 1``), which is what HF's ``rope_scaling`` means for Gemma 3.
+
+    Raises ValueError naming the file and the key: a type other than ``linear`` (YaRN and the others need
+    keys this loader does not read), a factor that is not positive, or a factor beside type ``none``."""
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    key = f"{arch}.rope.scaling.factor"
+    factor = field(reader, key)
+    if factor is None:
+        key = f"{arch}.rope.scale_linear"
+        factor = field(reader, key)
+    factor = None if factor is None or float(factor) == 0.0 else float(factor)
+    if kind == "none" or (kind is None and factor is None):
+        if factor not in (None, 1.0):
+            raise ValueError(f"{source}: {key} {factor} beside {arch}.rope.scaling.type 'none' is not supported")
+        return None
+    if kind not in (None, "linear"):
+        raise ValueError(
+            f"{source}: {arch}.rope.scaling.type {kind!r} is not supported in GGUF files (only 'linear'); "
+            "load the safetensors checkpoint instead (its config.json rope_scaling is read)"
+        )
+    if factor is None or not factor > 0:
+        raise ValueError(f"{source}: {arch}.rope.scaling.type 'linear' needs a positive {key}, got {factor}")
+    return None if factor == 1.0 else {"rope_type": "linear", "factor": shortest_f32(factor)}
+
+
 def _need(reader: Any, key: str, source: str) -> Any:
     """A metadata value that must be there. Raises ValueError naming the file and the key."""
     v = field(reader, key)
@@ -310,13 +343,10 @@ def _supported(reader: Any, source: str) -> tuple:
     """(architecture, ``tokenizer.ggml.pre``) of a GGUF this loader reads; ``"spm"`` for Gemma 3's
     SentencePiece tokenizer (``tokenizer.ggml.model`` ``llama`` without ``add_space_prefix``).
 
-    Raises ValueError naming the file: another architecture, RoPE scaling, or another tokenizer."""
+    Raises ValueError naming the file: another architecture or another tokenizer."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{source}: architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
-    scaling = field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported in GGUF files")
     model = field(reader, "tokenizer.ggml.model")
     pre = field(reader, "tokenizer.ggml.pre", "default")
     if model == "llama" and arch == "gemma3":

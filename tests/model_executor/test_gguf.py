@@ -2,6 +2,8 @@
 model against the recorded HF reference, and GGUF files written here with the ``gguf`` package against
 their own dequantized float32 conversion."""
 
+import json
+
 import pytest
 
 pytest.importorskip("gguf")  # absent on some hosts (the GPU host has no package index)
@@ -12,7 +14,7 @@ import numpy as np
 from rawpaged import LLM, SamplingParams
 from rawpaged import weights as W
 from rawpaged.kernels.quantization import QuantizedTensor
-from rawpaged.model_executor.gguf_loader import LAYER_NAMES, load_gguf
+from rawpaged.model_executor.gguf_loader import LAYER_NAMES, load_gguf, open_reader, read_metadata
 from tests.test_weights import TOKENS, gguf_writer, llama_cpp_permute
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)  # as the reference was recorded
@@ -42,12 +44,15 @@ HIDDEN, N_HEAD, HEAD_DIM, FFN = 64, 2, 32, 96
 N_KV, N_LAYERS = 1, 2  # as tests.test_weights' writer sets them
 
 
-def _write_gguf(path, qtype, seed=0, arch="llama", hidden=HIDDEN, n_head=N_HEAD, ffn=FFN):
+def _write_gguf(path, qtype, seed=0, arch="llama", hidden=HIDDEN, n_head=N_HEAD, ffn=FFN, rope_keys=None):
     """A tiny Llama (Q/K rows permuted as llama.cpp does) or Qwen2 (q/k/v biases, not permuted) GGUF with
-    every 2-D tensor in ``qtype`` (head_dim = hidden / n_head)."""
+    every 2-D tensor in ``qtype`` (head_dim = hidden / n_head); ``rope_keys``: extra ``{arch}.rope.*``
+    metadata, key suffix -> value (``{"scaling.type": "linear", "scaling.factor": 4.0}``)."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // n_head
     w = gguf_writer(path, arch, hidden=hidden, ffn=ffn, n_head=n_head, ctx=256, theta=10000.0)
+    for key, value in (rope_keys or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(f"{arch}.rope.{key}", value)
     inv = {v: k for k, v in LAYER_NAMES.items()}
 
     def add(name, arr):
@@ -105,6 +110,65 @@ def test_written_gguf_matches_its_dequantized_float32_model(tmp_path, qtype, arc
     ref = dense.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3))[0]
     for tid, lp in ref.outputs[0].logprobs[0].items():
         assert first.outputs[0].logprobs[0][tid] == pytest.approx(lp, abs=1e-4)
+
+
+ROPE_KEYS = {
+    "linear": ({"scaling.type": "linear", "scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    # llama.cpp's default type is linear, and it reads the older key when the new one is absent
+    "old_key": ({"scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+    "factor_1": ({"scaling.type": "linear", "scaling.factor": 1.0}, None),
+    "none": ({"scaling.type": "none"}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_KEYS))
+def test_gguf_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path, case):
+    keys, want = ROPE_KEYS[case]
+    path = _write_gguf(tmp_path / "rope.gguf", "Q8_0", rope_keys=keys)
+    config = read_metadata(open_reader(path), str(path))[0]
+    assert config["rope_scaling"] == want
+    rope = load_gguf(path)[0].rope
+    assert (rope.rope_type, rope.factor) == (want["rope_type"], want["factor"]) if want else rope.rope_type == "default"
+
+
+def test_gguf_linear_rope_scaling_computes_the_float64_reference(tmp_path):
+    """A factor-4 linear GGUF: greedy ids equal the float64 reference with ``rope_scaling`` linear 4 on
+    the file's dequantized weights, and differ from the same weights unscaled (the factor is used)."""
+    from safetensors.numpy import load_file
+
+    from tests.model_reference import decisive_prefix, greedy_reference
+
+    path = _write_gguf(
+        tmp_path / "rope.gguf", "Q8_0", seed=3, rope_keys={"scaling.type": "linear", "scaling.factor": 4.0}
+    )
+    hf = W.convert_gguf_to_hf(path, tmp_path / "hf", progress=False)
+    cfg = json.loads((hf / "config.json").read_text())
+    weights = {k: v.astype(np.float64) for k, v in load_file(hf / "model.safetensors").items()}
+    prompt = [1, 3, 4, 5, 5, 6] * 12  # 72 positions: far enough for the factor to move the angles
+    llm = LLM(model=str(path), device="cpu", num_kv_blocks=64, max_model_len=256)
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    got = got[0].outputs[0].token_ids
+    scaled = {**cfg, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    ids, margins = greedy_reference(scaled, weights, prompt, 12, len(prompt) + 12)
+    k = decisive_prefix(ids, margins, 1e-3)
+    assert k >= 4 and got[:k] == ids[:k]
+    plain = greedy_reference({**cfg, "rope_scaling": None}, weights, prompt, 12, len(prompt) + 12)[0]
+    assert plain != ids, "pick a seed whose unscaled greedy differs, or the test cannot fail"
+
+
+@pytest.mark.parametrize(
+    "keys,match",
+    [
+        ({"scaling.type": "yarn", "scaling.factor": 4.0}, "llama.rope.scaling.type 'yarn' is not supported"),
+        ({"scaling.type": "none", "scaling.factor": 2.0}, "llama.rope.scaling.factor 2.0 beside"),
+        ({"scaling.type": "linear", "scaling.factor": -1.0}, "needs a positive llama.rope.scaling.factor"),
+        ({"scaling.type": "linear"}, "needs a positive llama.rope.scale_linear, got None"),
+    ],
+)
+def test_gguf_rope_scaling_it_cannot_compute_is_refused_by_key(tmp_path, keys, match):
+    path = _write_gguf(tmp_path / "rope.gguf", "Q8_0", rope_keys=keys)
+    with pytest.raises(ValueError, match=match):
+        load_gguf(path)
 
 
 def test_q8_0_on_load_of_a_safetensors_checkpoint(tmp_path, tiny_dir):
