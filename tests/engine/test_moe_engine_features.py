@@ -1,10 +1,12 @@
 """The engine's features on a tiny random mixture of experts (Qwen2-MoE: shared expert, dense and sparse
-layers): int8 KV cache, ngram speculative decoding and the server give the tokens the plain engine
-gives (prefix caching, batching and preemption: ``tests/model_executor/test_moe.py``)."""
+layers): int8 KV cache, ngram and suffix speculative decoding, swapping to the second KV tier and the
+server give the tokens the plain engine gives, and structured output holds its constraint (prefix
+caching, batching and preemption by recompute: ``tests/model_executor/test_moe.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -48,12 +50,42 @@ def test_int8_kv_cache_batched_equals_one_at_a_time(moe_dir):
     _all_returned(llm)
 
 
-def test_ngram_speculative_decoding_keeps_the_greedy_tokens(moe_dir, plain):
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_keeps_the_greedy_tokens(moe_dir, plain, method):
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
     llm = LLM(model=str(moe_dir), device="cpu", num_kv_blocks=64, block_size=4, speculative_config=spec)
     assert _greedy(llm) == plain
     stats = llm.stats()
     assert stats["spec_decode"]["num_drafts"] > 0
+    _all_returned(llm)
+
+
+def test_swapping_to_the_second_tier_gives_the_unpressured_tokens(moe_dir, plain):
+    """A pool too small for the batch, preemption by swapping to the host tier: the tokens of the run with
+    room, every swapped block back, the tier empty at the end."""
+    llm = LLM(model=str(moe_dir), device="cpu", num_kv_blocks=14, block_size=4, kv_offloading_size=0.01,
+              preemption_mode="swap", enable_prefix_caching=False)  # fmt: skip
+    assert _greedy(llm) == plain
+    stats = llm.stats()
+    assert stats["num_swapped_out"] > 0 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    _all_returned(llm)
+    assert llm.engine.scheduler.kv_tier.manager.num_swap_blocks == 0
+    llm.close()
+
+
+def test_structured_output_holds_its_constraint(moe_dir):
+    from rawpaged.sampling_params import StructuredOutputsParams
+
+    llm = LLM(model=str(moe_dir), device="cpu", num_kv_blocks=64, block_size=4)
+    regex = r"[a-c]{2,5}-[0-9]{1,3}"
+    params = SamplingParams(
+        temperature=0.8, seed=5, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for out in outs:
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
     _all_returned(llm)
 
 
