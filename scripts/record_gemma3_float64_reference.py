@@ -7,7 +7,8 @@ gemma-3-270m``), dequantized, into ``tests/data/gemma3_270m_float64_reference.js
 Run by hand, outside the test suite (it takes a few minutes on two cores). Independent of rawpaged's loader,
 kernels and tokenizer: the file is read with the ``gguf`` package's ``GGUFReader``, every tensor is
 dequantized by ``gguf.quants.dequantize`` (the package's NumPy port of ggml-quants.c) and computed on in
-float64; the prompt ids are llama.cpp's, from ``tests/data/gemma3_270m_llama_cpp_greedy.json``.
+float64; the prompt ids are llama.cpp's, from ``tests/data/gemma3_270m_llama_cpp_greedy.json``. Nothing of
+rawpaged is imported (``gemma3_reference_files`` finds the prepared file itself).
 
 The architecture is HF transformers' ``models/gemma3/modeling_gemma3.py`` (5.25.0), text-only:
 
@@ -55,19 +56,15 @@ Recorded:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import gguf
 import numpy as np
+from gemma3_reference_files import ROOT, llama_cpp_reference, parse_args, write_record
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA_CPP_REF = ROOT / "tests" / "data" / "gemma3_270m_llama_cpp_greedy.json"
 OUT = ROOT / "tests" / "data" / "gemma3_270m_float64_reference.json"
 ARCH = "gemma3"
 PATTERN = 6  # every 6th layer full (see the module docstring)
@@ -237,21 +234,12 @@ def greedy(ref: Reference, ids: list[int], n_new: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: the prepared one)")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], OUT, argv)
     path = args.gguf
-    if path is None:
-        os.environ.setdefault("RAWPAGED_WEIGHTS_DIR", str(ROOT / "weights"))
-        sys.path.insert(0, str(ROOT))
-        from rawpaged.weights import gemma3_gguf_path  # noqa: PLC0415 (only to find the file)
-
-        path = gemma3_gguf_path()
     t0 = time.time()
     hp, tensors = read_model(path)
     ref = Reference(hp, tensors)
-    llama = json.loads(LLAMA_CPP_REF.read_text(encoding="utf-8"))
+    llama = llama_cpp_reference()
     cases = llama["cases"]
     record = {
         "model": path.name,
@@ -274,8 +262,7 @@ def main(argv=None) -> int:
         record["greedy"].append({"case": i, "prompt_ids": c["prompt_ids"], **g})
         same = next((k for k, (a, b) in enumerate(zip(g["greedy_ids"], c["greedy_ids"])) if a != b), None)
         print(f"greedy case {i}: {len(c['prompt_ids'])} tokens; llama.cpp parts at {same} ({time.time() - t0:.0f} s)")
-    args.out.write_text(json.dumps(record, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
-    print(args.out, f"{time.time() - t0:.0f} s")
+    write_record(record, args.out, t0)
     return 0
 
 

@@ -20,19 +20,14 @@ last position's float32 logits (EOS not stopping) and records the gap between th
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
+from gemma3_reference_files import ROOT, llama_cpp_reference, parse_args, write_record
 from transformers import AutoModelForCausalLM, DynamicCache
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA_CPP_REF = ROOT / "tests" / "data" / "gemma3_270m_llama_cpp_greedy.json"
 OUT = ROOT / "tests" / "data" / "gemma3_270m_hf_greedy.json"
 
 
@@ -52,20 +47,14 @@ def greedy(model, ids: list[int], n_new: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: the prepared one)")
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], OUT, argv)
     path = args.gguf
-    if path is None:
-        root = Path(os.environ.get("RAWPAGED_WEIGHTS_DIR", ROOT / "weights"))
-        path = root / "gemma-3-270m" / "gemma-3-270m-q4_k_m.gguf"
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     cfg = model.config
-    llama = json.loads(LLAMA_CPP_REF.read_text(encoding="utf-8"))
+    llama = llama_cpp_reference()
     record = {
         "model": path.name,
         "reference": f"HF transformers {transformers.__version__} Gemma3ForCausalLM, gguf_file=, float32, "
@@ -83,8 +72,7 @@ def main(argv=None) -> int:
         g = greedy(model, c["prompt_ids"], llama["n_new"])
         record["cases"].append({"case": i, "prompt_ids": c["prompt_ids"], **g})
         print(f"case {i}: {len(c['prompt_ids'])} tokens, {g['greedy_ids'][:6]} ... ({time.time() - t0:.0f} s)")
-    args.out.write_text(json.dumps(record, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
-    print(args.out, f"{time.time() - t0:.0f} s")
+    write_record(record, args.out, t0)
     return 0
 
 

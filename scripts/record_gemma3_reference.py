@@ -33,11 +33,11 @@ import types
 from pathlib import Path
 
 import numpy as np
+from gemma3_reference_files import LLAMA_CPP_REF as OUT
+from gemma3_reference_files import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SDIST = "llama-cpp-python==0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098"  # ggml-org/llama.cpp, as the sdist's CHANGELOG.md says for 0.3.36
-OUT = ROOT / "tests" / "data" / "gemma3_270m_llama_cpp_greedy.json"
 N_NEW = 64
 N_CTX = 4096
 THREADS = 2

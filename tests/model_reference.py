@@ -112,6 +112,34 @@ def rms_norm(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
+def attention(cfg: dict, g: dict, p: str, h, visible, rope: tuple, qk_norm: bool) -> np.ndarray:
+    """Layer prefix ``p``'s self-attention on ``h [T, hidden]`` at positions 0 .. T - 1: q/k/v (with their
+    biases where ``g`` has them), per-head RMS norms of q and k with ``qk_norm`` (Qwen3's), RoPE
+    (``rope``: ``rope_inv_freq``'s (inv_freq, attention factor)), the KV heads repeated for their query
+    heads, a softmax over the keys ``visible [T, T]`` lets each query see, and ``o_proj``: ``[T, hidden]``."""
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or cfg["hidden_size"] // H
+    eps = cfg["rms_norm_eps"]
+    T = h.shape[0]
+    pos = np.arange(T)
+    q, k, v = (
+        (h @ g[p + f"self_attn.{n}_proj.weight"].T + g.get(p + f"self_attn.{n}_proj.bias", 0.0)).reshape(T, heads, D)
+        for n, heads in (("q", H), ("k", Hkv), ("v", Hkv))
+    )
+    if qk_norm:
+        q = rms_norm(q, g[p + "self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, g[p + "self_attn.k_norm.weight"], eps)
+    q = apply_rope(q, pos, *rope)
+    k = apply_rope(k, pos, *rope)
+    k = np.repeat(k, H // Hkv, axis=1)
+    v = np.repeat(v, H // Hkv, axis=1)
+    scores = np.einsum("ihd,jhd->hij", q, k) / math.sqrt(D)
+    scores = np.where(visible[None], scores, -np.inf)
+    scores = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = scores / scores.sum(-1, keepdims=True)
+    return np.einsum("hij,jhd->ihd", probs, v).reshape(T, H * D) @ g[p + "self_attn.o_proj.weight"].T
+
+
 def layer_windows(cfg: dict) -> list:
     """Each layer's sliding window or None: Mistral windows every layer; Qwen2/Qwen3 with
     ``use_sliding_window`` the layers from ``max_window_layers`` (default 28) on (HF's ``layer_types``)."""
@@ -127,8 +155,6 @@ def forward(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
     """float64 logits ``[len(ids), vocab]`` of the whole sequence ``ids``; ``w`` maps HF tensor names to
     arrays. ``seq_len_for_rope``: what dynamic NTK is evaluated at (the engine's max_model_len)."""
     arch = cfg["architectures"][0]
-    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D = cfg.get("head_dim") or cfg["hidden_size"] // H
     eps = cfg["rms_norm_eps"]
     T = len(ids)
     g = {k: np.asarray(v, np.float64) for k, v in w.items()}
@@ -136,32 +162,13 @@ def forward(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
     i = np.arange(T)[:, None]
     j = np.arange(T)[None, :]
     causal = j <= i
-    pos = np.arange(T)
     x = g["model.embed_tokens.weight"][ids]
     for layer, window in enumerate(layer_windows(cfg)):
         p = f"model.layers.{layer}."
         h = rms_norm(x, g[p + "input_layernorm.weight"], eps)
         visible = causal & (j > i - window) if window else causal
 
-        q, k, v = (
-            (h @ g[p + f"self_attn.{n}_proj.weight"].T + g.get(p + f"self_attn.{n}_proj.bias", 0.0)).reshape(
-                T, heads, D
-            )
-            for n, heads in (("q", H), ("k", Hkv), ("v", Hkv))
-        )
-        if arch == "Qwen3ForCausalLM":
-            q = rms_norm(q, g[p + "self_attn.q_norm.weight"], eps)
-            k = rms_norm(k, g[p + "self_attn.k_norm.weight"], eps)
-        q = apply_rope(q, pos, inv_freq, attn_factor)
-        k = apply_rope(k, pos, inv_freq, attn_factor)
-        k = np.repeat(k, H // Hkv, axis=1)
-        v = np.repeat(v, H // Hkv, axis=1)
-        scores = np.einsum("ihd,jhd->hij", q, k) / math.sqrt(D)
-        scores = np.where(visible[None], scores, -np.inf)
-        scores = np.exp(scores - scores.max(-1, keepdims=True))
-        probs = scores / scores.sum(-1, keepdims=True)
-        attn = np.einsum("hij,jhd->ihd", probs, v).reshape(T, H * D)
-        x = x + attn @ g[p + "self_attn.o_proj.weight"].T
+        x = x + attention(cfg, g, p, h, visible, (inv_freq, attn_factor), arch == "Qwen3ForCausalLM")
         h = rms_norm(x, g[p + "post_attention_layernorm.weight"], eps)
         gate = h @ g[p + "mlp.gate_proj.weight"].T
         up = h @ g[p + "mlp.up_proj.weight"].T

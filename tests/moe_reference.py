@@ -9,17 +9,15 @@ top-k, divided by the top-k sum, which equals a softmax over the k selected logi
 (``Qwen2MoeTopKRouter``: softmax, top-k, renormalized only with ``norm_topk_prob``; the shared expert
 times ``sigmoid(x @ shared_expert_gate.T)``; q/k/v biases; a layer is sparse when it is not in
 ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``), ``modeling_qwen3_moe.py`` (the same
-router, q/k norms, no shared expert). Attention as ``tests/model_reference.py``. ``torch.topk`` does not
-specify its order among equal values; here the lower expert index wins a tie.
+router, q/k norms, no shared expert). Attention is ``tests/model_reference.py``'s (``attention``).
+``torch.topk`` does not specify its order among equal values; here the lower expert index wins a tie.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from tests.model_reference import apply_rope, rms_norm, rope_inv_freq
+from tests.model_reference import attention, rms_norm, rope_inv_freq
 
 
 def sparse_layers(cfg: dict) -> list:
@@ -70,8 +68,6 @@ def forward(cfg: dict, w: dict, ids: list) -> np.ndarray:
     """float64 logits ``[len(ids), vocab]`` of the whole sequence ``ids``; ``w`` maps the checkpoint's
     tensor names to arrays."""
     arch = cfg["architectures"][0]
-    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    D = cfg.get("head_dim") or cfg["hidden_size"] // H
     eps = cfg["rms_norm_eps"]
     T = len(ids)
     g = {k: np.asarray(v, np.float64) for k, v in w.items()}
@@ -81,27 +77,11 @@ def forward(cfg: dict, w: dict, ids: list) -> np.ndarray:
     window = cfg.get("sliding_window") if arch == "MixtralForCausalLM" else None
     if window:
         visible = visible & (j > i - window)
-    pos = np.arange(T)
     x = g["model.embed_tokens.weight"][ids]
     for layer, sparse in enumerate(sparse_layers(cfg)):
         p = f"model.layers.{layer}."
         h = rms_norm(x, g[p + "input_layernorm.weight"], eps)
-        q, k, v = (
-            (h @ g[p + f"self_attn.{n}_proj.weight"].T + g.get(p + f"self_attn.{n}_proj.bias", 0.0)).reshape(
-                T, heads, D
-            )
-            for n, heads in (("q", H), ("k", Hkv), ("v", Hkv))
-        )
-        if arch == "Qwen3MoeForCausalLM":
-            q = rms_norm(q, g[p + "self_attn.q_norm.weight"], eps)
-            k = rms_norm(k, g[p + "self_attn.k_norm.weight"], eps)
-        q, k = apply_rope(q, pos, inv_freq, attn_factor), apply_rope(k, pos, inv_freq, attn_factor)
-        k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
-        scores = np.einsum("ihd,jhd->hij", q, k) / math.sqrt(D)
-        scores = np.where(visible[None], scores, -np.inf)
-        scores = np.exp(scores - scores.max(-1, keepdims=True))
-        probs = scores / scores.sum(-1, keepdims=True)
-        x = x + np.einsum("hij,jhd->ihd", probs, v).reshape(T, H * D) @ g[p + "self_attn.o_proj.weight"].T
+        x = x + attention(cfg, g, p, h, visible, (inv_freq, attn_factor), arch == "Qwen3MoeForCausalLM")
         h = rms_norm(x, g[p + "post_attention_layernorm.weight"], eps)
         if sparse:
             x = x + moe_block(cfg, g, p, h)

@@ -83,7 +83,7 @@ def test_gguf_tokenizer_rebuilt_from_lists_equals_the_real_one(family, pre):
 
     from tokenizers import Tokenizer as HF
 
-    from rawpaged.model_executor.gguf_loader import build_tokenizer
+    from rawpaged.model_executor.gguf_tokenizer import build_tokenizer
 
     path = tokenizer_dir(family) / "tokenizer.json"
     real = HF.from_file(str(path))

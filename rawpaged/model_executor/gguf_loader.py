@@ -9,7 +9,7 @@ K projections (it interleaves the two rotary halves of each head); the permutati
 rows, so it is exact on blocks too. Qwen2 and Gemma 3 files are not permuted. GGUF lists dimensions fastest
 first, so the reader's arrays are already HF-shaped ``[out_features, in_features]``. Gemma 3
 (``gguf_gemma3``): the values llama.cpp fixes rather than stores, its names, its norms written as ``1 + w``;
-its SentencePiece tokenizer: ``gguf_spm``.
+its SentencePiece tokenizer: ``gguf_spm``; the byte-level BPE tokenizers of the others: ``gguf_tokenizer``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm.auto import tqdm
 
 from rawpaged.errors import import_optional
 from rawpaged.kernels.quantization import NATIVE, QuantizedExperts, QuantizedTensor
 from rawpaged.model_executor import gguf_gemma3, gguf_moe
 from rawpaged.model_executor.gguf_spm import build_spm_tokenizer
+from rawpaged.model_executor.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer
 from rawpaged.model_executor.model_config import GenerationConfig, ModelConfig
 from rawpaged.tokenizer import Tokenizer
 
@@ -45,8 +44,6 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens
-_TOKEN_TYPE_USER_DEFINED = 4
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",  # Mixtral where llama.expert_count is set (gguf_moe)
     "qwen2": "Qwen2ForCausalLM",
@@ -56,16 +53,6 @@ ARCHITECTURES = {
 #: the chat template read beside a GGUF that has none (HF's file name for one; ``rawpaged.weights.gemma3``
 #: writes it)
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-#: ``tokenizer.ggml.pre`` -> the split regex of HF's pre-tokenizer for it (None: GPT-2's, after splitting
-#: digits one by one), as the families' tokenizer.json files give them.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = {
-    "smollm": None,
-    "qwen2": _QWEN2_SPLIT,
-    "llama-bpe": _QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|"),
-}
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
@@ -127,98 +114,6 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
 def shortest_f32(x: float) -> float:
     """1e-5 stored as float32 reads back as 9.99999974e-06; give the shortest decimal instead."""
     return float(repr(np.float32(x)).removeprefix("np.float32(").removesuffix(")"))
-
-
-def build_tokenizer(
-    tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str = "smollm", bos: str | None = None
-) -> Any:
-    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` metadata, with the
-    pre-tokenizer HF's tokenizer.json of that family has.
-
-    Args:
-        tokens: the vocabulary in id order.
-        merges: merge rules as ``"left right"`` strings, in priority order.
-        token_types: llama.cpp token types per id; type 3 (control) tokens become special tokens,
-            type 4 (user-defined) tokens become added (non-special) tokens, both keeping their ids.
-        pre: ``tokenizer.ggml.pre``: ``smollm`` (digits one by one, then GPT-2's byte-level regex),
-            ``qwen2`` (Qwen2's split regex, NFC normalization) or ``llama-bpe`` (Llama 3's regex, whole
-            words in the vocabulary taken before merges).
-        bos: a BOS token the post-processor adds to raw prompts (Llama 3), or None.
-
-    Returns:
-        A ``tokenizers.Tokenizer`` with byte-level decoder.
-
-    Raises:
-        ValueError: duplicate tokens, a malformed merge, or an unknown ``pre``.
-    """
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"pre-tokenizer {pre!r} is not supported (supported: {sorted(PRE_TOKENIZERS)})")
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise ValueError("GGUF vocabulary has duplicate tokens")
-    pairs = []
-    for m in merges:
-        parts = m.split(" ")
-        if len(parts) != 2:
-            raise ValueError(f"malformed merge {m!r}")
-        pairs.append((parts[0], parts[1]))
-    tok = tokenizers.Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=pairs,
-            dropout=None,
-            unk_token=None,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=pre == "llama-bpe",
-        )
-    )
-    _byte_level_pipeline(tok, pre, bos, vocab)
-    if token_types is not None:
-        _add_typed_tokens(tok, tokens, token_types)
-    return tok
-
-
-def _byte_level_pipeline(tok: Any, pre: str, bos: str | None, vocab: dict) -> None:
-    """Give ``tok`` the normalizer, pre-tokenizer, decoder and post-processor of family ``pre``'s
-    tokenizer.json (``build_tokenizer``'s arguments)."""
-    split = PRE_TOKENIZERS[pre]
-    tok.normalizer = normalizers.NFC() if pre == "qwen2" else None
-    if split is None:
-        steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    else:
-        steps = [
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    if bos is not None:
-        tok.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(
-                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-                ),
-            ]
-        )
-
-
-def _add_typed_tokens(tok: Any, tokens: list[str], token_types: list[int]) -> None:
-    """Control tokens (type 3) become special tokens of ``tok``, user-defined ones (type 4) added tokens."""
-    special = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_CONTROL]
-    user = [tokens[i] for i, t in enumerate(token_types) if t == _TOKEN_TYPE_USER_DEFINED]
-    if special:
-        tok.add_special_tokens(
-            [
-                AddedToken(s, special=True, normalized=False, lstrip=False, rstrip=False, single_word=False)
-                for s in special
-            ]
-        )
-    if user:
-        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in user])
 
 
 def read_metadata(reader: Any, source: str) -> tuple:

@@ -9,6 +9,7 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 import json
 
 from rawpaged.entrypoints.generation.request_body import parse_request
+from rawpaged.entrypoints.generation.tool_requests import ToolRequest
 from rawpaged.entrypoints.http.errors import ProtocolError
 from rawpaged.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from rawpaged.entrypoints.openai.completion.protocol import CompletionRequest
@@ -272,6 +273,19 @@ def test_tool_choice_picks_the_parser_and_the_constraint():
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}], tool_choice="required"
     )
     assert bad.client_param("structured_outputs.json") == "tools"
+
+
+def test_a_tool_request_model_must_say_how_it_names_its_tools():
+    class NoNames(ChatCompletionRequest):  # named_tool kept, tool_names left to the mixin
+        tool_names = ToolRequest.tool_names
+
+    class NoNamedTool(ChatCompletionRequest):
+        named_tool = ToolRequest.named_tool
+
+    for model in (NoNames, NoNamedTool):
+        with pytest.raises(TypeError, match="abstract"):
+            model(messages=HI)
+    assert ChatCompletionRequest(messages=HI).tool_names() == []
 
 
 def test_a_deeply_nested_schema_is_valid_json_and_a_lone_surrogate_is_not():

@@ -135,7 +135,12 @@ def test_sigterm_with_nothing_in_flight_exits_at_once(tiny_dir):
 def test_sigterm_closes_open_websockets_going_away(tiny_dir):
     """An idle websocket, and one whose request finished after the SIGTERM, get a close frame with 1001
     ("going away") once the requests are done, and the process exits soon after, not after the handlers'
-    shutdown timeout."""
+    shutdown timeout.
+
+    The close frames themselves are checked, not the client's ``close_code``: the server closes the
+    connection right after its close frame, and aiohttp's client records 1006 in place of the frame's code
+    when it has read the connection's end before the test reads the frame (its close reply can no longer
+    be written), which the event loop's order decides (once seen on a loaded host)."""
     proc, url, log = start_server(tiny_dir, "--shutdown-timeout", "30")
     try:
 
@@ -153,9 +158,9 @@ def test_sigterm_closes_open_websockets_going_away(tiny_dir):
                             break
                         replies.append(json.loads(msg.data)["type"])
                     idle_msg = await idle.receive(timeout=30)
-                    return first["type"], replies, busy.close_code, idle_msg.type, idle.close_code, start
+                    return first["type"], replies, (msg.type, msg.data, msg.extra), idle_msg, start
 
-        first, replies, busy_code, idle_type, idle_code, start = asyncio.run(main())
+        first, replies, busy_close, idle_msg, start = asyncio.run(main())
         code = proc.wait(30)
         elapsed = time.monotonic() - start
     finally:
@@ -164,7 +169,10 @@ def test_sigterm_closes_open_websockets_going_away(tiny_dir):
         log += proc.stderr.readlines()
     assert code == 0, "".join(log)
     assert first == "delta" and replies[-1] == "done", replies  # the request ran to its end
-    assert busy_code == 1001 and idle_code == 1001, (busy_code, idle_code)
-    assert idle_type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+    going_away = (aiohttp.WSMsgType.CLOSE, 1001, "server shutting down")
+    assert busy_close == going_away and (idle_msg.type, idle_msg.data, idle_msg.extra) == going_away, (
+        busy_close,
+        idle_msg,
+    )
     # before the 30 s handlers' timeout would end it (a loaded 2-core host needed more than 8 s once)
     assert elapsed < 25, f"{elapsed:.1f} s from SIGTERM to exit"

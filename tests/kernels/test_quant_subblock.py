@@ -111,6 +111,23 @@ def test_quant_linear_matches_float64_of_gguf_dequantized(qtype, M):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("M", [1, 9, 300])
+def test_an_infinite_or_nan_scale_gives_a_non_finite_output(qtype, M):
+    """fp16 d = +Inf in row 7 and NaN in row 9 (as the gguf package dequantizes them): those columns of the
+    product are not finite on each path (int16 vector scales up to 8 rows, dequantized tiles, SGEMM), the
+    others are."""
+    data = random_blocks(qtype, 16, COLS, np.random.default_rng(4))
+    d = 208 if qtype == "Q6_K" else 0
+    data[7, d : d + 2] = np.array([np.inf], np.float16).view(np.uint8)
+    data[9, d : d + 2] = np.array([np.nan], np.float16).view(np.uint8)
+    q = QuantizedTensor.from_blocks(qtype, (16, COLS), data)
+    assert not np.isfinite(_gguf_dequantize(q)[[7, 9]]).all(axis=1).any()
+    x = np.random.default_rng(M).standard_normal((M, COLS)).astype(np.float32)
+    finite = np.isfinite(cpu_quant.quant_linear(x, quant_weights.repack(q)))
+    assert not finite[:, [7, 9]].any() and finite[:, [c for c in range(16) if c not in (7, 9)]].all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("M", [1, 5, 22, cpu_quant.ROWS_MAX_BATCH + 5])
 def test_odd_row_counts_and_partial_tiles(qtype, M, monkeypatch):
     """233 rows: a last group of 9 real rows and 7 padding rows; tiles of 64 rows leave a partial last tile."""

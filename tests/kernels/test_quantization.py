@@ -121,7 +121,8 @@ def test_repacking_round_trips_the_gguf_bytes(weights, qtype):
     np.testing.assert_array_equal(packed.to_quantized().blocks(), q.blocks())
 
 
-def test_half_to_float_is_exact_for_every_finite_fp16():
+def test_half_to_float_equals_numpys_float16_for_every_bit_pattern():
+    """Finite values bit for bit, signed zeros, both infinities and every NaN as a NaN."""
     import numba as nb
 
     from rawpaged.kernels.cpu.intrinsics import half_to_float
@@ -132,11 +133,13 @@ def test_half_to_float_is_exact_for_every_finite_fp16():
             out[i] = half_to_float(bits[i])
 
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
-    finite = np.isfinite(bits.view(np.float16))
-    out = np.full(65536, np.nan, np.float32)
+    want = bits.view(np.float16).astype(np.float32)
+    out = np.zeros(65536, np.float32)
     convert(bits, out)
-    np.testing.assert_array_equal(out[finite], bits.view(np.float16)[finite].astype(np.float32))
-    assert np.signbit(out[0x8000]) and not np.signbit(out[0])
+    nan = np.isnan(want)
+    assert nan.sum() == 2 * 1023 and np.array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert out[0x7C00] == np.inf and out[0xFC00] == -np.inf
 
 
 @nb.njit

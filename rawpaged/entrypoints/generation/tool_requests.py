@@ -6,6 +6,7 @@ client sent it. Each request says how its own shapes name its tools (``tool_name
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from rawpaged.entrypoints.generation.tool_parsers import (
@@ -18,19 +19,23 @@ from rawpaged.entrypoints.http.errors import ProtocolError
 from rawpaged.errors import InvalidRequestError
 
 
-class ToolRequest:
+class ToolRequest(ABC):
     """A mixin before ``protocol.GenerationRequest`` in a request model's bases: ``tools``,
     ``tool_choice`` and ``parallel_tool_calls`` are its fields, ``tool_names()`` the names of its
-    functions, ``named_tool`` the function ``tool_choice`` names (None: it names none)."""
+    functions, ``named_tool`` the function ``tool_choice`` names (None: it names none). Pydantic's model
+    metaclass is an ``ABCMeta``, so a request model that leaves either hook out cannot be instantiated
+    (TypeError)."""
 
     accepts_tools: ClassVar[bool] = True
 
+    @abstractmethod
     def tool_names(self) -> list:
-        raise NotImplementedError
+        """The function names of ``tools``, in order (repeats kept)."""
 
     @property
+    @abstractmethod
     def named_tool(self) -> str | None:
-        raise NotImplementedError
+        """The function ``tool_choice`` names, or None."""
 
     @property
     def tool_mode(self) -> str:

@@ -26,6 +26,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from rawpaged.kernels.cpu.intrinsics import half_bits_to_float
 from rawpaged.kernels.cpu.jit import JIT
 from rawpaged.kernels.quantization import FORMAT_CODES, SUBBLOCK_BITS
 
@@ -86,15 +87,7 @@ def _dot_pairs(builder, q, xpair):
 
 def _half_to_float16(builder, bits16):
     """<16 x float> of <16 x i16> fp16 bit patterns (``intrinsics.half_to_float``'s arithmetic, on vectors)."""
-    h = builder.zext(bits16, _V16I)
-    sign = builder.shl(builder.and_(h, _splat32(0x8000)), _splat32(16))
-    magnitude = builder.shl(builder.and_(h, _splat32(0x7FFF)), _splat32(13))
-    scaled = builder.fmul(builder.bitcast(magnitude, _V16F), ir.Constant(_V16F, [2.0**112] * 16))
-    return builder.bitcast(builder.or_(builder.bitcast(scaled, _V16I), sign), _V16F)
-
-
-def _splat32(value: int):
-    return ir.Constant(_V16I, [value] * 16)
+    return half_bits_to_float(builder, bits16, _V16I, _V16F)
 
 
 #: format code -> bits per quant, for the five formats these products take

@@ -6,7 +6,8 @@ value's own width (``and i8``, ``lshr i8``, ``sitofp i8``) so that a loop over b
 bytes. Each is an ordinary scalar function to the caller: LLVM vectorizes the loops around it.
 
 - ``half_to_float(bits)``: the float32 value of an IEEE fp16 bit pattern (uint16), exact for every finite
-  fp16 (normals and subnormals; ggml stores its block scales as fp16). Integer ops and one multiply,
+  fp16 (normals and subnormals; ggml stores its block scales as fp16), Inf as Inf and NaN as NaN (its
+  mantissa kept, as numpy's ``float16`` gives it). Integer ops, one multiply and one select,
   portable to every LLVM target (the ``fpext half`` instruction needs F16C on x86 or a runtime library
   call, which Numba's JIT does not link).
 - ``fp8_e4m3_to_float(bits)``: the float32 value of an FP8 E4M3 bit pattern (uint8), exact for every finite one,
@@ -57,15 +58,32 @@ def half_to_float(typingctx, bits):
         return None
 
     def codegen(context, builder, sig, args):
-        h = builder.zext(args[0], _I32)
-        sign = builder.shl(builder.and_(h, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 16))
-        # exponent and mantissa moved to float32's fields: the value times 2^-112 (a subnormal fp16
-        # becomes a float32 subnormal); the multiply restores the scale exactly.
-        magnitude = builder.shl(builder.and_(h, ir.Constant(_I32, 0x7FFF)), ir.Constant(_I32, 13))
-        scaled = builder.fmul(builder.bitcast(magnitude, _F32), ir.Constant(_F32, 2.0**112))
-        return builder.bitcast(builder.or_(builder.bitcast(scaled, _I32), sign), _F32)
+        return half_bits_to_float(builder, args[0], _I32, _F32)
 
     return types.float32(types.uint16), codegen
+
+
+def half_bits_to_float(builder, bits, int_type, float_type):
+    """The IR of ``half_to_float``: fp16 bit patterns ``bits`` (i16, or a vector of them) as float32;
+    ``int_type`` / ``float_type`` are i32 / float or the vectors of them of ``bits``' width."""
+
+    def const(value):
+        n = getattr(int_type, "count", None)
+        return ir.Constant(int_type, value if n is None else [value] * n)
+
+    h = builder.zext(bits, int_type)
+    sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
+    # exponent and mantissa moved to float32's fields: the value times 2^-112 (a subnormal fp16 becomes a
+    # float32 subnormal); the multiply restores the scale exactly. Exponent 31 (Inf, NaN) takes float32's
+    # exponent 255 instead, the mantissa kept.
+    abs_bits = builder.and_(h, const(0x7FFF))
+    magnitude = builder.shl(abs_bits, const(13))
+    n = getattr(float_type, "count", None)
+    scale = ir.Constant(float_type, 2.0**112 if n is None else [2.0**112] * n)
+    scaled = builder.bitcast(builder.fmul(builder.bitcast(magnitude, float_type), scale), int_type)
+    special = builder.icmp_unsigned(">=", abs_bits, const(0x7C00))
+    finite_or_not = builder.select(special, builder.or_(magnitude, const(0x7F800000)), scaled)
+    return builder.bitcast(builder.or_(finite_or_not, sign), float_type)
 
 
 @intrinsic
