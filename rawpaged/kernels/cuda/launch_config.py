@@ -17,6 +17,10 @@ PF_THREADS, PF_KT = 128, 32
 #: QG_THREADS threads) any number.
 QUANT_GEMV_MAX_M = 8
 QG_BM, QG_BN, QG_THREADS = 32, 64, 256
+#: cuda/moe.cu: the expert ids moe_align_kernel stages in shared memory at a time
+MOE_ALIGN_CHUNK = 1024
+#: cuda/moe.cu: tokens per block of moe_route_kernel (one thread each)
+MOE_ROUTE_THREADS = 128
 #: Shortest context a decode partition gets (shorter partitions cost more in the merge than they save).
 MIN_SPLIT_TOKENS = 128
 #: ... unless the grid at MIN_SPLIT_TOKENS leaves SMs idle (batch 1: 3 KV heads x 8 partitions of a
