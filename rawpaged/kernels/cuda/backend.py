@@ -3,8 +3,8 @@ kernels of ``cuda/*.cu`` through ``cupy.RawModule`` and the products through cuB
 
 Same names and semantics as :class:`rawpaged.kernels.cpu.backend.CPUBackend` (see the CPU modules for the
 math and its sources); the kernels themselves are documented in ``cuda/attention.cu``, ``cuda/cache.cu``,
-``cuda/layers.cu``, ``cuda/sampling.cu``, ``cuda/logprobs.cu``, ``cuda/quant.cu`` and ``cuda/moe.cu``. Differences, all
-additive:
+``cuda/layers.cu``, ``cuda/sampling.cu``, ``cuda/logprobs.cu``, ``cuda/quant.cu`` and ``cuda/moe.cu``.
+Differences, all additive:
 
 * dtypes: activations (query/out/x/...) may be float32, float16 or bfloat16, KV caches float32, float16
   or bfloat16, in the combinations of :data:`program.DTYPE_PAIRS`. CuPy has no bfloat16, so a
@@ -19,7 +19,8 @@ additive:
   (``moe.DeviceQuantizedExperts``); the MoE ops take and give activations of any of the three dtypes.
 
 The backend is a thin front: each method calls the function of the same name in ``cache``, ``attention``,
-``elementwise``, ``sampling``, ``logprobs``, ``linear``, ``weights`` or ``moe`` with the backend's ``launch.KernelContext``.
+``elementwise``, ``sampling``, ``logprobs``, ``linear``, ``weights`` or ``moe`` with the backend's
+``launch.KernelContext``.
 Only this package imports CuPy, and only when a :class:`CudaBackend` is created: a CPU-only install never
 imports it.
 """

@@ -172,8 +172,7 @@ def grouped_linear(ctx, x, expert_offsets, experts):
     max_tiles = -(-M // bm) + min(E, M)
     if max_tiles > MAX_GRID_Y:
         raise ValueError(f"grouped_linear: {M} rows need up to {max_tiles} tiles, more than a grid holds")
-    tiles = ctx.xp.empty(1 + 2 * max_tiles, dtype=np.int32)
-    ctx.kernel(act, act, f"moe_tiles_kernel<{bm}>", (1, 1, 1), (32, 1, 1), (tiles, offsets, i32(E)))
+    tiles = row_tiles(ctx, act, offsets, bm, max_tiles)
     if isinstance(experts, DeviceQuantizedExperts):
         q = experts.planes
         name = f"moe_quant_{'gemv' if gemv else 'gemm'}_kernel<{act}, {program.QUANT_FORMATS[q.qtype]}>"
@@ -189,6 +188,16 @@ def grouped_linear(ctx, x, expert_offsets, experts):
     args = (out, x, i64(row_stride(x, "x", 1)), *weights, offsets, tiles, i32(N), i32(K))
     ctx.kernel(act, act, name, grid, block, args)
     return out
+
+
+def row_tiles(ctx, act: str, offsets, bm: int, max_tiles: int):
+    """int32 ``[1 + 2 * max_tiles]``: the count of row tiles of ``bm`` rows of the experts with rows (int64
+    device ``offsets [E + 1]``), then each tile's (expert, first row within the expert), in expert order
+    (``moe_tiles_kernel``); ``max_tiles`` bounds the count."""
+    tiles = ctx.xp.empty(1 + 2 * max_tiles, dtype=np.int32)
+    E = offsets.shape[0] - 1
+    ctx.kernel(act, act, f"moe_tiles_kernel<{bm}>", (1, 1, 1), (32, 1, 1), (tiles, offsets, i32(E)))
+    return tiles
 
 
 def moe_combine(ctx, y, sorted_ids, topk_weights, num_tokens: int, shared=None, shared_gate=None):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from rawpaged.model_executor.model_config import ModelConfig
 
 
