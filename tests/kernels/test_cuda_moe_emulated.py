@@ -296,6 +296,7 @@ def _check_engines(emu, cpu, f32, bf16, quantized: bool):
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, greedy)]
     emu.launches.clear()
     assert [o.outputs[0].token_ids for o in f32.generate(prompts, greedy)] == want
+    assert [o.outputs[0].token_ids for o in f32.generate(prompts[4:], greedy)] == want[4:]  # prefix hits
     stats = f32.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["prefix_cache_hits"] > 0
     launched = set(_launched(emu))
