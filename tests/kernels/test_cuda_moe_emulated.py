@@ -335,3 +335,28 @@ def test_moe_gguf_engine_with_q8_0_experts_on_emulated_cuda(emu, tmp_path, monke
     cpu, f32, bf16 = _engines(emu, monkeypatch, path)
     assert all(isinstance(m.gate_up, DeviceQuantizedExperts) and m.gate_up.qtype == "Q8_0" for m in _moe_layers(f32))
     _check_engines(emu, cpu, f32, bf16, quantized=True)
+
+
+def test_the_device_checks_moe_shape_runs_on_the_emulated_kernels(emu, tmp_path, monkeypatch):
+    """rawpaged/tools/check_cuda_engine.py's check of a mixture of experts (scripts/gpu_check.sh's engine-moe
+    stage) end to end on a small version of its Qwen2-MoE shape, so a device session is never spent on a
+    broken check."""
+    from rawpaged.engine import llm_engine as engine_mod
+    from rawpaged.kernels.cuda import linear as cuda_linear
+    from rawpaged.tools import check_cuda_engine
+    from tests.kernels.test_cuda_emulated import _numpy_linear_bf16
+
+    real = engine_mod.get_backend
+    monkeypatch.setattr(cuda_linear, "linear_bf16", _numpy_linear_bf16)
+    monkeypatch.setattr(
+        engine_mod, "get_backend", lambda device: emulated_backend(emu, num_sms=4) if device == "cuda" else real(device)
+    )
+    shape = dict(check_cuda_engine.MOE_CHECK_SHAPES["qwen2-moe-head64"], num_layers=1, hidden_size=128, num_heads=2,
+                 num_kv_heads=1, vocab_size=259, num_experts=4, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64)  # fmt: skip
+    r = check_cuda_engine.check_shape(
+        "tiny-moe", shape, tmp_path, np.random.default_rng(0), prompt_lens=(3, 17), max_tokens=3, timing_batches=()
+    )
+    assert r["ok"], r
+    assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
+    assert "moe_combine_kernel" in _launched(emu)
