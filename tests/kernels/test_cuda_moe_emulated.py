@@ -360,3 +360,30 @@ def test_the_device_checks_moe_shape_runs_on_the_emulated_kernels(emu, tmp_path,
     assert r["ok"], r
     assert r["float32"]["ids_equal"] == 2 and r["float32"]["max_abs_logit_diff"] < 1e-4
     assert "moe_combine_kernel" in _launched(emu)
+
+
+def test_moe_kernels_have_no_data_races_under_tsan(tmp_path):
+    """The alignment (two passes over staged chunks between barriers), both grouped-product paths (the
+    tiles' shared memory) and the combine, replayed under ThreadSanitizer, compute what they computed."""
+    from tests.cuda_emu import read_replay_output
+    from tests.kernels.test_cuda_emulated import _replay_under_tsan
+
+    names = ["moe_route_kernel<float>", "moe_align_kernel<1024>", "moe_tiles_kernel<8>", "moe_tiles_kernel<32>",
+             "moe_gemv_kernel<float>", "moe_quant_gemm_kernel<float, 0>", "moe_invert_kernel<int>",
+             "moe_combine_kernel<float>"]  # fmt: skip
+
+    def record(rec):
+        be = emulated_backend(rec, num_sms=4)
+        rng = np.random.default_rng(0)
+        T, E, k, K = 40, 6, 2, 64
+        ids, w = be.moe_route(rng.standard_normal((T, E)).astype(np.float32), k, True, True)
+        sorted_ids, offsets = be.moe_align(ids, E)
+        x = rng.standard_normal((T * k, K)).astype(np.float32)
+        be.grouped_linear(x[:8], np.array([0, 3, 3, 8, 8, 8, 8]), be.load_experts([x[:30].reshape(6, 5, K)], "float32"))
+        stack = QuantizedExperts.stack([QuantizedTensor.quantize(x[e : e + 4], "Q8_0") for e in range(E)])
+        y = be.grouped_linear(x, offsets, be.load_experts([stack], "float32"))
+        be.moe_combine(y, sorted_ids, w, T, y[:T], rng.standard_normal((T, 1)).astype(np.float32))
+
+    rec, r = _replay_under_tsan(names, record, tmp_path)
+    assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-6000:]
+    assert read_replay_output(tmp_path / "out.bin") == rec.final(), "the TSan replay computed different results"
