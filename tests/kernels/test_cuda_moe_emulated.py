@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rawpaged.kernels.cpu.backend import CPUBackend
-from rawpaged.kernels.cuda import launch_config
+from rawpaged.kernels.cuda import launch_config, program
 from rawpaged.kernels.cuda.moe import DeviceQuantizedExperts, DeviceStackedExperts
 from rawpaged.kernels.quantization import QuantizedExperts, QuantizedTensor
 from rawpaged.testing.quant_blocks import random_blocks
@@ -210,7 +210,11 @@ def test_grouped_linear_quantized_experts(emu, qtypes, act, path):
         np.testing.assert_allclose(got, cpu, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("bm", [launch_config.QUANT_GEMV_MAX_M, launch_config.QG_BM])
+def test_the_tile_sizes_instantiated_are_the_products_tiles():
+    assert program.MOE_TILE_ROWS == (launch_config.QUANT_GEMV_MAX_M, launch_config.QG_BM)
+
+
+@pytest.mark.parametrize("bm", program.MOE_TILE_ROWS)
 def test_row_tiles_cover_the_experts_with_rows_only(emu, bm):
     """The grouped products' blocks come from this list (blocks past its count return before reading a
     weight): every row of each expert with rows in exactly one tile, no tile for an expert without rows."""

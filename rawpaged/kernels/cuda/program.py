@@ -67,6 +67,10 @@ QUANT_KERNELS = ("quant_gemv_kernel", "quant_gemm_kernel", "quant_embedding_kern
 #: experts of each format
 MOE_FLOAT_KERNELS = ("moe_gemv_kernel", "moe_gemm_kernel")
 MOE_QUANT_KERNELS = ("moe_quant_gemv_kernel", "moe_quant_gemm_kernel")
+#: cuda/moe.cu: the expert ids moe_align_kernel stages in shared memory at a time
+MOE_ALIGN_CHUNK = 1024
+#: rows per tile of the grouped products' two paths (``launch_config.QUANT_GEMV_MAX_M``, ``QG_BM``)
+MOE_TILE_ROWS = (8, 32)
 
 
 def read_source(name: str) -> str:
@@ -107,14 +111,8 @@ def layer_names(act: str) -> list[str]:
 def moe_names() -> list[str]:
     """The mixture of experts' dtype-free kernels (cuda/moe.cu; in every module): routing on float32 logits,
     the alignment, the tile lists of the two grouped-product paths, the inverse permutation."""
-    from rawpaged.kernels.cuda import launch_config  # deferred: launch_config imports this module
-
-    tiles = (launch_config.QUANT_GEMV_MAX_M, launch_config.QG_BM)
-    return (
-        [f"moe_route_kernel<{F32}>", f"moe_align_kernel<{launch_config.MOE_ALIGN_CHUNK}>"]
-        + [f"moe_tiles_kernel<{bm}>" for bm in tiles]
-        + ["moe_invert_kernel<int>"]
-    )
+    tiles = [f"moe_tiles_kernel<{bm}>" for bm in MOE_TILE_ROWS]
+    return [f"moe_route_kernel<{F32}>", f"moe_align_kernel<{MOE_ALIGN_CHUNK}>", *tiles, "moe_invert_kernel<int>"]
 
 
 def convert_names() -> list[str]:
