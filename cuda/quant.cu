@@ -103,61 +103,66 @@ __device__ __forceinline__ float dequant(const unsigned char* __restrict__ qs, c
     }
 }
 
+// Weight rows as the product bodies below read them: value k of row n, float32. BlockWeights<FMT> reads
+// GGUF blocks (K a multiple of the block, no bound checks); FloatWeights<W> a dense [rows, K] array of W
+// (any K: values past K read as 0, so the bodies need no multiple of 32).
+template <int FMT> struct BlockWeights {
+    const unsigned char* __restrict__ qs;
+    const unsigned short* __restrict__ scales;
+    const unsigned short* __restrict__ mins;
+    static constexpr bool ANY_K = false;
+    __device__ __forceinline__ float at(i64 n, int K, int k) const { return dequant<FMT>(qs, scales, mins, n, K, k); }
+};
+template <typename W> struct FloatWeights {
+    const W* __restrict__ w;
+    static constexpr bool ANY_K = true;
+    __device__ __forceinline__ float at(i64 n, int K, int k) const { return k < K ? to_float<W>(w[n * K + k]) : 0.f; }
+};
+
 }  // namespace rp
 
-// out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n] when has_bias; bias: [N] of T, any array otherwise)
-// for M <= QUANT_GEMV_MAX_M rows of x (decode): one warp per weight row,
+// The GEMV body: one warp computes out[m * out_stride] = sum_k x[m, k] * W[w_row, k] + b for m < M <= 8,
 // each lane taking 8 consecutive values of a block per step, so a warp reads 256 values of the row at a time
-// and every weight byte is read once for all M rows.
-// grid: (ceil(N / warps per block)), block: multiple of 32. x: [M, K] (row stride x_stride), out: [M, N]
-// contiguous. K a multiple of 32.
+// and every weight byte is read once for all M rows. out points at column n of row 0; every lane calls it.
 constexpr int QUANT_GEMV_MAX_M = 8;
-template <typename T, int FMT>
-__global__ void quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
-                                  const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
-                                  const unsigned short* __restrict__ mins, const T* __restrict__ bias,
-                                  int has_bias, int M, int N, int K) {
-    const int warps = blockDim.x >> 5;
-    const rp::i64 n = (rp::i64)blockIdx.x * warps + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (n >= N) return;  // whole warp: the row index is warp-uniform
+template <typename T, typename Wt>
+__device__ __forceinline__ void gemv_warp_rows(T* __restrict__ out, rp::i64 out_stride, const T* __restrict__ x,
+                                               rp::i64 x_stride, const Wt& w, rp::i64 w_row, float b, int M, int K,
+                                               int lane) {
     float acc[QUANT_GEMV_MAX_M];
 #pragma unroll
     for (int m = 0; m < QUANT_GEMV_MAX_M; ++m) acc[m] = 0.f;
     for (int k0 = lane * 8; k0 < K; k0 += 256) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const float w = rp::dequant<FMT>(qs, scales, mins, n, K, k0 + i);
+            if (Wt::ANY_K && k0 + i >= K) break;
+            const float wv = w.at(w_row, K, k0 + i);
 #pragma unroll
             for (int m = 0; m < QUANT_GEMV_MAX_M; ++m) {
-                if (m < M) acc[m] += w * rp::to_float<T>(x[m * x_stride + k0 + i]);
+                if (m < M) acc[m] += wv * rp::to_float<T>(x[m * x_stride + k0 + i]);
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < QUANT_GEMV_MAX_M; ++m) {
         if (m < M) {  // M is uniform: every lane takes part in the shuffles
-            const float s = rp::warp_sum(acc[m]) + (has_bias ? rp::to_float<T>(bias[n]) : 0.f);
-            if (lane == 0) out[(rp::i64)m * N + n] = rp::from_float<T>(s);
+            const float s = rp::warp_sum(acc[m]) + b;
+            if (lane == 0) out[(rp::i64)m * out_stride] = rp::from_float<T>(s);
         }
     }
 }
 
-// out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n] when has_bias), tiled for any M (prefill, large batches): a block computes a
-// QG_BM x QG_BN tile of out; per step it stages QG_BM x 32 of x and one quant block (32 values) of QG_BN
-// weight rows, dequantized, in shared memory. Each of the 256 threads owns one column and QG_BM / 4 rows.
-// grid: (ceil(N / QG_BN), ceil(M / QG_BM)), block: (256). x: [M, K] (row stride x_stride), out: [M, N]
-// contiguous. K a multiple of 32.
+// The tiled GEMM body: a block computes the QG_BM x QG_BN tile (rows m0.., columns n0..) of out[m, n] =
+// sum_k x[m, k] * W[w_row0 + n, k] (+ bias[n] when has_bias), m < M, n < N; per step it stages QG_BM x 32
+// of x and 32 values of QG_BN weight rows, dequantized, in shared memory. Each of the 256 threads owns one
+// column and QG_BM / 4 rows. out: row stride N.
 constexpr int QG_BM = 32, QG_BN = 64, QG_THREADS = 256, QG_ROWS = QG_BM / (QG_THREADS / QG_BN);
-template <typename T, int FMT>
-__global__ void quant_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
-                                  const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
-                                  const unsigned short* __restrict__ mins, const T* __restrict__ bias,
-                                  int has_bias, int M, int N, int K) {
+template <typename T, typename Wt>
+__device__ __forceinline__ void gemm_tile(T* __restrict__ out, const T* __restrict__ x, rp::i64 x_stride, const Wt& w,
+                                          rp::i64 w_row0, const T* __restrict__ bias, int has_bias, int M, int N,
+                                          int K, int n0, rp::i64 m0) {
     __shared__ float xs[QG_BM][rp::QK + 1];
     __shared__ float ws[QG_BN][rp::QK + 1];
-    const int n0 = blockIdx.x * QG_BN;
-    const rp::i64 m0 = (rp::i64)blockIdx.y * QG_BM;
     const int col = threadIdx.x % QG_BN;
     const int row0 = (threadIdx.x / QG_BN) * QG_ROWS;
     float acc[QG_ROWS];
@@ -166,18 +171,19 @@ __global__ void quant_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, 
     for (int k0 = 0; k0 < K; k0 += rp::QK) {
         for (int i = threadIdx.x; i < QG_BM * rp::QK; i += QG_THREADS) {
             const int r = i / rp::QK, c = i % rp::QK;
-            xs[r][c] = m0 + r < M ? rp::to_float<T>(x[(m0 + r) * x_stride + k0 + c]) : 0.f;
+            const bool in = m0 + r < M && (!Wt::ANY_K || k0 + c < K);
+            xs[r][c] = in ? rp::to_float<T>(x[(m0 + r) * x_stride + k0 + c]) : 0.f;
         }
         for (int i = threadIdx.x; i < QG_BN * rp::QK; i += QG_THREADS) {
             const int r = i / rp::QK, c = i % rp::QK;
-            ws[r][c] = n0 + r < N ? rp::dequant<FMT>(qs, scales, mins, n0 + r, K, k0 + c) : 0.f;
+            ws[r][c] = n0 + r < N ? w.at(w_row0 + n0 + r, K, k0 + c) : 0.f;
         }
         __syncthreads();
 #pragma unroll 8
         for (int c = 0; c < rp::QK; ++c) {
-            const float w = ws[col][c];
+            const float wv = ws[col][c];
 #pragma unroll
-            for (int r = 0; r < QG_ROWS; ++r) acc[r] += xs[row0 + r][c] * w;
+            for (int r = 0; r < QG_ROWS; ++r) acc[r] += xs[row0 + r][c] * wv;
         }
         __syncthreads();  // the tiles are refilled next step
     }
@@ -188,6 +194,106 @@ __global__ void quant_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, 
             if (m0 + row0 + r < M) out[(m0 + row0 + r) * N + n0 + col] = rp::from_float<T>(acc[r] + b);
         }
     }
+}
+
+// out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n] when has_bias; bias: [N] of T, any array otherwise)
+// for M <= QUANT_GEMV_MAX_M rows of x (decode): one warp per weight row (gemv_warp_rows).
+// grid: (ceil(N / warps per block)), block: multiple of 32. x: [M, K] (row stride x_stride), out: [M, N]
+// contiguous. K a multiple of 32.
+template <typename T, int FMT>
+__global__ void quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                  const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
+                                  const unsigned short* __restrict__ mins, const T* __restrict__ bias,
+                                  int has_bias, int M, int N, int K) {
+    const int warps = blockDim.x >> 5;
+    const rp::i64 n = (rp::i64)blockIdx.x * warps + (threadIdx.x >> 5);
+    if (n >= N) return;  // whole warp: the row index is warp-uniform
+    const float b = has_bias ? rp::to_float<T>(bias[n]) : 0.f;
+    gemv_warp_rows<T>(out + n, N, x, x_stride, rp::BlockWeights<FMT>{qs, scales, mins}, n, b, M, K, threadIdx.x & 31);
+}
+
+// out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n] when has_bias), tiled for any M (prefill, large batches):
+// one QG_BM x QG_BN tile of out per block (gemm_tile).
+// grid: (ceil(N / QG_BN), ceil(M / QG_BM)), block: (256). x: [M, K] (row stride x_stride), out: [M, N]
+// contiguous. K a multiple of 32.
+template <typename T, int FMT>
+__global__ void quant_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                  const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
+                                  const unsigned short* __restrict__ mins, const T* __restrict__ bias,
+                                  int has_bias, int M, int N, int K) {
+    gemm_tile<T>(out, x, x_stride, rp::BlockWeights<FMT>{qs, scales, mins}, 0, bias, has_bias, M, N, K,
+                 blockIdx.x * QG_BN, (rp::i64)blockIdx.y * QG_BM);
+}
+
+// ------------------------------------------------------------------------------ mixture of experts
+// Grouped products of a mixture of experts (rawpaged/kernels/cpu/moe.py's grouped_linear): x's rows are
+// sorted by expert, expert e's rows are offsets[e] .. offsets[e + 1] (int64 [E + 1]), and out[r] = x[r] @
+// W_e.T with W_e rows e * N .. e * N + N - 1 of the stacked weight ([E * N, K]: float W, or the GGUF planes
+// of the E experts one after another). One launch covers every expert: grid.y runs over the row tiles that
+// cuda/moe.cu's moe_tiles_kernel lists (tiles[0] the count, tiles[1 + 2 t], tiles[2 + 2 t] tile t's expert
+// and first row within the expert's rows; grid.y is an upper bound, blocks past the count return), grid.x
+// over the weight rows. An expert with no rows has no tile, so its weights are never read. The same bodies
+// as the dense products: per weight row and tile of QUANT_GEMV_MAX_M rows (moe_*gemv_kernel, decode: one
+// warp per weight row, grid.x = ceil(N / warps)), or QG_BM x QG_BN tiles (moe_*gemm_kernel, grid.x =
+// ceil(N / QG_BN), block 256). x: [M, K] (row stride x_stride), out: [M, N] contiguous; no bias.
+template <typename T, typename Wt>
+__device__ __forceinline__ void moe_gemv_tile(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                              const Wt& w, const long long* __restrict__ offsets,
+                                              const int* __restrict__ tiles, int N, int K) {
+    if ((int)blockIdx.y >= tiles[0]) return;
+    const int e = tiles[1 + 2 * blockIdx.y];
+    const rp::i64 r0 = offsets[e] + tiles[2 + 2 * blockIdx.y];
+    const rp::i64 left = offsets[e + 1] - r0;
+    const int rows = left < QUANT_GEMV_MAX_M ? (int)left : QUANT_GEMV_MAX_M;
+    const rp::i64 n = (rp::i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (n >= N) return;  // whole warp
+    gemv_warp_rows<T>(out + r0 * N + n, N, x + r0 * x_stride, x_stride, w, (rp::i64)e * N + n, 0.f, rows, K,
+                      threadIdx.x & 31);
+}
+
+template <typename T, typename Wt>
+__device__ __forceinline__ void moe_gemm_tile(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                              const Wt& w, const long long* __restrict__ offsets,
+                                              const int* __restrict__ tiles, int N, int K) {
+    if ((int)blockIdx.y >= tiles[0]) return;  // the whole block: no barrier is skipped by some threads only
+    const int e = tiles[1 + 2 * blockIdx.y];
+    const rp::i64 r0 = offsets[e] + tiles[2 + 2 * blockIdx.y];
+    const rp::i64 left = offsets[e + 1] - r0;
+    const int rows = left < QG_BM ? (int)left : QG_BM;
+    gemm_tile<T>(out + r0 * N, x + r0 * x_stride, x_stride, w, (rp::i64)e * N, out, 0, rows, N, K,
+                 blockIdx.x * QG_BN, 0);
+}
+
+// Float experts of the activation dtype T ([E * N, K], as the dense CUDA path stores float weights).
+template <typename T>
+__global__ void moe_gemv_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                const T* __restrict__ w, const long long* __restrict__ offsets,
+                                const int* __restrict__ tiles, int N, int K) {
+    moe_gemv_tile<T>(out, x, x_stride, rp::FloatWeights<T>{w}, offsets, tiles, N, K);
+}
+
+template <typename T>
+__global__ void moe_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                const T* __restrict__ w, const long long* __restrict__ offsets,
+                                const int* __restrict__ tiles, int N, int K) {
+    moe_gemm_tile<T>(out, x, x_stride, rp::FloatWeights<T>{w}, offsets, tiles, N, K);
+}
+
+// GGUF-quantized experts of format FMT, read in their blocks as the dense quant_* kernels read them.
+template <typename T, int FMT>
+__global__ void moe_quant_gemv_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                      const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
+                                      const unsigned short* __restrict__ mins, const long long* __restrict__ offsets,
+                                      const int* __restrict__ tiles, int N, int K) {
+    moe_gemv_tile<T>(out, x, x_stride, rp::BlockWeights<FMT>{qs, scales, mins}, offsets, tiles, N, K);
+}
+
+template <typename T, int FMT>
+__global__ void moe_quant_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, long long x_stride,
+                                      const unsigned char* __restrict__ qs, const unsigned short* __restrict__ scales,
+                                      const unsigned short* __restrict__ mins, const long long* __restrict__ offsets,
+                                      const int* __restrict__ tiles, int N, int K) {
+    moe_gemm_tile<T>(out, x, x_stride, rp::BlockWeights<FMT>{qs, scales, mins}, offsets, tiles, N, K);
 }
 
 // out[t, :] = row token_ids[t] of a quantized [vocab, K] table, dequantized (the embedding lookup).

@@ -12,6 +12,8 @@
 #   server           scripts/server_smoke.py: python server.py --device cuda on a random model of the default shape
 #                    (streamed chat, websocket, n=4, json_object, 16 concurrent completions, every block back)
 #   engine-features  check_cuda_engine.py's other shapes (head_dim 128, Q8_0 on load, Mistral window, Qwen3)
+#   engine-moe       check_cuda_engine.py's random mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): CUDA vs CPU
+#                    greedy equality through the MoE kernels
 #   sanitizer        compute-sanitizer --tool memcheck over the kernel tests; optional: a refusal is reported
 #                    (REFUSED), not a failure
 # Each stage writes stage_<name>.json (status, exit code, seconds, cap, log tail) and its log to --out as soon as
@@ -36,9 +38,9 @@ COLLECT_ONLY=0
 STAGES_WANTED=
 WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/rawpaged-site}
-ALL_STAGES=(env wheels imports engine-timed pytest bench server engine-features sanitizer)
+ALL_STAGES=(env wheels imports engine-timed pytest bench server engine-features engine-moe sanitizer)
 declare -A CAP=([env]=20 [wheels]=40 [imports]=60 [engine-timed]=150 [pytest]=110 [bench]=60 [server]=90
-    [engine-features]=90 [sanitizer]=90)
+    [engine-features]=90 [engine-moe]=90 [sanitizer]=90)
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT_DIR="$2"; shift 2 ;;
@@ -177,6 +179,8 @@ run_stage bench -- $PY benchmarks/kernels_cuda.py --out "$OUT_DIR" ${QUICK[@]+"$
 run_stage server -- $PY scripts/server_smoke.py --device cuda --out "$OUT_DIR"
 run_stage engine-features -- $PY -m rawpaged.tools.check_cuda_engine --out "$OUT_DIR" \
     --shapes llama-like-head128,q8_0-on-load,mistral-window256-yarn,qwen3-head128-llama3
+run_stage engine-moe -- $PY -m rawpaged.tools.check_cuda_engine --out "$OUT_DIR" \
+    --shapes qwen3-moe-head64,qwen2-moe-head64,mixtral-head64
 if command -v compute-sanitizer > /dev/null; then
     run_stage sanitizer optional -- compute-sanitizer --tool memcheck --error-exitcode 1 \
         $PY -m pytest -q -x tests/kernels/test_cuda_gpu.py -m cuda -p no:cacheprovider -k "not graph"

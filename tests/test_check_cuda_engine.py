@@ -31,3 +31,23 @@ def test_divergences_are_judged_by_the_cpus_top2_gap(tiny_dir):
     assert (loose["near_ties"], loose["divergences"]) == (1, 0) and loose["per_prompt"][0] is None
     shorter = classify_divergences(llm, prompts, ids, [ids[0], ids[1][:4]], relative=0.0)  # stopped early
     assert shorter["per_prompt"][1]["index"] == 4 and shorter["divergences"] == 1
+
+
+def test_the_gpu_check_script_names_known_shapes_and_every_moe_shape():
+    """scripts/gpu_check.sh's ``--shapes`` lists exist in the engine check (a typo would cost a device
+    session), and its MoE stage runs every random mixture of experts."""
+    import re
+    from pathlib import Path
+
+    from rawpaged.tools.check_cuda_engine import ALL_SHAPES, MOE_CHECK_SHAPES
+
+    text = (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").read_text()
+    named = [n for arg in re.findall(r"--shapes\s+(\S+)", text) for n in arg.split(",")]
+    assert named and set(named) <= set(ALL_SHAPES)
+    moe = re.search(r"run_stage engine-moe .*?--shapes\s+(\S+)", text, re.S).group(1).split(",")
+    assert set(moe) == set(MOE_CHECK_SHAPES) and len(MOE_CHECK_SHAPES) == 3
+    assert {s["architecture"] for s in MOE_CHECK_SHAPES.values()} == {
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }

@@ -156,9 +156,11 @@ class Backend(Protocol):
         expert e times expert e's weight transposed (``x[r] @ W_e.T``), ``experts`` from ``load_experts``.
         An expert with no rows is never read."""
 
-    def moe_combine(self, y, sorted_ids, topk_weights, num_tokens: int):
-        """``[num_tokens, H]``: each token's k rows of ``y [T * k, H]`` (in ``sorted_ids`` order), weighted
-        by ``topk_weights [T, k]`` and summed in slot order."""
+    def moe_combine(self, y, sorted_ids, topk_weights, num_tokens: int, shared=None, shared_gate=None):
+        """``[num_tokens, H]`` in y's dtype: each token's k rows of ``y [T * k, H]`` (in ``sorted_ids``
+        order), weighted by ``topk_weights [T, k]`` and summed in slot order; with ``shared [T, H]`` (a
+        shared expert's output, y's dtype), plus ``shared[t] * sigmoid(shared_gate[t])`` (float32 ``[T,
+        1]``) in the same pass."""
 
     # ---------------------------------------------------------------- paged KV cache
     def allocate_kv_cache(self, shape, kv_cache_dtype: str):

@@ -25,7 +25,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 #: features checked without timings on a device: Q8_0 weights quantized on load, a Mistral window shorter
 #: than the longest prompts with YaRN, Qwen3 q/k norms with head_dim 128 unlike hidden / heads,
 #: Llama 3 RoPE, and Gemma 2 (soft-caps, every other layer windowed) and Gemma 3 (q/k norms, two RoPEs,
-#: a 2:1 pattern of windowed and full layers, head_dim 256) with windows shorter than the longest prompts.
+#: a 2:1 pattern of windowed and full layers, head_dim 256) with windows shorter than the longest prompts;
+#: and mixtures of experts of each MoE architecture at head_dim 64 (a size the CUDA attention is built for).
 SHAPES = {
     "tiny": dict(num_layers=2, hidden_size=72, intermediate_size=64, num_heads=9, num_kv_heads=3, head_dim=8),
     "small": dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32),
@@ -109,6 +110,50 @@ SHAPES = {
         vocab_size=32000,
         sliding_window=128,
         extra_config={"sliding_window_pattern": 3},
+    ),
+    # mixtures of experts on a device (scripts/gpu_check.sh): Qwen3-MoE's many small experts with dense and
+    # sparse layers mixed, Qwen2-MoE's shared expert, Mixtral's top-2 of 8 with a window
+    "qwen3-moe-head64": dict(
+        architecture="Qwen3MoeForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+        mlp_only_layers=(2,),
+    ),
+    "qwen2-moe-head64": dict(
+        architecture="Qwen2MoeForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=512,
+    ),
+    "mixtral-head64": dict(
+        architecture="MixtralForCausalLM",
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=512,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        num_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=256,
     ),
 }
 _TINY = SHAPES["tiny"]

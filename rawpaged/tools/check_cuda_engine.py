@@ -7,7 +7,8 @@ device, then times CUDA decode at batch 1, 8, 32 and 64 and a 512-token prefill.
 shape it does the same with decode replayed from CUDA graphs (``enforce_eager=False``) and prints the
 graphs/eager decode ratios. ``FEATURE_SHAPES`` add the families' features (a
 Mistral sliding window with YaRN, Qwen3 q/k norms with Llama 3 RoPE, Q8_0 weights quantized on load: the
-blocks stay quantized on both backends), checked the same way without timings.
+blocks stay quantized on both backends), and ``MOE_CHECK_SHAPES`` random mixtures of experts (Qwen3-MoE,
+Qwen2-MoE with its shared expert, Mixtral), checked the same way without timings.
 Writes ``engine_<shape>.json`` to ``--out`` as each shape finishes, and ``engine_check.json`` (all of them)
 at the end.
 
@@ -46,6 +47,9 @@ FEATURE_SHAPES = {
         "gemma3-head256-window128",
     )
 }
+#: mixtures of experts on a device (the router, alignment, grouped products and combine of cuda/moe.cu and
+#: cuda/quant.cu), checked as the features are, without timings
+MOE_CHECK_SHAPES = {name: RANDOM_SHAPES[name] for name in ("qwen3-moe-head64", "qwen2-moe-head64", "mixtral-head64")}
 
 
 def _first_logits(llm, prompt_ids):
@@ -290,7 +294,7 @@ def _cpu_side(name, shape, tmp, rng) -> dict:
     return {"cpu_only": True, "ok": bool(ok), "num_prompts": len(ref["prompts"]), "seconds": time.perf_counter() - t0}
 
 
-ALL_SHAPES = {**SHAPES, **FEATURE_SHAPES}
+ALL_SHAPES = {**SHAPES, **FEATURE_SHAPES, **MOE_CHECK_SHAPES}
 
 
 def main(argv=None) -> int:
@@ -316,7 +320,7 @@ def main(argv=None) -> int:
                 if args.cpu_only:
                     results[name] = _cpu_side(name, shape, tmp, rng)
                 else:
-                    timing = () if name in FEATURE_SHAPES else (1, 8, 32, 64)
+                    timing = () if name in FEATURE_SHAPES or name in MOE_CHECK_SHAPES else (1, 8, 32, 64)
                     graphs = ("float32", "bfloat16") if name == "smollm2-135m-shape" else ()
                     results[name] = check_shape(name, shape, tmp, rng, timing_batches=timing, graphs=graphs)
             except Exception as e:  # report every shape, then fail

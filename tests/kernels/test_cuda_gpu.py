@@ -282,6 +282,60 @@ def test_sample(be, act, vocab):
     assert_draws_match(got, logits.astype(np.float32), args)
 
 
+@pytest.mark.parametrize("experts", ["float", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("act", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T", [3, 37], ids=["decode", "prefill"])
+def test_moe_ops(be, T, act, experts):
+    """One sparse block's four MoE ops on the device against the CPU backend: routing with ties (the same ids,
+    the same weights), the alignment, the grouped product of float or GGUF experts on both paths (3 tokens
+    x 2: a warp per weight row; 37 x 2: tiles) against float64, the combine with a shared expert."""
+    from rawpaged.kernels.cpu.backend import CPUBackend
+    from rawpaged.kernels.quantization import QuantizedExperts
+    from rawpaged.testing.quant_blocks import random_blocks
+
+    cpu = CPUBackend()
+    rng = np.random.default_rng(T)
+    E, k, H, N = 8, 2, 256, 96
+    logits = rng.integers(-2, 3, (T, E)).astype(np.float32)
+    ids, w = be.moe_route(be.asarray(logits), k, True, True)
+    want_ids, want_w = cpu.moe_route(logits, k, True, True)
+    np.testing.assert_array_equal(be.to_numpy(ids), want_ids)
+    np.testing.assert_allclose(be.to_numpy(w), want_w, rtol=2e-7)
+    sorted_ids, offsets = be.moe_align(ids, E)
+    want_sorted, want_offsets = cpu.moe_align(want_ids, E)
+    np.testing.assert_array_equal(be.to_numpy(sorted_ids), want_sorted)
+    np.testing.assert_array_equal(be.to_numpy(offsets), want_offsets)
+    if experts == "float":
+        host = rng.standard_normal((E, N, H)).astype(np.float32).astype(act)
+        handle, dense = be.load_experts([host], "bfloat16" if act == BF16 else "float32"), f64(host)
+    else:
+        if experts == "Q8_0":
+            stack = QuantizedExperts.from_blocks("Q8_0", (E, N, H), _q8_0_blocks(rng, E * N, H).reshape(E, N, -1))
+        else:
+            stack = QuantizedExperts.from_blocks(
+                "Q4_K", (E, N, H), random_blocks("Q4_K", E * N, H, rng, 0.1).reshape(E, N, -1)
+            )
+        handle, dense = be.load_experts([stack], "bfloat16" if act == BF16 else "float32"), f64(stack.dequantize())
+    x = rng.standard_normal((T * k, H)).astype(np.float32).astype(act)
+    y = f64(be.to_numpy(be.grouped_linear(be.asarray(x), offsets, handle)))
+    ref = np.concatenate([f64(x[a:b]) @ dense[e].T for e, (a, b) in enumerate(zip(want_offsets, want_offsets[1:]))])
+    loose = act != np.float32
+    np.testing.assert_allclose(y, ref, rtol=2e-2 if loose else 1e-4, atol=(2e-2 if loose else 1e-4) * np.abs(ref).max())
+    shared = rng.standard_normal((T, N)).astype(np.float32).astype(act)
+    gate = rng.standard_normal((T, 1)).astype(np.float32)
+    ys = y.astype(np.float32).astype(act)
+    got = f64(be.to_numpy(be.moe_combine(be.asarray(ys), sorted_ids, w, T, be.asarray(shared), be.asarray(gate))))
+    want = cpu.moe_combine(ys.astype(np.float32), want_sorted, want_w, T, shared.astype(np.float32), gate)
+    np.testing.assert_allclose(got, want, rtol=1e-2 if loose else 1e-5, atol=1e-2 if loose else 1e-5)
+
+
+def _q8_0_blocks(rng, rows, cols):
+    """GGUF Q8_0 bytes uint8 ``[rows, cols / 32 * 34]``: an fp16 scale of about 0.01 and random int8 quants."""
+    blocks = rng.integers(0, 256, (rows, cols // 32, 34), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 @pytest.mark.parametrize("act", [np.float32, BF16], ids=["f32", "bf16"])
 def test_logprob_rows(be, act):
     """Prompt logprobs' device reduction of a 128-position chunk of the default model's vocabulary size: the

@@ -126,17 +126,20 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
         load_model(d)
 
 
-def test_the_cuda_backend_refuses_a_moe_model_before_loading(checkpoints):
-    """A backend without MoE kernels (CudaBackend today) is refused with an error naming MoE."""
+def test_a_backend_without_moe_kernels_refuses_a_moe_model_before_loading(checkpoints):
+    """Both backends have the MoE kernels; a backend without them (``supports_moe`` false) is refused with an
+    error naming MoE before any weight is uploaded."""
     from rawpaged.kernels.cuda.backend import CudaBackend
 
+    class NoMoE(CudaBackend):
+        supports_moe = False
+
+    assert CPUBackend.supports_moe and CudaBackend.supports_moe
     path, _, _ = checkpoints("Qwen3MoeForCausalLM")
     config, _, _, weights = load_model(path)
-    backend = CudaBackend.__new__(CudaBackend)  # no device: the check comes before any upload
+    backend = NoMoE.__new__(NoMoE)  # no device: the check comes before any upload
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
         build_model(config, weights, backend, "float16", 64)
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        backend.load_experts([], "float16")
 
 
 # ------------------------------------------------------------------------------------------ forward

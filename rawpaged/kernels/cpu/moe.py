@@ -201,20 +201,26 @@ def _combine(y, sorted_ids, weights, out):
                 out[t, h] += wj * src[h]
 
 
-def moe_combine(y, sorted_ids, topk_weights, num_tokens: int) -> np.ndarray:
+def moe_combine(y, sorted_ids, topk_weights, num_tokens: int, shared=None, shared_gate=None) -> np.ndarray:
     """``out[t] = sum_j topk_weights[t, j] * y[i]`` where ``sorted_ids[i] == t * k + j``, summed in slot
-    order j = 0 .. k - 1.
+    order j = 0 .. k - 1; with ``shared`` (Qwen2-MoE's shared expert), plus ``shared[t] *
+    sigmoid(shared_gate[t])`` after the sum.
 
     y: float32 ``[T * k, H]`` in ``sorted_ids``' order; sorted_ids: int32 ``[T * k]`` (``moe_align``);
-    topk_weights: float32 ``[T, k]``. Returns float32 ``[num_tokens, H]``."""
+    topk_weights: float32 ``[T, k]``; shared: float32 ``[T, H]``, shared_gate: float32 ``[T, 1]`` (or
+    both None). Returns float32 ``[num_tokens, H]``. Raises ValueError for shapes that disagree."""
     weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
     if weights.shape[0] != num_tokens or y.shape[0] != weights.size or sorted_ids.shape[0] != weights.size:
         raise ValueError(
             f"moe_combine: y {y.shape}, sorted_ids {sorted_ids.shape}, topk_weights {weights.shape} "
             f"disagree with {num_tokens} tokens"
         )
+    if shared is not None and (shared.shape != (num_tokens, y.shape[1]) or shared_gate is None):
+        raise ValueError(f"moe_combine: shared {shared.shape} must be [{num_tokens}, {y.shape[1]}] with its gate")
     out = np.empty((num_tokens, y.shape[1]), np.float32)
     _combine(np.ascontiguousarray(y, dtype=np.float32), np.ascontiguousarray(sorted_ids), weights, out)
+    if shared is not None:
+        out += shared * (np.float32(1.0) / (np.float32(1.0) + np.exp(-shared_gate)))
     return out
 
 

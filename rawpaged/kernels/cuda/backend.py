@@ -3,7 +3,8 @@ kernels of ``cuda/*.cu`` through ``cupy.RawModule`` and the products through cuB
 
 Same names and semantics as :class:`rawpaged.kernels.cpu.backend.CPUBackend` (see the CPU modules for the
 math and its sources); the kernels themselves are documented in ``cuda/attention.cu``, ``cuda/cache.cu``,
-``cuda/layers.cu``, ``cuda/sampling.cu``, ``cuda/logprobs.cu`` and ``cuda/quant.cu``. Differences, all additive:
+``cuda/layers.cu``, ``cuda/sampling.cu``, ``cuda/logprobs.cu``, ``cuda/quant.cu`` and ``cuda/moe.cu``.
+Differences, all additive:
 
 * dtypes: activations (query/out/x/...) may be float32, float16 or bfloat16, KV caches float32, float16
   or bfloat16, in the combinations of :data:`program.DTYPE_PAIRS`. CuPy has no bfloat16, so a
@@ -14,10 +15,12 @@ math and its sources); the kernels themselves are documented in ``cuda/attention
 * ``linear``: float32/float16 through CuPy's matmul (cuBLAS); bfloat16 (``uint16`` storage) through
   ``cublasGemmEx`` with float32 accumulation (``linear``).
 * ``embedding`` returns rows in the table's dtype (float32 tables give float32, as on the CPU).
-* GGUF Q8_0/Q4_0/Q4_1 weights stay in their blocks (``weights.DeviceQuantized``).
+* GGUF weights stay in their blocks (``weights.DeviceQuantized``), mixture-of-experts stacks too
+  (``moe.DeviceQuantizedExperts``); the MoE ops take and give activations of any of the three dtypes.
 
 The backend is a thin front: each method calls the function of the same name in ``cache``, ``attention``,
-``elementwise``, ``sampling``, ``logprobs``, ``linear`` or ``weights`` with the backend's ``launch.KernelContext``.
+``elementwise``, ``sampling``, ``logprobs``, ``linear``, ``weights`` or ``moe`` with the backend's
+``launch.KernelContext``.
 Only this package imports CuPy, and only when a :class:`CudaBackend` is created: a CPU-only install never
 imports it.
 """
@@ -29,7 +32,7 @@ import functools
 import numpy as np
 
 from rawpaged.dtypes import BFLOAT16
-from rawpaged.kernels.cuda import attention, cache, elementwise, logprobs, program, sampling, weights
+from rawpaged.kernels.cuda import attention, cache, elementwise, logprobs, moe, program, sampling, weights
 from rawpaged.kernels.cuda import linear as products
 from rawpaged.kernels.cuda.graphs import GraphCapture
 from rawpaged.kernels.cuda.launch import DEFAULT_SMEM, CupyLauncher, KernelContext, host_byte_copy
@@ -82,13 +85,6 @@ class _ContextField:
 
     def __set__(self, obj, value):
         setattr(obj.ctx, self.name, value)
-
-
-def _no_moe():
-    raise NotImplementedError(
-        "mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) are not supported on the CUDA backend yet: "
-        "run them with device='cpu'"
-    )
 
 
 class CudaBackend:
@@ -193,28 +189,13 @@ class CudaBackend:
         current stream: kernels launched after it, and graphs replayed after it, see the data."""
         self.ctx.copy_to_device(dst, host)
 
-    #: no mixture-of-experts kernels yet: ``load_experts`` and the MoE ops raise NotImplementedError
-    supports_moe = False
-
-    def load_experts(self, parts: list, dtype: str):
-        """Not on this backend yet (``supports_moe``): raises NotImplementedError naming MoE."""
-        _no_moe()
-
-    def moe_route(self, router_logits, top_k: int, softmax_before_topk: bool, renormalize: bool) -> tuple:
-        """Not on this backend yet: raises NotImplementedError naming MoE."""
-        _no_moe()
-
-    def moe_align(self, topk_ids, num_experts: int) -> tuple:
-        """Not on this backend yet: raises NotImplementedError naming MoE."""
-        _no_moe()
-
-    def grouped_linear(self, x, expert_offsets, experts):
-        """Not on this backend yet: raises NotImplementedError naming MoE."""
-        _no_moe()
-
-    def moe_combine(self, y, sorted_ids, topk_weights, num_tokens: int):
-        """Not on this backend yet: raises NotImplementedError naming MoE."""
-        _no_moe()
+    #: the mixture-of-experts ops (``moe``: cuda/moe.cu and the grouped products of cuda/quant.cu)
+    supports_moe = True
+    load_experts = _forward(moe, "load_experts")
+    moe_route = _forward(moe, "moe_route")
+    moe_align = _forward(moe, "moe_align")
+    grouped_linear = _forward(moe, "grouped_linear")
+    moe_combine = _forward(moe, "moe_combine")
 
     def finish_loading(self) -> None:
         """Wait for the weight uploads and free the pinned staging buffers."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from types import MappingProxyType
 
+from rawpaged.kernels.cuda import program
 from rawpaged.kernels.cuda.program import COPY_WORD_BYTES, DECODE_GMAX, gmax_cap
 
 # Kernel geometry (mirrors the constants in cuda/attention.cu).
@@ -17,6 +18,10 @@ PF_THREADS, PF_KT = 128, 32
 #: QG_THREADS threads) any number.
 QUANT_GEMV_MAX_M = 8
 QG_BM, QG_BN, QG_THREADS = 32, 64, 256
+#: cuda/moe.cu: the expert ids moe_align_kernel stages in shared memory at a time
+MOE_ALIGN_CHUNK = program.MOE_ALIGN_CHUNK
+#: cuda/moe.cu: tokens per block of moe_route_kernel (one thread each)
+MOE_ROUTE_THREADS = 128
 #: Shortest context a decode partition gets (shorter partitions cost more in the merge than they save).
 MIN_SPLIT_TOKENS = 128
 #: ... unless the grid at MIN_SPLIT_TOKENS leaves SMs idle (batch 1: 3 KV heads x 8 partitions of a

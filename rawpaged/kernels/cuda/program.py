@@ -34,7 +34,7 @@ def _find_cuda_dir() -> Path:
 
 #: Directory of the ``.cu`` sources (see :func:`_find_cuda_dir`).
 CUDA_DIR = _find_cuda_dir()
-SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu", "logprobs.cu", "quant.cu")
+SOURCE_FILES = ("cache.cu", "attention.cu", "layers.cu", "sampling.cu", "logprobs.cu", "quant.cu", "moe.cu")
 
 #: NVRTC options the runtime passes to ``cupy.RawModule`` (plus :func:`include_options`).
 RUNTIME_OPTIONS = ("--std=c++17",)
@@ -63,6 +63,14 @@ COPY_WORD_BYTES = (16, 8, 4, 2)
 #: GGUF block formats of cuda/quant.cu (its FMT template argument) and its kernels.
 QUANT_FORMATS = FORMAT_CODES
 QUANT_KERNELS = ("quant_gemv_kernel", "quant_gemm_kernel", "quant_embedding_kernel")
+#: the mixture of experts' grouped products (cuda/quant.cu): float experts of the activation dtype, and GGUF
+#: experts of each format
+MOE_FLOAT_KERNELS = ("moe_gemv_kernel", "moe_gemm_kernel")
+MOE_QUANT_KERNELS = ("moe_quant_gemv_kernel", "moe_quant_gemm_kernel")
+#: cuda/moe.cu: the expert ids moe_align_kernel stages in shared memory at a time
+MOE_ALIGN_CHUNK = 1024
+#: rows per tile of the grouped products' two paths (``launch_config.QUANT_GEMV_MAX_M``, ``QG_BM``)
+MOE_TILE_ROWS = (8, 32)
 
 
 def read_source(name: str) -> str:
@@ -95,7 +103,16 @@ def layer_names(act: str) -> list[str]:
     names.append(f"sample_kernel<{act}>")
     names += [f"apply_token_bitmask_kernel<{act}>", f"apply_logits_edits_kernel<{act}>", f"logprobs_kernel<{act}>"]
     names += [f"{k}<{act}, {f}>" for f in QUANT_FORMATS.values() for k in QUANT_KERNELS]
+    names += [f"{k}<{act}>" for k in MOE_FLOAT_KERNELS] + [f"moe_combine_kernel<{act}>"]
+    names += [f"{k}<{act}, {f}>" for f in QUANT_FORMATS.values() for k in MOE_QUANT_KERNELS]
     return names
+
+
+def moe_names() -> list[str]:
+    """The mixture of experts' dtype-free kernels (cuda/moe.cu; in every module): routing on float32 logits,
+    the alignment, the tile lists of the two grouped-product paths, the inverse permutation."""
+    tiles = [f"moe_tiles_kernel<{bm}>" for bm in MOE_TILE_ROWS]
+    return [f"moe_route_kernel<{F32}>", f"moe_align_kernel<{MOE_ALIGN_CHUNK}>", *tiles, "moe_invert_kernel<int>"]
 
 
 def convert_names() -> list[str]:
@@ -109,7 +126,7 @@ def name_expressions(act: str, cache: str) -> list[str]:
     if (act, cache) not in DTYPE_PAIRS:
         raise ValueError(f"unsupported (activation, cache) dtypes: {(act, cache)}; supported: {DTYPE_PAIRS}")
     names = [f"reshape_and_cache_kernel<{act}, {cache}>", f"rotary_embedding_and_cache_kernel<{act}, {cache}>"]
-    names += [f"copy_blocks_kernel<{b}>" for b in COPY_WORD_BYTES] + convert_names()
+    names += [f"copy_blocks_kernel<{b}>" for b in COPY_WORD_BYTES] + convert_names() + moe_names()
     for d in HEAD_DIMS:
         names += [f"paged_attention_kernel<{act}, {cache}, {d}, {g}>" for g in DECODE_GMAX if g <= gmax_cap(d)]
         names.append(f"prefill_attention_kernel<{act}, {cache}, {d}>")

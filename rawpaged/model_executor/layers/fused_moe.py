@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from rawpaged.model_executor.model_config import ModelConfig
 
 
@@ -72,8 +70,8 @@ def fused_moe(backend, x, moe: MoEWeights, config: ModelConfig):
     """The MoE block's output ``[T, hidden]`` for its normed input ``x [T, hidden]`` (activation dtype).
 
     One router product, one routing kernel, one alignment, two grouped products (the experts' gate/up,
-    then down) with SwiGLU between, one weighted scatter back: no loop over experts here; an expert no
-    token selects is never read.
+    then down) with SwiGLU between, one weighted scatter back (with the shared expert's gated output
+    added): no loop over experts here; an expert no token selects is never read.
     """
     be, k = backend, config.num_experts_per_tok
     T = x.shape[0]
@@ -82,9 +80,8 @@ def fused_moe(backend, x, moe: MoEWeights, config: ModelConfig):
     sorted_ids, offsets = be.moe_align(topk_ids, config.num_experts)
     rows = x[sorted_ids // k]
     h = be.grouped_linear(be.silu_and_mul(be.grouped_linear(rows, offsets, moe.gate_up)), offsets, moe.down)
-    out = be.moe_combine(h, sorted_ids, topk_weights, T)
-    if moe.shared_gate_up is not None:
+    shared = gate = None
+    if moe.shared_gate_up is not None:  # added by the combine, in its pass (any activation dtype)
         shared = be.linear(be.silu_and_mul(be.linear(x, moe.shared_gate_up)), moe.shared_down)
-        gate = be.linear(x, moe.shared_gate)  # [T, 1]
-        out += shared * (np.float32(1.0) / (np.float32(1.0) + be.xp.exp(-gate)))
-    return out
+        gate = be.linear(x, moe.shared_gate, float32_out=True)  # [T, 1]
+    return be.moe_combine(h, sorted_ids, topk_weights, T, shared, gate)
