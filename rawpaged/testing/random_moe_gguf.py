@@ -3,11 +3,13 @@
 
 ``write_moe_gguf(hf_dir, dst, expert_type)`` writes the ``gguf`` package's GGUF of an HF directory: the
 architectures ``llama`` (Mixtral, with ``llama.expert_count``; Q/K rows permuted as the converter does),
-``qwen2moe`` and ``qwen3moe``; each sparse layer's per-expert tensors stacked into ``ffn_{gate,up,down}_exps``
-(numpy ``[E, rows, cols]``, ggml ne ``[cols, rows, E]``), the router as ``ffn_gate_inp`` and Qwen2-MoE's
-shared expert as ``ffn_*_shexp`` (``conversion/qwen.py``, ``conversion/llama.py``). The experts are F32 or
-Q8_0 (the ``gguf`` package's quantizer), every other tensor F32. K-quant experts come from llama.cpp's
-``llama-quantize`` on the F32 file (``llama_quantize``): the ``gguf`` package cannot write K-quants.
+``qwen2moe`` and ``qwen3moe`` (and a dense ``LlamaForCausalLM`` as ``llama``: the dense counterpart
+``benchmarks/moe.py`` times a mixture against); each sparse layer's per-expert tensors stacked into
+``ffn_{gate,up,down}_exps`` (numpy ``[E, rows, cols]``, ggml ne ``[cols, rows, E]``), the router as
+``ffn_gate_inp`` and Qwen2-MoE's shared expert as ``ffn_*_shexp`` (``conversion/qwen.py``,
+``conversion/llama.py``). The experts are F32 or Q8_0 (the ``gguf`` package's quantizer), every other tensor
+F32. K-quant experts come from llama.cpp's ``llama-quantize`` on the F32 file (``llama_quantize``): the
+``gguf`` package cannot write K-quants.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rawpaged.errors import import_optional
 
 #: HF architecture -> GGUF architecture
 GGUF_ARCH = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe"}
+GGUF_ARCH["LlamaForCausalLM"] = "llama"  # dense: no expert keys or stacks
 #: HF layer tensor (without ``model.layers.N.`` and ``.weight``/``.bias``) -> GGUF's (without ``blk.N.``)
 _LAYER = {
     "self_attn.q_proj": "attn_q",
@@ -99,8 +102,9 @@ def _add_metadata(w, cfg: dict, arch: str, hf_dir: Path) -> None:
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg["architectures"][0] != "LlamaForCausalLM":
+        w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
     if arch != "llama":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if "shared_expert_intermediate_size" in cfg:

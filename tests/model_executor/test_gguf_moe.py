@@ -70,6 +70,21 @@ def test_f32_gguf_loads_to_the_hf_checkpoints_tensors(tmp_path, arch):
             assert config[key] == hf_cfg[key], key
 
 
+def test_a_dense_llama_is_written_as_llama_without_expert_keys(tmp_path):
+    """The dense counterpart ``benchmarks/moe.py`` times a mixture against: the same file layout, no expert
+    keys or stacks, and the checkpoint's tensors back (Q/K rows unpermuted by the loader)."""
+    hf = write_random_model(tmp_path / "hf", weight_std=0.1, **{**MOE_Q8_SHAPES["MixtralForCausalLM"],
+                            "architecture": "LlamaForCausalLM"})  # fmt: skip
+    path = write_moe_gguf(hf, tmp_path / "m.gguf")
+    assert not [f for f in gguf.GGUFReader(str(path)).fields if "expert" in f]
+    config, tensors = read(path)
+    assert config["architectures"] == ["LlamaForCausalLM"] and not config.get("num_experts")
+    want = load_file(str(hf / "model.safetensors"))
+    assert set(tensors) == set(want)
+    for name, arr in want.items():
+        np.testing.assert_array_equal(tensors[name], arr, err_msg=name)
+
+
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_q8_0_experts_stay_in_their_blocks(tmp_path, arch):
     hf = write_hf_moe(tmp_path / "hf", arch)
