@@ -165,7 +165,7 @@ class CPUFusedDecode:
             self._gelu,
             cfg.num_attention_heads,
             cfg.intermediate_size,
-            fused_decode.attention_tasks(M, num_kv_heads),
+            *fused_decode.attention_tasks(M, num_kv_heads),
             parallel,
             fused_decode.max_chunks(),
             out,

@@ -56,6 +56,47 @@ def test_paged_attention_matches_float64(dtype, head_dim, group, numba_mode):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 100, 512])
+def test_paged_attention_split_context_matches_float64(dtype, window, numba_mode):
+    """Gemma 3's shape (one KV head for 4 query heads of 256) at batch 1 to 3 leaves threads idle, so the
+    contexts are split into ``PARTITION_SIZE`` runs merged at the end (vLLM's v2); contexts within,
+    at and across partition edges, windows inside one partition and across several. Positions before
+    a window hold NaN, so a single read of them would show."""
+    rng = np.random.default_rng(7 if window is None else window)
+    num_kv_heads, group, head_dim = 1, 4, 256
+    part = cpu_attention.PARTITION_SIZE
+    assert cpu_attention.decode_partition(1, num_kv_heads) == part
+    scale = head_dim**-0.5
+    for contexts in ([1], [part - 1], [part + 1], [1000], [2 * part, 17, 5 * part - 3]):
+        kc, vc, bt, keys, values = make_paged_kv(rng, contexts, num_kv_heads, head_dim, 16, dtype)
+        if window is not None:
+            poison_before(kc, vc, bt, [max(0, c - window) for c in contexts])
+        q = rng.standard_normal((len(contexts), group, head_dim)).astype(np.float32)
+        out = np.full_like(q, np.nan)
+        lens = np.array(contexts, np.int32)
+        cpu_attention.paged_attention(out, q, kc, vc, bt, lens, scale, sliding_window=window)
+        for s, ctx in enumerate(contexts):
+            ref = attention_ref(q[s : s + 1], keys[s], values[s], scale, window=window)[0]
+            np.testing.assert_allclose(out[s], ref, **_tol(dtype), err_msg=f"ctx={ctx} of {contexts}")
+
+
+def test_paged_attention_one_partition_equals_the_whole_context_kernel():
+    """A context of one partition (a short one, or a window that starts on a partition's edge) merges to
+    exactly what the unsplit kernel computes, so the split changes nothing below ``PARTITION_SIZE``."""
+    rng = np.random.default_rng(3)
+    part = cpu_attention.PARTITION_SIZE
+    contexts = [part, 5, 3 * part]
+    kc, vc, bt, _, _ = make_paged_kv(rng, contexts, 1, 256, 16, np.float32)
+    q = rng.standard_normal((len(contexts), 4, 256)).astype(np.float32)
+    lens, none = np.array(contexts, np.int32), np.zeros((1, 1, 1), np.float32)
+    split, whole = np.full_like(q, np.nan), np.full_like(q, np.nan)
+    for out, partition in ((split, part), (whole, 0)):
+        args = (out, q, kc, vc, none, none, bt, lens, np.float32(1 / 16), 1, part, np.float32(0), partition)
+        cpu_attention.paged_attention_parallel(*args)
+    np.testing.assert_array_equal(split, whole)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_prefill_attention_causal_chunked(dtype, block_size, numba_mode):
     """Full prefill, prefill after a cached prefix, and a one-token chunk, in one call."""

@@ -35,10 +35,10 @@ def _block_rows(cache, scales, b, t0, n, kv0, nkv, buf):
     ``kv0 .. kv0+nkv-1`` valid. bf16 bits are widened (exactly) into ``buf`` (uint32 ``[block_size,
     num_kv_heads, head_dim]``) and a float32 view of it returned; int8 values and fp8 E4M3 bits are
     dequantized into it the same way, times their row's scale (``scales[b, t, h]``; unread for floats).
-    A float32 block is copied into ``buf`` when all its heads are read (one linear read of the block,
-    which the hardware prefetcher streams: in the engine, where the blocks come from DRAM, 10% faster at
-    32 sequences than reading each head's rows in place); with fewer heads, the rows are read in place
-    (a view)."""
+    A float32 block of several KV heads is copied into ``buf`` when all its heads are read (one linear
+    read of the block, which the hardware prefetcher streams: in the engine, where the blocks come from
+    DRAM, 10% faster at 32 sequences than reading each head's rows in place); with fewer heads, or one
+    KV head (its rows are one linear run already), the rows are read in place (a view)."""
 
 
 @overload(_block_rows, jit_options=JIT)
@@ -47,7 +47,7 @@ def _block_rows_impl(cache, scales, b, t0, n, kv0, nkv, buf):
 
         def float32_rows(cache, scales, b, t0, n, kv0, nkv, buf):
             src = cache[b, t0:n]
-            if nkv < cache.shape[2]:
+            if nkv < cache.shape[2] or cache.shape[2] == 1:
                 return src
             dst = buf.view(np.float32)[: n - t0]
             for t in range(n - t0):
@@ -107,11 +107,13 @@ def _block_rows_impl(cache, scales, b, t0, n, kv0, nkv, buf):
 
 
 @nb.njit(**JIT)
-def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_limit, scale, soft_cap):
-    """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
-    positions ``start .. causal_limit-1`` of one sequence (``start`` > 0: a sliding window; the blocks
-    before it are not read). q, out: ``[nkv * group, head_dim]``; kc, vc: float32 caches, bf16 bits, int8
-    values or fp8 bits, with their scales ks, vs (``cache.cache_view``). ``soft_cap`` c > 0: each scaled
+def _attend_span(qs, kc, vc, ks, vs, block_row, kv0, nkv, group, start, limit, soft_cap, acc, m, denom):
+    """Positions ``start .. limit-1`` of one sequence folded into the running softmax state of the query
+    rows of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA): qs ``[rows, head_dim]``, the
+    queries times the softmax scale; acc ``[rows, head_dim]`` (the unnormalized output), m ``[rows]``
+    (the running maxima, -1e30 before any position) and denom ``[rows]`` (the running sums), updated in
+    place. kc, vc: float32 caches, bf16 bits, int8 values or fp8 bits, with their scales ks, vs
+    (``cache.cache_view``); blocks wholly outside the span are not read. ``soft_cap`` c > 0: each scaled
     score s becomes ``c * tanh(s / c)`` (Gemma 2) before the softmax.
 
     Block by block, per KV head: each K row is read once for the ``group`` query rows that share it,
@@ -122,23 +124,14 @@ def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_li
     block_size = kc.shape[1]
     head_dim = kc.shape[3]
     rows = nkv * group
-    acc = np.zeros((rows, head_dim), dtype=np.float32)
-    m = np.full(rows, np.float32(-1e30), dtype=np.float32)  # finite: fastmath assumes no infs
-    denom = np.zeros(rows, dtype=np.float32)
     kbits = np.empty((block_size, kc.shape[2], head_dim), dtype=np.uint32)
     vbits = np.empty((block_size, kc.shape[2], head_dim), dtype=np.uint32)
     s = np.empty((rows, block_size), dtype=np.float32)
-    qs = np.empty((rows, head_dim), dtype=np.float32)
-    for r in range(rows):
-        qr = q[r]
-        qsr = qs[r]
-        for d in range(head_dim):
-            qsr[d] = qr[d] * scale
-    num_blocks = (causal_limit + block_size - 1) // block_size
+    num_blocks = (limit + block_size - 1) // block_size
     for j in range(start // block_size, num_blocks):
         b = np.int64(block_row[j])
-        n = min(block_size, causal_limit - j * block_size)
-        t0 = max(0, start - j * block_size)  # rows of the block before the window's first position
+        n = min(block_size, limit - j * block_size)
+        t0 = max(0, start - j * block_size)  # rows of the block before the span's first position
         nt = n - t0
         kb = _block_rows(kc, ks, b, t0, n, kv0, nkv, kbits)
         vb = _block_rows(vc, vs, b, t0, n, kv0, nkv, vbits)
@@ -180,11 +173,38 @@ def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_li
                     ar = acc[r0 + g]
                     for d in range(head_dim):
                         ar[d] += p * vrow[d]
+
+
+@nb.njit(**JIT)
+def _scaled_queries(q, scale):
+    """float32 ``q * scale`` (``[rows, head_dim]``), and the empty softmax state of its rows: acc (zeros),
+    m (-1e30: finite, as fastmath assumes no infs) and denom (zeros)."""
+    rows, head_dim = q.shape
+    qs = np.empty((rows, head_dim), dtype=np.float32)
     for r in range(rows):
+        qr = q[r]
+        qsr = qs[r]
+        for d in range(head_dim):
+            qsr[d] = qr[d] * scale
+    acc = np.zeros((rows, head_dim), dtype=np.float32)
+    m = np.full(rows, np.float32(-1e30), dtype=np.float32)
+    denom = np.zeros(rows, dtype=np.float32)
+    return qs, acc, m, denom
+
+
+@nb.njit(**JIT)
+def _attend(q, out, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_limit, scale, soft_cap):
+    """Attention of the query heads of KV heads ``kv0 .. kv0+nkv-1`` (``nkv * group`` rows, GQA) over
+    positions ``start .. causal_limit-1`` of one sequence (``start`` > 0: a sliding window; the blocks
+    before it are not read). q, out: ``[nkv * group, head_dim]``; the caches as ``_attend_span`` takes
+    them."""
+    qs, acc, m, denom = _scaled_queries(q, scale)
+    _attend_span(qs, kc, vc, ks, vs, block_row, kv0, nkv, group, start, causal_limit, soft_cap, acc, m, denom)
+    for r in range(acc.shape[0]):
         inv = np.float32(1.0) / denom[r] if denom[r] > 0 else np.float32(0.0)
         ar = acc[r]
         orow = out[r]
-        for d in range(head_dim):
+        for d in range(ar.shape[0]):
             orow[d] = ar[d] * inv
 
 
@@ -194,33 +214,106 @@ def kv_heads_per_task(num_items: int, num_kv_heads: int) -> int:
     return num_kv_heads if num_items >= 2 * nb.get_num_threads() else 1
 
 
-def _paged_attention_kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, scale, nkv, window, soft_cap):
+#: positions per partition of a decode context split across tasks (vLLM's paged attention v2, whose
+#: CUDA partitions hold 512): small enough that a 512-position sliding window still gives 2 threads work
+PARTITION_SIZE = 128
+
+
+def decode_partition(num_seqs: int, num_kv_heads: int) -> int:
+    """The decode kernels' ``partition`` for a batch: ``PARTITION_SIZE`` when its (sequence, KV heads)
+    tasks (``kv_heads_per_task``) leave threads idle, as Gemma 3's one KV head at batch 1 does, else 0
+    (each task attends its whole context)."""
+    tasks = num_seqs * (num_kv_heads // kv_heads_per_task(num_seqs, num_kv_heads))
+    return PARTITION_SIZE if tasks < 2 * nb.get_num_threads() else 0
+
+
+@nb.njit(**JIT)
+def _span_start(ctx, window):
+    return max(0, ctx - window) if window > 0 else 0
+
+
+def _paged_attention_kernel(
+    out, query, kc, vc, ks, vs, block_tables, context_lens, scale, nkv, window, soft_cap, partition
+):
     num_seqs = query.shape[0]
     num_heads = query.shape[1]
+    head_dim = query.shape[2]
     num_kv_heads = kc.shape[2]
     group = num_heads // num_kv_heads
     chunks = num_kv_heads // nkv
-    for task in nb.prange(num_seqs * chunks):
-        s = task // chunks
-        kv0 = (task % chunks) * nkv
+    rows = nkv * group
+    if partition <= 0:
+        for task in nb.prange(num_seqs * chunks):
+            s = task // chunks
+            kv0 = (task % chunks) * nkv
+            h0 = kv0 * group
+            ctx = np.int64(context_lens[s])
+            _attend(
+                query[s, h0 : h0 + rows],
+                out[s, h0 : h0 + rows],
+                kc,
+                vc,
+                ks,
+                vs,
+                block_tables[s],
+                kv0,
+                nkv,
+                group,
+                _span_start(ctx, window),
+                ctx,
+                scale,
+                soft_cap,
+            )
+        return
+    # Split (vLLM's paged attention v2): partition p of a sequence holds its attended positions in the
+    # p-th run of ``partition`` absolute positions from its first one's; each task folds one partition
+    # into its own softmax state, then one pass per (sequence, head) merges the partitions' states.
+    parts = 1
+    for s in range(num_seqs):
+        ctx = np.int64(context_lens[s])
+        if ctx > 0:
+            parts = max(parts, (ctx - 1) // partition - _span_start(ctx, window) // partition + 1)
+    part_acc = np.empty((num_seqs, num_heads, parts, head_dim), dtype=np.float32)
+    part_m = np.empty((num_seqs, num_heads, parts), dtype=np.float32)
+    part_denom = np.empty((num_seqs, num_heads, parts), dtype=np.float32)
+    for task in nb.prange(num_seqs * chunks * parts):
+        p = task % parts
+        s = task // parts // chunks
+        kv0 = (task // parts % chunks) * nkv
         h0 = kv0 * group
         ctx = np.int64(context_lens[s])
-        _attend(
-            query[s, h0 : h0 + nkv * group],
-            out[s, h0 : h0 + nkv * group],
-            kc,
-            vc,
-            ks,
-            vs,
-            block_tables[s],
-            kv0,
-            nkv,
-            group,
-            max(0, ctx - window) if window > 0 else 0,
-            ctx,
-            scale,
-            soft_cap,
-        )
+        start = _span_start(ctx, window)
+        first = (start // partition + p) * partition
+        lo, hi = max(start, first), min(ctx, first + partition)
+        qs, acc, m, denom = _scaled_queries(query[s, h0 : h0 + rows], scale)
+        if lo < hi:
+            _attend_span(qs, kc, vc, ks, vs, block_tables[s], kv0, nkv, group, lo, hi, soft_cap, acc, m, denom)
+        for r in range(rows):
+            part_m[s, h0 + r, p] = m[r]
+            part_denom[s, h0 + r, p] = denom[r]
+            dst = part_acc[s, h0 + r, p]
+            ar = acc[r]
+            for d in range(head_dim):
+                dst[d] = ar[d]
+    for task in nb.prange(num_seqs * num_heads):
+        s = task // num_heads
+        h = task % num_heads
+        ms = part_m[s, h]
+        top = np.float32(-1e30)
+        for p in range(parts):
+            top = max(top, ms[p])
+        total = np.float32(0.0)
+        o = np.zeros(head_dim, dtype=np.float32)
+        for p in range(parts):
+            c = exp_f32(ms[p] - top)  # 1 for the top partition; an empty one (m = -1e30) adds 0
+            total += part_denom[s, h, p] * c
+            pa = part_acc[s, h, p]
+            for d in range(head_dim):
+                o[d] += pa[d] * c
+        inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+        orow = out[s, h]
+        for d in range(head_dim):
+            orow[d] = o[d] * inv
 
 
 def _check_attention_args(out, query, key_cache, value_cache, block_tables):
@@ -272,6 +365,7 @@ def paged_attention(
     vc, vs = cache_view(value_cache)
     _check_attention_args(out, query, kc, vc, block_tables)
     nkv = kv_heads_per_task(query.shape[0], kc.shape[2])
+    partition = decode_partition(query.shape[0], kc.shape[2])
     work = (
         query.shape[0]
         * query.shape[1]
@@ -280,7 +374,7 @@ def paged_attention(
     kernel = paged_attention_parallel if work >= PARALLEL_MIN_WORK else paged_attention_serial
     window = sliding_window_arg(sliding_window)
     cap = soft_cap_arg(logits_soft_cap)
-    kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, np.float32(scale), nkv, window, cap)
+    kernel(out, query, kc, vc, ks, vs, block_tables, context_lens, np.float32(scale), nkv, window, cap, partition)
 
 
 def _prefill_attention_kernel(

@@ -116,6 +116,7 @@ def decode_layers(
     num_heads,
     intermediate_size,
     attention_nkv,
+    attention_partition,
     parallel_attention,
     max_chunks,
     out,
@@ -141,7 +142,8 @@ def decode_layers(
             argument per layer (0: none); soft_cap: float32, the attention scores' soft cap (0: none);
             gelu: the MLP's gate is the tanh GeLU (Gemma's GeGLU), else SiLU; num_heads,
             intermediate_size: ints.
-        attention_nkv: KV heads per attention task (``attention.kv_heads_per_task``); parallel_attention:
+        attention_nkv: KV heads per attention task (``attention.kv_heads_per_task``); attention_partition:
+            positions per partition of a split context (``attention.decode_partition``; 0: none); parallel_attention:
             the thread-parallel attention kernel or the serial one (the same results).
         max_chunks: chunks of the quantized row products (as ``quant.quant_linear`` sizes them).
         out: float32 ``[M, hidden]``, written.
@@ -196,11 +198,11 @@ def decode_layers(
         tables, lens, window = block_tables[g], context_lens[g], windows[i]
         if parallel_attention:
             attention.paged_attention_parallel(
-                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap
+                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap, attention_partition
             )
         else:
             attention.paged_attention_serial(
-                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap
+                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap, attention_partition
             )
         for r in range(M):
             for c in range(q_dim):
@@ -254,10 +256,10 @@ def cache_view(kv_cache) -> tuple:
     return cache.cache_view(kv_cache)
 
 
-def attention_tasks(num_seqs: int, num_kv_heads: int) -> int:
-    """KV heads per attention task for ``decode_layers``' ``attention_nkv`` (as ``attention.paged_attention``
-    picks them)."""
-    return attention.kv_heads_per_task(num_seqs, num_kv_heads)
+def attention_tasks(num_seqs: int, num_kv_heads: int) -> tuple:
+    """``decode_layers``' ``(attention_nkv, attention_partition)``: KV heads per attention task and the
+    split of long contexts, as ``attention.paged_attention`` picks them."""
+    return attention.kv_heads_per_task(num_seqs, num_kv_heads), attention.decode_partition(num_seqs, num_kv_heads)
 
 
 def max_chunks() -> int:
