@@ -51,7 +51,7 @@ LAYERS = {
         "weights",
         "spec_decode",
     },
-    "testing": {"base", "face", "kernels", "lora"},  # random models, reference sampler, random quantized blocks
+    "testing": {"base", "face", "kernels"},  # random models, reference sampler, random quantized blocks
     # entrypoints/, folder by folder: the server's state, HTTP plumbing, the shared generation pipeline, the
     # OpenAI APIs and the websocket (each beside the other), and at the top the modules loose in entrypoints/
     "entrypoints.server": BELOW_ENTRYPOINTS,
