@@ -138,3 +138,52 @@ def test_a_shared_prompt_in_one_batch_shares_blocks_within_an_adapter_only(lora_
     assert llm.stats()["prefix_cache_hits"] - before == 3
     assert got[0] == got[2] != got[1]
     _all_returned(llm)
+
+
+def test_on_q8_0_weights_the_adapter_is_added_beside_the_quantized_linears(tmp_path):
+    """A base quantized to Q8_0 on load keeps its blocks; with an adapter its log-softmax is the float64
+    merged reference's within Q8_0's error, far closer than the base alone's."""
+    from rawpaged.testing.random_model import write_random_model
+
+    shape = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+    base = write_random_model(tmp_path / "q8base", seed=3, weight_std=0.08, **shape)
+    adapter = write_random_adapter(tmp_path / "a", base, rank=8, std=0.1, seed=5)
+    prompt = PROMPTS[3]
+
+    def log_softmax(x):
+        x = x - x.max(1, keepdims=True)
+        return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+    ref = log_softmax(forward(_cfg(base), merged_weights(_weights(base), adapter), prompt, MAX_LEN))[:-1]
+    plain = log_softmax(forward(_cfg(base), _weights(base), prompt, MAX_LEN))[:-1]
+    llm = _engine(base, enable_lora=True, quantization="q8_0", max_logprobs=-1)
+    assert not isinstance(llm.engine.model.layers[0]["qkv_proj"], np.ndarray)  # still Q8_0 blocks, not merged
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=LoRARequest("a", 1, str(adapter)))[0]
+    got = np.array([[entry[t].logprob for t in range(ref.shape[1])] for entry in out.prompt_logprobs[1:]])
+    err, effect = np.abs(got - ref).max(), np.abs(plain - ref).max()
+    assert err < 0.1 * effect, (err, effect)
+    _all_returned(llm)
+
+
+def test_lora_steps_run_op_by_op_and_base_steps_keep_the_fused_decode(lora_base, adapters, monkeypatch):
+    llm = _engine(lora_base, enable_lora=True)
+    fused = llm.engine.runner.fused_decode
+    calls = []
+    forward_step = fused.forward_step
+    monkeypatch.setattr(fused, "forward_step", lambda step: calls.append(step) or forward_step(step))
+    _greedy(llm, PROMPTS[:1])
+    assert calls  # the base model's decode steps: one compiled call
+    calls.clear()
+    _greedy(llm, PROMPTS[:2], [_request(0, adapters[0]), None])
+    assert not calls  # any adapter token in a step: op by op
+
+
+def test_parallel_samples_keep_their_requests_adapter(lora_base, adapters):
+    llm = _engine(lora_base, enable_lora=True)
+    lora = _request(2, adapters[2])
+    want = _greedy(llm, PROMPTS[:1], lora)[0]
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, lora_request=lora)[0]
+    assert [o.token_ids for o in out.outputs] == [want] * 3  # forks run with the adapter too
+    _all_returned(llm)
