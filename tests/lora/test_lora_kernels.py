@@ -56,3 +56,23 @@ def test_tiles_group_rows_by_slot():
     assert tile_slots.tolist() == [0, 0, 2, 2]
     empty = k.tiles(np.full(3, -1))
     assert [len(a) for a in empty] == [0, 1, 0]
+
+
+def test_one_tile_runs_the_serial_twin_with_the_same_results():
+    """A decode of one adapter (one tile) takes the serial kernels: the same sums as the parallel ones."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((2, 16, 48)).astype(np.float32)
+    b = rng.standard_normal((2, 24, 16)).astype(np.float32)
+    ranks, scales = np.array([16, 16], np.int32), np.array([1.5, 0.5], np.float32)
+    x = rng.standard_normal((3, 48)).astype(np.float32)
+    slots = np.array([-1, 1, 1])
+    order, starts, tile_slots = k.tiles(slots)
+    assert len(tile_slots) == 1
+    buf = np.full((len(order), 16), np.nan, np.float32)
+    y0 = rng.standard_normal((3, 24)).astype(np.float32)
+    y = y0.copy()
+    k.shrink(x, a, scales, ranks, order, starts, tile_slots, buf)
+    k.expand(buf, b, ranks, order, starts, tile_slots, y, 0)
+    want = _reference(x, a, b, scales, ranks, slots, y0, 0)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert np.array_equal(y[0], y0[0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu.jit import JIT
+from rawpaged.kernels.cpu.jit import jit_serial_and_parallel
 
 #: rows of one adapter computed together (their A and B rows read once per tile)
 TILE_ROWS = 8
@@ -41,8 +41,7 @@ def tiles(slots: np.ndarray, tile_rows: int = TILE_ROWS) -> tuple:
     return order.astype(np.int64), np.array(starts, dtype=np.int64), tile_slots.astype(np.int64)
 
 
-@nb.njit(parallel=True, **JIT)
-def shrink(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf):
+def _shrink(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf):
     """``buf[j, r] = scales[s] * sum_k x[order[j], k] * lora_a[s, r, k]`` for ``r < ranks[s]``.
 
     x: float32 ``[num_rows, in]``; lora_a: float32 ``[num_slots, max_rank, in]``; scales: float32
@@ -62,8 +61,7 @@ def shrink(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf):
                 buf[j, r] = acc * scale
 
 
-@nb.njit(parallel=True, **JIT)
-def expand(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset):
+def _expand(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset):
     """``y[order[j], out_offset + o] += sum_r buf[j, r] * lora_b[s, o, r]`` over ``r < ranks[s]``.
 
     buf: float32 ``[len(order), max_rank]`` (``shrink``'s); lora_b: float32 ``[num_slots, out, max_rank]``;
@@ -81,3 +79,19 @@ def expand(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset):
                 for r in range(rank):
                     acc += buf[j, r] * lora_b[s, o, r]
                 y[t, out_offset + o] += acc
+
+
+_shrink_serial, _shrink_parallel = jit_serial_and_parallel(_shrink)
+_expand_serial, _expand_parallel = jit_serial_and_parallel(_expand)
+
+
+def shrink(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf) -> None:
+    """``_shrink`` (its doc gives the arrays), serial for one tile, else over the thread pool."""
+    fn = _shrink_serial if len(tile_slots) < 2 else _shrink_parallel
+    fn(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf)
+
+
+def expand(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset: int) -> None:
+    """``_expand`` (its doc gives the arrays), serial for one tile, else over the thread pool."""
+    fn = _expand_serial if len(tile_slots) < 2 else _expand_parallel
+    fn(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset)
