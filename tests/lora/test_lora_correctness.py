@@ -187,3 +187,23 @@ def test_parallel_samples_keep_their_requests_adapter(lora_base, adapters):
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, lora_request=lora)[0]
     assert [o.token_ids for o in out.outputs] == [want] * 3  # forks run with the adapter too
     _all_returned(llm)
+
+
+def test_the_second_tiers_blocks_carry_the_adapter_across_a_restart(lora_base, adapters, tmp_path):
+    """Blocks written through to a persistent tier under adapter a: after a restart, adapter b and the base
+    model with the same prompt find none of them, adapter a (same files, same digest) all three."""
+    prompt = [(5 * i + 1) % 250 + 3 for i in range(50)]
+    a, b = _request(0, adapters[0]), _request(1, adapters[1])
+    kw = dict(enable_lora=True, max_loras=2, kv_offloading_size=0.01, kv_offload_dir=str(tmp_path / "tier"))
+    first = _engine(lora_base, **kw)
+    want = _greedy(first, [prompt], a)[0]
+    assert first.stats()["kv_offload"]["prefix_stores"] >= 3
+    first.close()
+    again = _engine(lora_base, **kw)
+    for lora, hits in ((b, 0), (None, 0), (a, 3)):
+        before = again.stats()["offload_prefix_hits"]
+        out = _greedy(again, [prompt], lora)[0]
+        assert again.stats()["offload_prefix_hits"] - before == hits, lora
+    assert out == want
+    _all_returned(again)
+    again.close()
