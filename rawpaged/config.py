@@ -219,7 +219,8 @@ class EngineConfig:
     LLM.generate(..., lora_request=LoRARequest(name, id, path)) picks one per prompt (the CPU backend and
     Llama-family models only; docs/lora.md)"""
     max_loras: int = 1
-    """LoRA adapters one step computes with at most (slots); a request whose adapter would be one more waits"""
+    """LoRA adapters one step computes with at most (slots); a request whose adapter would be one more waits
+    (the ones behind it go on)"""
     max_lora_rank: int = 16
     """the highest rank r an adapter may have (vLLM's default 16); a higher one is refused"""
 

@@ -100,8 +100,9 @@ class Scheduler:
             decodes (None: only ``max_num_batched_tokens`` limits them).
         preemption_mode: "recompute", or "swap" (with ``kv_tier``; recompute where the tier has no room).
         kv_tier: the second KV tier beside ``kv_cache_manager``'s pool (``KVTier``), or None.
-        max_loras: LoRA adapters the running sequences use at most (``Sequence.lora_int_id``); the head of
-            the queue waits while its adapter would be one more (vLLM's rule); None: no limit.
+        max_loras: LoRA adapters the running sequences use at most (``Sequence.lora_int_id``); a waiting
+            sequence whose adapter would be one more is passed over, keeping its place (vLLM's rule); None:
+            no limit.
     Raises:
         ValueError: a limit below 1, or an unknown ``preemption_mode``.
     """
@@ -234,12 +235,22 @@ class Scheduler:
         return n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while they fit; one whose LoRA adapter would exceed
+        ``max_loras`` is passed over for this step and keeps its place (vLLM's rule)."""
+        skipped: list[Sequence] = []
+        try:
+            self._admit_in_order(out, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_in_order(self, out: SchedulerOutput, budget: int, skipped: list) -> None:
         kv = self.kv_cache_manager
         slots = sum(map(_seq_slots, self.running))  # batch slots taken, counting forks still to come
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not self._lora_fits(seq):
-                return
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.swapped_table is not None:
                 if not self._swap_in_group(seq, out):
                     return
