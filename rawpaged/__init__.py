@@ -10,7 +10,8 @@ _configure_numba()  # before anything imports numba: 512-bit vectors on AVX-512 
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.outputs import CompletionOutput, RequestOutput
 from rawpaged.entrypoints.llm import LLM
+from rawpaged.lora.request import LoRARequest
 from rawpaged.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"

@@ -214,6 +214,15 @@ class EngineConfig:
     """speculative decoding, a JSON object as vLLM's: '{"method": "ngram", "num_speculative_tokens": 3}';
     methods ngram, suffix, draft_model (with "model": the draft model); docs/speculative_decoding.md;
     default: off"""
+    enable_lora: bool = False
+    """serve LoRA adapters (PEFT directories) beside the base model, mixed in one batch; offline
+    LLM.generate(..., lora_request=LoRARequest(name, id, path)) picks one per prompt (the CPU backend and
+    Llama-family models only; docs/lora.md)"""
+    max_loras: int = 1
+    """LoRA adapters one step computes with at most (slots); a request whose adapter would be one more waits
+    (the ones behind it go on)"""
+    max_lora_rank: int = 16
+    """the highest rank r an adapter may have (vLLM's default 16); a higher one is refused"""
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -251,6 +260,10 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError(
                 f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}"

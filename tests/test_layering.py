@@ -19,6 +19,7 @@ BELOW_ENTRYPOINTS = {
     "structured_output",
     "kernels",
     "core",
+    "lora",
     "model_executor",
     "weights",
     "spec_decode",
@@ -34,10 +35,22 @@ LAYERS = {
     "face": {"base", "structured_output"},  # config, sampling_params, tokenizer
     "kernels": {"base", "face"},
     "core": {"base", "face"},
-    "model_executor": {"base", "face", "kernels", "core"},
-    "weights": {"base", "face", "kernels", "model_executor"},  # the default model, above the loader
-    "spec_decode": {"base", "face", "kernels", "core", "model_executor"},  # proposers, acceptance rule, draft model
-    "engine": {"base", "face", "structured_output", "kernels", "core", "model_executor", "weights", "spec_decode"},
+    "lora": {"base", "face", "kernels"},  # adapters: PEFT files, their slots, the per-step shrink/expand
+    "model_executor": {"base", "face", "kernels", "core", "lora"},
+    "weights": {"base", "face", "kernels", "lora", "model_executor"},  # the default model, above the loader
+    # proposers, acceptance rule, draft model
+    "spec_decode": {"base", "face", "kernels", "core", "lora", "model_executor"},
+    "engine": {
+        "base",
+        "face",
+        "structured_output",
+        "kernels",
+        "core",
+        "lora",
+        "model_executor",
+        "weights",
+        "spec_decode",
+    },
     "testing": {"base", "face", "kernels"},  # random models, reference sampler, random quantized blocks
     # entrypoints/, folder by folder: the server's state, HTTP plumbing, the shared generation pipeline, the
     # OpenAI APIs and the websocket (each beside the other), and at the top the modules loose in entrypoints/
@@ -47,8 +60,8 @@ LAYERS = {
     "entrypoints.openai": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
     "entrypoints.websocket": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
     "entrypoints": BELOW_ENTRYPOINTS | {f"entrypoints.{folder}" for folder in ENTRYPOINT_FOLDERS},
-    "package": {"base", "face", "kernels", "engine", "entrypoints"},  # rawpaged/__init__.py, __main__.py
-    "tools": {"base", "face", "kernels", "core", "model_executor", "weights", "engine", "testing", "package"},
+    "package": {"base", "face", "kernels", "lora", "engine", "entrypoints"},  # rawpaged/__init__.py, __main__.py
+    "tools": {"base", "face", "kernels", "core", "lora", "model_executor", "weights", "engine", "testing", "package"},
 }
 #: The package root: the library's face and nothing else.
 ROOT_MODULES = {

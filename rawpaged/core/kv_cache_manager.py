@@ -29,7 +29,7 @@ from rawpaged.core.block_pool import BlockPool, BlockPoolError
 from rawpaged.core.block_table import NULL_BLOCK, BlockTable
 from rawpaged.core.kv_cache_groups import KVCacheGroupSpec
 from rawpaged.core.kv_events import COPY, FORK, ROLLBACK, KVCacheEventLog
-from rawpaged.core.prefix_cache import hash_block_tokens, root_hash
+from rawpaged.core.prefix_cache import extra_keys_root_hash, hash_block_tokens, root_hash
 from rawpaged.core.single_type_kv_cache_manager import single_type_manager
 
 
@@ -131,7 +131,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return ComputedBlocks([[] for _ in self.groups], [])
         max_blocks = self._max_cached_blocks(seq)
-        blocks = self.hashed_blocks(seq.token_ids, 0, max_blocks)
+        blocks = self.hashed_blocks(seq.token_ids, 0, max_blocks, self.seq_root_hash(seq))
         hits = [m.cache_hits(blocks, max_blocks) for m in self.managers]
         length = max_blocks
         while True:  # a sliding group's hit at a shorter length may need other blocks: until all agree
@@ -143,6 +143,13 @@ class KVCacheManager:
         if count:
             self.count_prefix_lookup(seq, shortest)
         return ComputedBlocks(found, [h for h, _ in blocks[:shortest]])
+
+    def seq_root_hash(self, seq) -> int:
+        """The root of ``seq``'s hash chain: the cache's ``root_hash``, mixed with its LoRA adapter's
+        digest (``seq.lora_key``) when it has one, so that two adapters never share a block."""
+        if seq.lora_key is None:
+            return self.root_hash
+        return extra_keys_root_hash(self.root_hash, "lora", seq.lora_key)
 
     def hashed_blocks(self, token_ids: list, start: int, stop: int, parent: int | None = None) -> list:
         """``[(chained hash, token_ids)]`` of the full blocks ``start .. stop - 1`` of ``token_ids`` (fewer
@@ -181,7 +188,7 @@ class KVCacheManager:
         hashes = tables[0].block_hashes
         done = len(hashes)
         stop = min(seq.num_computed_tokens, seq.num_tokens) // bs
-        new = self.hashed_blocks(seq.token_ids, done, stop, hashes[-1] if hashes else None)
+        new = self.hashed_blocks(seq.token_ids, done, stop, hashes[-1] if hashes else self.seq_root_hash(seq))
         cached = []
         for m, table in zip(self.managers, tables):
             for i, (h, tokens) in enumerate(new, start=done):

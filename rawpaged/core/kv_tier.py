@@ -67,7 +67,7 @@ class KVTier:
         if not kv.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         token_ids, bs = seq.token_ids, kv.block_size
-        parent = kv.root_hash
+        parent = kv.seq_root_hash(seq)
         for i in range(num_computed_blocks):  # the chain up to the pool hits (hashed again: cheap)
             parent = hash_block_tokens(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
         found = []

@@ -35,6 +35,15 @@ def root_hash(*keys) -> int:
 DEFAULT_ROOT_HASH = root_hash()
 
 
+def extra_keys_root_hash(root: int, *extra_keys) -> int:
+    """The root of the chains of a sequence whose KV also depends on ``extra_keys`` (its LoRA adapter's
+    digest, as vLLM puts the adapter in each block hash's extra keys): a content hash of ``root`` and
+    their ``repr``s, so such a sequence's blocks are never another's; ``root`` itself without keys."""
+    if not extra_keys:
+        return root
+    return _digest(repr(("rawpaged-extra-keys", root, *extra_keys)).encode())
+
+
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple) -> int:
     """Chained hash of one full block, a 64-bit int: the first 8 bytes of SHA-256 over the parent's hash
     and the block's token ids (little-endian int64s). It depends on every token before the block (through

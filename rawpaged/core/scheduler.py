@@ -100,6 +100,9 @@ class Scheduler:
             decodes (None: only ``max_num_batched_tokens`` limits them).
         preemption_mode: "recompute", or "swap" (with ``kv_tier``; recompute where the tier has no room).
         kv_tier: the second KV tier beside ``kv_cache_manager``'s pool (``KVTier``), or None.
+        max_loras: LoRA adapters the running sequences use at most (``Sequence.lora_int_id``); a waiting
+            sequence whose adapter would be one more is passed over, keeping its place (vLLM's rule); None:
+            no limit.
     Raises:
         ValueError: a limit below 1, or an unknown ``preemption_mode``.
     """
@@ -115,6 +118,7 @@ class Scheduler:
         max_prefill_tokens_while_decoding: int | None = None,
         preemption_mode: str = "recompute",
         kv_tier: KVTier | None = None,
+        max_loras: int | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -136,6 +140,7 @@ class Scheduler:
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.eos_token_ids = frozenset(eos_token_ids)
         self.admission_policy = admission_policy
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -230,10 +235,22 @@ class Scheduler:
         return n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while they fit; one whose LoRA adapter would exceed
+        ``max_loras`` is passed over for this step and keeps its place (vLLM's rule)."""
+        skipped: list[Sequence] = []
+        try:
+            self._admit_in_order(out, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_in_order(self, out: SchedulerOutput, budget: int, skipped: list) -> None:
         kv = self.kv_cache_manager
         slots = sum(map(_seq_slots, self.running))  # batch slots taken, counting forks still to come
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if not self._lora_fits(seq):
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.swapped_table is not None:
                 if not self._swap_in_group(seq, out):
                     return
@@ -270,6 +287,13 @@ class Scheduler:
                 self.admission_policy.admitted(seq)
             out.scheduled.append((seq, n))
             budget -= n
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether running ``seq`` keeps the running sequences' adapters within ``max_loras``."""
+        if self.max_loras is None or not seq.lora_int_id:
+            return True
+        running = {s.lora_int_id for s in self.running if s.lora_int_id}
+        return seq.lora_int_id in running or len(running) < self.max_loras
 
     def _preempt_newest(self, out: SchedulerOutput) -> list:
         """Preempt the newest running sequence; a beam takes its running siblings with it, since beams

@@ -58,6 +58,10 @@ class Sequence:
     spec_token_ids: list = field(default_factory=list)
     spec_misses: int = 0
     spec_backoff: int = 0
+    # LoRA: the adapter's id (0: the base model alone) and its content digest, which the prefix cache's
+    # hash chain starts from (None: the cache's own root), so two adapters never share a KV block
+    lora_int_id: int = 0
+    lora_key: str | None = None
 
     @property
     def block_table(self) -> BlockTable | None:
@@ -115,4 +119,6 @@ class Sequence:
             first_token_time=self.first_token_time,
             grammar=self.grammar.fork() if self.grammar is not None else None,
             reasoning_ended=self.reasoning_ended,
+            lora_int_id=self.lora_int_id,
+            lora_key=self.lora_key,
         )

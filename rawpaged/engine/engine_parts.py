@@ -21,6 +21,7 @@ from rawpaged.engine.input_processor import InputProcessor
 from rawpaged.engine.kv_cache_key import KVCacheKey, kv_cache_key
 from rawpaged.engine.kv_offload import KVOffload, fingerprint_dir
 from rawpaged.engine.output_processor import OutputProcessor
+from rawpaged.lora.models import LoRAModelManager
 from rawpaged.model_executor.model_config import GenerationConfig
 from rawpaged.model_executor.model_loader import load_model
 from rawpaged.model_executor.model_parts import KVPoolSpec, ModelParts, RunnerOptions, build_model, build_model_parts
@@ -151,7 +152,8 @@ def build_engine_parts(config: EngineConfig, backend) -> EngineParts:
         num_blocks, config.block_size, kv_dtype, config.enable_prefix_caching, (key.digest,), kv_cache_groups=groups
     )
     options = RunnerOptions(config.enforce_eager, config.fused_decode, config.max_num_seqs)
-    target = build_model_parts(mc, tokenizer, model, max_model_len, pool, options, tier.store if tier else None)
+    lora = lora_manager(config, mc, backend)
+    target = build_model_parts(mc, tokenizer, model, max_model_len, pool, options, tier.store if tier else None, lora)
     return EngineParts(
         config,
         model_dir,
@@ -200,7 +202,20 @@ def _scheduler(config: EngineConfig, target: ModelParts, eos_token_ids: set, tie
         max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
         preemption_mode=config.preemption_mode or ("swap" if tier else "recompute"),
         kv_tier=KVTier(kv, tier.manager, write_through=tier.persistent) if tier else None,
+        max_loras=config.max_loras if config.enable_lora else None,
     )
+
+
+def lora_manager(config: EngineConfig, model_config, backend) -> LoRAModelManager | None:
+    """The adapters' slots with ``enable_lora`` (else None). Raises ValueError where LoRA cannot run yet:
+    a backend other than the CPU, or a Gemma model."""
+    if not config.enable_lora:
+        return None
+    if backend.name != "cpu":
+        raise ValueError(f"enable_lora: the {backend.name} backend has no LoRA kernels yet (use device='cpu')")
+    if model_config.gemma:
+        raise ValueError(f"enable_lora: {model_config.architecture} does not take LoRA adapters yet")
+    return LoRAModelManager(model_config, config.max_loras, config.max_lora_rank)
 
 
 def build_speculator(spec, target: ModelParts) -> Speculator | None:

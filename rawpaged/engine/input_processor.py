@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from rawpaged.errors import InvalidRequestError
+from rawpaged.lora.request import LoRARequest
 from rawpaged.sampling_params import ALL_LOGPROBS, SamplingParams
 from rawpaged.tokenizer import Tokenizer
 
@@ -87,6 +88,24 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"Requested {what} of {n}, which is greater than max allowed: {self.max_logprobs}", name
                 )
+
+    def check_lora_request(self, lora_request, lora_manager) -> object:
+        """The adapter of ``lora_request`` (None: none), loaded and checked by ``lora_manager``
+        (``rawpaged.lora.models.LoRAModelManager``; None: LoRA is off), as a ``LoRAModel`` or None.
+        Raises InvalidRequestError (param "lora_request") where LoRA is off, for something not a
+        ``LoRARequest``, or an adapter that cannot be loaded (the message names the adapter and the field)."""
+        if lora_request is None:
+            return None
+        if lora_manager is None:
+            raise InvalidRequestError("lora_request given but LoRA is not enabled (enable_lora=True)", "lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}", "lora_request"
+            )
+        try:
+            return lora_manager.add_adapter(lora_request)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "lora_request") from None
 
     def process(self, prompt, params: SamplingParams) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its

@@ -3,8 +3,9 @@
 The prefix cache's hash chains start from this key's digest (``KVCacheManager(cache_keys=...)``), and the
 second KV tier's file is named by it and carries it in its header (``kv_offload.KVOffload``). So a block
 computed under one configuration is never served to another: a restart with another quantization, weight
-dtype, KV dtype, block size, backend or model files finds no hit. A new setting that changes KV values
-(LoRA adapters, a new architecture's options) joins ``KVCacheKey``; docs/kv_memory.md lists the fields.
+dtype, KV dtype, block size, backend or model files finds no hit. A new engine-wide setting that changes KV
+values (a new architecture's options) joins ``KVCacheKey``; docs/kv_memory.md lists the fields. A LoRA
+adapter, chosen per request, keys its sequences' chains instead (``KVCacheManager.seq_root_hash``).
 
 What is not in it computes the same math: kernel paths (fused decode, CUDA graphs, eager), batch sizes and
 scheduling limits, ``max_model_len``, sampling.

@@ -99,7 +99,12 @@ class LLMEngine:
         return self._structured_output_manager
 
     def add_request(
-        self, prompt, params: SamplingParams | None = None, request_id: str | None = None, grammar=None
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        grammar=None,
+        lora_request=None,
     ) -> str:
         """Queue a request; ``prompt`` is a string or ``{"prompt_token_ids": [...]}``/``{"prompt": str}``.
 
@@ -110,18 +115,23 @@ class LLMEngine:
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
         token ids outside the vocabulary (in the prompt, ``logit_bias``, ``allowed_token_ids`` or
         ``bad_words``), a prompt that leaves no room in ``max_model_len``, one that cannot fit even in the
-        empty pool, a ``request_id`` in use, or a constraint that does not compile.
+        empty pool, a ``request_id`` in use, a constraint that does not compile, or a ``lora_request``
+        (``rawpaged.lora.request.LoRARequest``: the adapter it runs with) without ``enable_lora`` or whose
+        adapter cannot be loaded (param "lora_request", the message naming the adapter and the field).
         """
         params = params or SamplingParams()
         text, ids = self.input_processor.process(prompt, params)
+        lora = self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         rules = logits_rules(params, ids, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.structured_output_manager.compile(params.structured_outputs)
-        req = Request(request_id, text, ids, params, time.monotonic(), logits_rules=rules)
+        req = Request(request_id, text, ids, params, time.monotonic(), logits_rules=rules, lora_request=lora_request)
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
+        if lora is not None:
+            seq.lora_int_id, seq.lora_key = lora.id, lora.digest
         seq.grammar = grammar if params.structured_outputs is not None else None
         if seq.grammar is not None and self.reasoning_end_token_id is not None:  # as vLLM: ended if in the prompt
             seq.reasoning_ended = self.reasoning_end_token_id in ids

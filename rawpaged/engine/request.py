@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rawpaged.engine.beam_search import BeamState
+from rawpaged.lora.request import LoRARequest
 from rawpaged.model_executor.logits_processors import LogitsRules
 from rawpaged.sampling_params import SamplingParams
 
@@ -18,6 +19,7 @@ class Request:
     beam, beams: beam search only: the search state, and the beams still running.
     logits_rules: the penalties, bias and bans its parameters put on the logits
         (``model_executor.logits_processors.LogitsRules``), or None.
+    lora_request: the LoRA adapter it runs with (``rawpaged.lora.request.LoRARequest``), or None.
     """
 
     request_id: str
@@ -30,6 +32,7 @@ class Request:
     beam: BeamState | None = None
     beams: list = field(default_factory=list)
     logits_rules: LogitsRules | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,13 +20,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None) -> list:
+    def generate(self, prompts, sampling_params=None, lora_request=None) -> list:
         """Generate for one prompt or a list; returns ``RequestOutput``s in input order.
 
         ``sampling_params`` is one ``SamplingParams`` for all or a list (one per prompt); None means
-        ``get_default_sampling_params()`` (the model's generation config, as in vLLM). If any prompt
-        is invalid, a ValueError is raised and nothing is left queued. If computing a request failed in the
-        engine, RequestFailedError is raised once the others are done.
+        ``get_default_sampling_params()`` (the model's generation config, as in vLLM). ``lora_request``
+        (with ``enable_lora``): one ``LoRARequest`` for all, a list (one per prompt, None for the base model),
+        or None. If any prompt or adapter is invalid, a ValueError is raised and nothing is left queued. If
+        computing a request failed in the engine, RequestFailedError is raised once the others are done.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -34,10 +35,13 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params))
+            for prompt, params, lora in zip(prompts, sampling_params, loras):
+                ids.append(self.engine.add_request(prompt, params, lora_request=lora))
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -23,17 +23,22 @@ def sampled_logits(model, hidden, layout):
 
 class EagerForward:
     """Any step, kernel by kernel: ``LlamaModel.forward`` over the runner's per-layer KV caches
-    (``layer_groups``: each layer's KV cache group index, empty with one group)."""
+    (``layer_groups``: each layer's KV cache group index, empty with one group; ``lora``: the step's
+    adapters, ``rawpaged.lora.punica.PunicaWrapper``, or None)."""
 
-    def __init__(self, model, key_caches: list, value_caches: list, layer_groups: tuple = ()):
+    def __init__(self, model, key_caches: list, value_caches: list, layer_groups: tuple = (), lora=None):
         self.model = model
         self.key_caches, self.value_caches = key_caches, value_caches
         self.layer_groups = layer_groups
+        self.lora = lora
 
     def can_run(self, step) -> bool:
         return True
 
     def forward_step(self, step) -> tuple:
         ids, positions, attn = step.device_inputs(self.model.backend, self.layer_groups)
-        hidden = self.model.forward(ids, positions, attn, self.key_caches, self.value_caches)
+        if self.lora is None:
+            hidden = self.model.forward(ids, positions, attn, self.key_caches, self.value_caches)
+        else:
+            hidden = self.model.forward(ids, positions, attn, self.key_caches, self.value_caches, lora=self.lora)
         return sampled_logits(self.model, hidden, step.layout), hidden

@@ -102,9 +102,11 @@ def build_model_parts(
     pool: KVPoolSpec,
     options: RunnerOptions = RunnerOptions(),
     kv_store=None,
+    lora_manager=None,
 ) -> ModelParts:
     """``model``'s pool (``pool``) and runner (``options``; ``kv_store``: the second KV tier's store, or
-    None), the pool's arrays allocated on the model's backend. Raises ValueError for a pool of no block."""
+    None; ``lora_manager``: the adapters' slots, or None), the pool's arrays allocated on the model's
+    backend. Raises ValueError for a pool of no block."""
     kv = KVCacheManager(
         pool.num_blocks,
         pool.block_size,
@@ -124,5 +126,6 @@ def build_model_parts(
         max_model_len=max_model_len,
         kv_store=kv_store,
         kv_cache_groups=pool.kv_cache_groups,
+        lora_manager=lora_manager,
     )
     return ModelParts(model_config, tokenizer, model, max_model_len, kv, runner, pool.kv_cache_dtype)

@@ -12,6 +12,7 @@ from rawpaged.core.kv_cache_groups import KVCacheGroupSpec, group_size, layer_sl
 from rawpaged.core.scheduler import SchedulerOutput
 from rawpaged.dtypes import kv_row_bytes
 from rawpaged.kernels.backend import split_block_mapping
+from rawpaged.lora.punica import PunicaWrapper
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.forward_paths import EagerForward
@@ -48,6 +49,9 @@ class ModelRunner:
             decode path, when enabled, takes the steps it covers first.
         kv_store: the second KV tier's bytes (``kv_offload_store.HostKVStore``, its layout these caches'), or
             None without a tier.
+        lora_manager: the adapters' slots (``rawpaged.lora.models.LoRAModelManager``), or None without LoRA.
+            A step where some token has an adapter runs op by op (the static decode path and the fused CPU
+            decode have no LoRA), the adapters added beside the linears (``rawpaged.lora.punica``).
     """
 
     def __init__(
@@ -63,8 +67,10 @@ class ModelRunner:
         fused_decode: bool = True,
         kv_store=None,
         kv_cache_groups: tuple | None = None,
+        lora_manager=None,
     ):
         self.kv_store = kv_store
+        self.lora_manager = lora_manager
         self.model = model
         self.backend = model.backend
         self.block_size = block_size
@@ -135,7 +141,10 @@ class ModelRunner:
 
     def _forward_path(self, step: StepInput):
         """The first of the static decode path, the CPU's fused decode and the op-by-op forward that
-        runs ``step``."""
+        runs ``step``; a step with adapters runs op by op."""
+        if step.lora_ids is not None:
+            lora = PunicaWrapper(self.lora_manager, self.lora_manager.token_slots(step.lora_ids))
+            return EagerForward(self.model, self.key_caches, self.value_caches, self.layer_groups, lora=lora)
         for path in (self.cuda_graph, self.fused_decode):
             if path is not None and path.can_run(step):
                 return path

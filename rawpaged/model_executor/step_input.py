@@ -54,7 +54,9 @@ class StepInput:
     input_ids, positions, slot_mapping: int64 ``[num_tokens]``, decodes' tokens first (``slot_mapping``:
     the first KV cache group's slots; ``group_slot_mappings``: each group's, the same shape).
     decode_context_lens: int32 ``[num_decode_tokens]``, what each decode row attends (its context and
-    the new tokens up to its own). layout: the logits rows (``LogitsLayout``).
+    the new tokens up to its own). layout: the logits rows (``LogitsLayout``). lora_ids: int64
+    ``[num_tokens]``, each token's adapter (its sequence's ``lora_int_id``, 0: none), or None when no
+    token of the step has one.
     """
 
     decodes: tuple
@@ -66,6 +68,7 @@ class StepInput:
     decode_context_lens: np.ndarray
     layout: LogitsLayout
     group_slot_mappings: tuple = ()
+    lora_ids: np.ndarray | None = None
 
     @property
     def num_groups(self) -> int:
@@ -161,7 +164,15 @@ def build_step_input(scheduler_output: SchedulerOutput) -> StepInput:
         decode_context_lens=np.array(decode_lens, dtype=np.int32),
         layout=_logits_layout(scheduler_output, ordered),
         group_slot_mappings=tuple(np.array(g, dtype=np.int64) for g in slots),
+        lora_ids=_lora_ids(ordered),
     )
+
+
+def _lora_ids(ordered: list) -> np.ndarray | None:
+    """Each token's adapter id (``StepInput.lora_ids``), or None when no sequence has one."""
+    if not any(s.lora_int_id for s, _ in ordered):
+        return None
+    return np.repeat(np.array([s.lora_int_id for s, _ in ordered], dtype=np.int64), [n for _, n in ordered])
 
 
 def _logits_layout(scheduler_output: SchedulerOutput, ordered: list) -> LogitsLayout:

@@ -118,11 +118,13 @@ class LlamaModel:
         self.layer_windows = config.layer_windows()
         self.scale = config.head_dim**-0.5
 
-    def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches):
+    def forward(self, input_ids, positions, attn: AttentionMetadata, key_caches, value_caches, lora=None):
         """Hidden states after the final norm.
 
         input_ids, positions: int64 ``[num_tokens]``; caches: per-layer lists of
-        ``[num_blocks, block_size, num_kv_heads, head_dim]``. Returns ``[num_tokens, hidden]``.
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``. lora: the step's adapters
+        (``rawpaged.lora.punica.PunicaWrapper``), added beside each targeted linear, or None. Returns
+        ``[num_tokens, hidden]``.
         """
         be, cfg = self.backend, self.config
         T = input_ids.shape[0]
@@ -137,6 +139,8 @@ class LlamaModel:
             else:
                 x = be.rms_norm(h, layer["input_layernorm"], cfg.rms_norm_eps, residual=residual)
             qkv = be.linear(x, layer["qkv_proj"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add_lora(i, "qkv_proj", x, qkv)
             q, k, v = be.split_qkv(qkv, Hq, Hkv, D)
             if layer["q_norm"] is not None:
                 q = be.rms_norm(q.reshape(T * Hq, D), layer["q_norm"], cfg.rms_norm_eps).reshape(T, Hq, D)
@@ -146,13 +150,27 @@ class LlamaModel:
             )
             paged_attention_layer(be, attn_out, q, key_caches[i], value_caches[i], a, self.scale, window)
             h = be.linear(attn_out.reshape(T, Hq * D), layer["o_proj"])
+            if lora is not None:
+                lora.add_lora(i, "o_proj", attn_out.reshape(T, Hq * D), h)
             x = be.rms_norm(h, layer["post_attention_layernorm"], cfg.rms_norm_eps, residual=residual)
             if "moe" in layer:
                 h = fused_moe(be, x, layer["moe"], cfg)
-            else:
+            elif lora is None:
                 h = be.linear(be.silu_and_mul(be.linear(x, layer["gate_up_proj"])), layer["down_proj"])
+            else:
+                h = _lora_mlp(be, x, layer, lora, i)
         return be.rms_norm(h, self.norm, cfg.rms_norm_eps, residual=residual)
 
     def compute_logits(self, hidden):
         """float32 logits ``[n, vocab]`` for hidden ``[n, hidden_size]``."""
         return self.backend.linear(hidden, self.lm_head, float32_out=True)
+
+
+def _lora_mlp(be, x, layer: dict, lora, i: int):
+    """Layer ``i``'s SwiGLU MLP with the step's adapters added beside gate/up and down."""
+    gate_up = be.linear(x, layer["gate_up_proj"])
+    lora.add_lora(i, "gate_up_proj", x, gate_up)
+    act = be.silu_and_mul(gate_up)
+    h = be.linear(act, layer["down_proj"])
+    lora.add_lora(i, "down_proj", act, h)
+    return h
