@@ -26,7 +26,7 @@ BELOW_ENTRYPOINTS = {
     "engine",
 }
 #: The folders of entrypoints/, each a layer of its own (``entrypoints.<folder>``).
-ENTRYPOINT_FOLDERS = ("server", "http", "generation", "openai", "websocket")
+ENTRYPOINT_FOLDERS = ("server", "http", "generation", "openai", "anthropic", "websocket")
 #: Layers from the bottom up, each with the layers below it that it may import. A layer never imports one
 #: above it, so each can be read, tested and replaced without those above.
 LAYERS = {
@@ -58,6 +58,7 @@ LAYERS = {
     "entrypoints.http": BELOW_ENTRYPOINTS | {"entrypoints.server"},
     "entrypoints.generation": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http"},
     "entrypoints.openai": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
+    "entrypoints.anthropic": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
     "entrypoints.websocket": BELOW_ENTRYPOINTS | {"entrypoints.server", "entrypoints.http", "entrypoints.generation"},
     "entrypoints": BELOW_ENTRYPOINTS | {f"entrypoints.{folder}" for folder in ENTRYPOINT_FOLDERS},
     "package": {"base", "face", "kernels", "lora", "engine", "entrypoints"},  # rawpaged/__init__.py, __main__.py

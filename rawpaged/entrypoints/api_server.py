@@ -2,7 +2,8 @@
 middleware (``middleware``) and the start-up and clean-up hooks (``lifecycle``); ``launcher.serve`` runs it.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id}
-and POST /v1/responses/{id}/cancel (OpenAI's Responses API), GET /v1/models, and vLLM's tokenizer routes
+and POST /v1/responses/{id}/cancel (OpenAI's Responses API), POST /v1/messages and POST
+/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), GET /v1/models, and vLLM's tokenizer routes
 POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
 /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``), and the playground page:
 GET / and /static/ (``playground``). All but /health, /metrics and the playground's need the API key when
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from rawpaged.config import EngineConfig
 from rawpaged.entrypoints import health
+from rawpaged.entrypoints.anthropic.serving import count_tokens, create_message
 from rawpaged.entrypoints.generation.fingerprint import system_fingerprint
 from rawpaged.entrypoints.http import playground
 from rawpaged.entrypoints.http.body import expect_handler
@@ -50,6 +52,8 @@ ROUTES = (
     web.post("/v1/responses", create_response, expect_handler=expect_handler),
     web.get("/v1/responses/{response_id}", retrieve_response),
     web.post("/v1/responses/{response_id}/cancel", cancel_response),
+    web.post("/v1/messages", create_message, expect_handler=expect_handler),
+    web.post("/v1/messages/count_tokens", count_tokens, expect_handler=expect_handler),
     web.get("/v1/models", show_available_models),
     web.get("/v1/models/{model:.+}", retrieve_model),
     web.post("/tokenize", create_tokenize, expect_handler=expect_handler),

@@ -242,8 +242,8 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer <key>' on every route except /health, /metrics and the "
-        "playground page (/ and /static/)",
+        help="require 'Authorization: Bearer <key>' (or 'x-api-key: <key>') on every route except /health, "
+        "/metrics and the playground page (/ and /static/)",
     )
     p.add_argument(
         "--max-tokens-limit",

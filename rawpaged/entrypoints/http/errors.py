@@ -43,3 +43,37 @@ def field_error(e: ValueError) -> ProtocolError:
     as the KV cache snapshot's checks word them)."""
     message = str(e)
     return ProtocolError(message, param=message.split(" ", 1)[0])
+
+
+#: the routes that answer errors in Anthropic's shape (the Messages API: ``anthropic``)
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+#: HTTP status -> Anthropic's error ``type``; any other 4xx is ``invalid_request_error``, 5xx ``api_error``
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+#: the status a refusal answers with on an Anthropic route: a busy or loading server (503 elsewhere) is
+#: Anthropic's 529 ``overloaded_error``, which its clients retry
+ANTHROPIC_STATUS = {503: 529}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of the routes whose errors take Anthropic's shape."""
+    return path == ANTHROPIC_PATH_PREFIX or path.startswith(ANTHROPIC_PATH_PREFIX + "/")
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP ``status`` (``ANTHROPIC_ERROR_TYPES``)."""
+    return ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error_body(message: str, type: str = "invalid_request_error") -> dict:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": type, "message": message}}

@@ -1,5 +1,5 @@
 """JSON responses of the routes and the middleware: a body, or an OpenAI error body counted in the
-metrics."""
+metrics (rewritten in Anthropic's shape on its routes: ``as_anthropic_error``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from aiohttp import web
 
-from rawpaged.entrypoints.http.errors import error_body
+from rawpaged.entrypoints.http.errors import ANTHROPIC_STATUS, anthropic_error_body, anthropic_error_type, error_body
 from rawpaged.entrypoints.server.state import AppState
 
 
@@ -27,3 +27,20 @@ def error_response(
     """An OpenAI error body with ``status``, counted in the metrics."""
     state.metrics.count_error(status)
     return json_response(error_body(message, type, param, code), status=status)
+
+
+def as_anthropic_error(response: web.Response) -> None:
+    """Rewrite an error ``response`` that is not yet sent, in place (its headers and connection kept), in
+    Anthropic's shape: its status as Anthropic's (``ANTHROPIC_STATUS``: 503 -> 529) and the body
+    ``{"type": "error", "error": {"type", "message"}}``, the type by that status. A body that is not an
+    OpenAI error body (not JSON) keeps its text as the message."""
+    status = ANTHROPIC_STATUS.get(response.status, response.status)
+    if status != response.status:
+        response.set_status(status, "Overloaded" if status == 529 else None)
+    message = response.text or response.reason or ""
+    try:
+        message = json.loads(message)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    response.text = json.dumps(anthropic_error_body(message, anthropic_error_type(status)))
+    response.content_type = "application/json"

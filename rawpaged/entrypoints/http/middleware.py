@@ -4,7 +4,8 @@ response-prepare hook of the app (``app.create_app``).
 Before the route: the connection gate counts it; a ``Host`` this server does not answer for (``hosts``), a
 refused ``Origin`` (``cors``), a drain in progress and a missing API key (``auth``) are refused; a CORS
 preflight is answered. After: a ``ProtocolError``, an ``EngineError`` or aiohttp's own HTTP errors become
-OpenAI error bodies, anything else a 500, and each refusal gets one log line.
+OpenAI error bodies (Anthropic's on its routes: ``errors.is_anthropic_path``), anything else a 500, and each
+refusal gets one log line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import logging
 from aiohttp import web
 
 from rawpaged.entrypoints.http import cors, hosts, playground
-from rawpaged.entrypoints.http.auth import authorization_matches, unauthorized
-from rawpaged.entrypoints.http.errors import ProtocolError
-from rawpaged.entrypoints.http.json_reply import error_response
+from rawpaged.entrypoints.http.auth import headers_carry_key, unauthorized
+from rawpaged.entrypoints.http.errors import ProtocolError, is_anthropic_path
+from rawpaged.entrypoints.http.json_reply import as_anthropic_error, error_response
 from rawpaged.entrypoints.server.state import STATE, AppState
 from rawpaged.errors import EngineError
 
@@ -41,6 +42,8 @@ async def request_middleware(request: web.Request, handler) -> web.StreamRespons
         response = await _handle(state, request, handler)
     finally:
         state.gate.end(request)
+    if response.status >= 400 and isinstance(response, web.Response) and is_anthropic_path(request.path):
+        as_anthropic_error(response)
     if response.status >= 400 and not (state.draining and response.status == 503):
         _log_refusal(request, response)
     return response
@@ -105,14 +108,14 @@ def _refusal(state: AppState, request: web.Request) -> web.Response | None:
         resp.headers["Retry-After"] = "5"
         resp.force_close()
         return resp
-    if _needs_key(state, request) and not authorization_matches(state.api_key, request.headers.get("Authorization")):
+    if _needs_key(state, request) and not headers_carry_key(state.api_key, request.headers):
         e = unauthorized()
         return error_response(state, e.status, e.message, e.type, code=e.code)
     return None
 
 
 def _needs_key(state: AppState, request: web.Request) -> bool:
-    """Whether the request must carry the API key in its ``Authorization`` header."""
+    """Whether the request must carry the API key (``Authorization`` or ``x-api-key``: ``auth``)."""
     return bool(
         state.api_key
         and request.path not in OPEN_PATHS
