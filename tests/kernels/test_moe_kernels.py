@@ -88,6 +88,23 @@ def test_grouped_linear_matches_numpy_and_never_reads_an_expert_without_rows():
         be.grouped_linear(x, offsets[:-1], experts)
 
 
+@pytest.mark.parametrize("rows", [(13, 0, 4, 6), (1, 2, 3, 0), (33, 8, 0, 5)])
+def test_grouped_linear_in_register_tiles_matches_a_float64_reference(rows):
+    """Experts of many rows (prefill): whole tiles of 4 rows, the rows past them, weight rows past the
+    last whole tile of 6 (3) and of 4, against the float64 product; an expert without rows never read."""
+    rng = np.random.default_rng(sum(rows))
+    E, N, K = len(rows), TILE_N + 7, 67
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    for e in np.flatnonzero(np.array(rows) == 0):
+        w[e] = np.nan
+    offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    x = rng.standard_normal((offsets[-1], K)).astype(np.float32)
+    out = be.grouped_linear(x, offsets, be.load_experts([w], "float32"))
+    owner = np.repeat(np.arange(E), rows)
+    want = np.einsum("mk,mnk->mn", x.astype(np.float64), w[owner].astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_combine_weights_and_sums_each_tokens_rows():
     rng = np.random.default_rng(2)
     T, k, H = 4, 3, 10

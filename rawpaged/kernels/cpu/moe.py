@@ -13,7 +13,9 @@ which each token takes ``k``:
    to blocks).
 3. ``grouped_linear``: the rows of each expert times that expert's weight, in one parallel kernel over
    (expert, tile of weight rows) tasks of the experts that have rows: an expert no token selected is
-   never read, each used expert's weights are streamed from memory once per call.
+   never read, each used expert's weights are streamed from memory once per call. An expert's rows go
+   four at a time through ``gemm``'s register tiles (4 x 6 or 4 x 3 dot products along K together), the
+   rows past the last multiple of 4 through dot products of four weight rows at a time.
 4. ``moe_combine``: each token's ``k`` outputs weighted and summed, in slot order (so a token's result
    does not depend on the other tokens of the step).
 """
@@ -23,13 +25,14 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x1, _tile_4x3, _tile_4x6
 from rawpaged.kernels.cpu.jit import JIT
 
 #: the exact kernels (routing, counting sort, scatter): no fastmath, so ties and NaNs compare as written
 _EXACT = dict(cache=True, nogil=True)
-#: weight rows a task of ``grouped_linear`` takes (a tile of 16 rows of 4 KiB stays in L1/L2 across the
-#: expert's rows)
-TILE_N = 16
+#: weight rows a task of ``grouped_linear`` takes: a multiple of the register tiles' 6 and 3 and the GEMV's 4
+#: (the task's weight rows stay in L2 across the expert's rows, each tile's in L1 across its row tiles)
+TILE_N = 48
 
 
 @nb.njit(**_EXACT)
@@ -145,20 +148,60 @@ def _tasks(offsets, N, tile):
     return task_e, task_n
 
 
+@nb.njit(**JIT)
+def _row(xr, w, out, n0, n1):
+    """``out[n0:n1] = w[n0:n1] @ xr``: dot products of four weight rows at a time (each x vector loaded once
+    for the four, as ``gemm``'s GEMV), the last rows one by one."""
+    K = xr.shape[0]
+    n = n0
+    while n + 4 <= n1:
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for k in range(K):
+            xk = xr[k]
+            a0 += xk * w[n, k]
+            a1 += xk * w[n + 1, k]
+            a2 += xk * w[n + 2, k]
+            a3 += xk * w[n + 3, k]
+        out[n] = a0
+        out[n + 1] = a1
+        out[n + 2] = a2
+        out[n + 3] = a3
+        n += 4
+    for m in range(n, n1):
+        acc = np.float32(0.0)
+        for k in range(K):
+            acc += xr[k] * w[m, k]
+        out[m] = acc
+
+
+@nb.njit(**JIT)
+def _tiles(x, w, out, n0, n1):
+    """``out[:, n0:n1] = x @ w[n0:n1].T`` for ``x [Mt, K]``, Mt a multiple of ``gemm.TILE_M``: ``gemm``'s
+    register tiles (4 rows by ``GEMM_TILE_N`` weight rows), weight rows past the last whole tile 4 x 1."""
+    nt = n0 + (n1 - n0) // GEMM_TILE_N * GEMM_TILE_N
+    for n in range(n0, nt, GEMM_TILE_N):
+        for m in range(0, x.shape[0], TILE_M):
+            if GEMM_TILE_N == 6:
+                _tile_4x6(x, w, out, m, n, n)
+            else:
+                _tile_4x3(x, w, out, m, n, n)
+    for n in range(nt, n1):
+        for m in range(0, x.shape[0], TILE_M):
+            _tile_4x1(x, w, out, m, n)
+
+
 @nb.njit(parallel=True, **JIT)
 def _grouped(x, offsets, w, task_e, task_n, tile, out):
-    N, K = w.shape[1], w.shape[2]
+    N = w.shape[1]
     for i in nb.prange(task_e.shape[0]):
         e, n0 = task_e[i], task_n[i]
         n1 = min(n0 + tile, N)
-        for r in range(offsets[e], offsets[e + 1]):
-            xr = x[r]
-            for n in range(n0, n1):
-                wn = w[e, n]
-                acc = np.float32(0.0)
-                for k in range(K):
-                    acc += xr[k] * wn[k]
-                out[r, n] = acc
+        r0, r1 = offsets[e], offsets[e + 1]
+        tiled = r0 + (r1 - r0) // TILE_M * TILE_M  # the expert's rows in whole register tiles, then the rest
+        if tiled > r0:
+            _tiles(x[r0:tiled], w[e], out[r0:tiled], n0, n1)
+        for r in range(tiled, r1):
+            _row(x[r], w[e], out[r], n0, n1)
 
 
 def grouped_linear(x, expert_offsets, experts) -> np.ndarray:
