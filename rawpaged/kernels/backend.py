@@ -81,9 +81,6 @@ class Backend(Protocol):
     """The array module (``numpy`` or ``cupy``)."""
     dtype_pairs: tuple
     """(activation dtype, KV-cache dtype) name pairs this backend runs."""
-    supports_moe: bool
-    """Whether the mixture-of-experts ops below are implemented (else they raise NotImplementedError and a
-    mixture-of-experts model is refused before its weights load)."""
 
     def auto_dtype(self, checkpoint_dtype: str | None) -> str:
         """The activation dtype ``dtype="auto"`` means here, given the checkpoint's ``torch_dtype``."""
@@ -110,7 +107,7 @@ class Backend(Protocol):
     def load_experts(self, parts: list, dtype: str):
         """Mixture-of-experts weights: stacks ``[E, N_i, K]`` (one ``[N_i, K]`` weight per expert, HF's
         ``[out, in]``; float arrays or GGUF ``QuantizedExperts``) fused along N -> the handle
-        ``grouped_linear`` takes. A backend without MoE kernels raises NotImplementedError naming MoE."""
+        ``grouped_linear`` takes."""
 
     def finish_loading(self) -> None:
         """Wait for weight uploads and release what loading needed."""

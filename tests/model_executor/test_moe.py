@@ -126,22 +126,6 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
         load_model(d)
 
 
-def test_a_backend_without_moe_kernels_refuses_a_moe_model_before_loading(checkpoints):
-    """Both backends have the MoE kernels; a backend without them (``supports_moe`` false) is refused with an
-    error naming MoE before any weight is uploaded."""
-    from rawpaged.kernels.cuda.backend import CudaBackend
-
-    class NoMoE(CudaBackend):
-        supports_moe = False
-
-    assert CPUBackend.supports_moe and CudaBackend.supports_moe
-    path, _, _ = checkpoints("Qwen3MoeForCausalLM")
-    config, _, _, weights = load_model(path)
-    backend = NoMoE.__new__(NoMoE)  # no device: the check comes before any upload
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        build_model(config, weights, backend, "float16", 64)
-
-
 # ------------------------------------------------------------------------------------------ forward
 def _metadata(block_row, start, n, decode):
     """One sequence's tokens ``start .. start + n - 1`` as a decode row or a prefill chunk (blocks of 4)."""

@@ -46,7 +46,6 @@ class CPUBackend:
     #: no graphs to capture: a decode step on static buffers runs kernel by kernel (``cuda_graph``)
     supports_cuda_graphs = False
     #: the mixture-of-experts ops (``moe``): float32 experts
-    supports_moe = True
 
     @staticmethod
     def auto_dtype(checkpoint_dtype: str | None) -> str:

@@ -190,7 +190,6 @@ class CudaBackend:
         self.ctx.copy_to_device(dst, host)
 
     #: the mixture-of-experts ops (``moe``: cuda/moe.cu and the grouped products of cuda/quant.cu)
-    supports_moe = True
     load_experts = _forward(moe, "load_experts")
     moe_route = _forward(moe, "moe_route")
     moe_align = _forward(moe, "moe_align")

@@ -70,10 +70,6 @@ class LlamaModel:
     """
 
     def __init__(self, config: ModelConfig, weights: dict, backend, dtype: str = "float32", max_position: int = 2048):
-        if config.moe and not backend.supports_moe:  # both backends have them; a third might not
-            raise NotImplementedError(
-                f"{config.architecture} is a mixture-of-experts model: the {backend.name} backend has no MoE kernels"
-            )
         self.config = config
         self.backend = backend
         self.dtype = dtype
