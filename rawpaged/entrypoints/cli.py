@@ -215,6 +215,27 @@ def configure_logging(level: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ serve
+def parse_model_args(parser: argparse.ArgumentParser, argv: list | None) -> argparse.Namespace:
+    """``parser``'s arguments, the positional model (``add_model_name_args``) moved to ``args.model``; a
+    model given both ways differently is a usage error."""
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model not in (None, args.model_tag):
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return args
+
+
+def has_pydantic(what: str) -> bool:
+    """Whether pydantic imports; without it one ``error:`` line naming ``what`` needs it goes to stderr."""
+    try:
+        import_optional("pydantic", what)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def add_model_name_args(p: argparse.ArgumentParser) -> None:
     """The model (positional, as ``vllm serve`` takes it) and the names it is served as."""
     p.add_argument(
@@ -323,20 +344,12 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
 def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     """``rawpaged serve``: exit code 0 after Ctrl-C/SIGTERM, 1 for a bad option, port or model, or a
     missing library the server needs (pydantic)."""
-    try:
-        import_optional("pydantic", "the HTTP server (its OpenAI request models)")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if not has_pydantic("the HTTP server (its OpenAI request models)"):
         return 1
     from rawpaged.entrypoints.api_server import create_app  # deferred: pydantic, checked just above
     from rawpaged.entrypoints.launcher import serve  # deferred: pydantic, checked just above
 
-    parser = build_serve_parser(prog)
-    args = parser.parse_args(argv)
-    if args.model_tag is not None:
-        if args.model not in (None, args.model_tag):
-            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
+    args = parse_model_args(build_serve_parser(prog), argv)
     configure_logging(args.log_level)
     try:
         config = engine_config_from_args(args)
@@ -455,20 +468,12 @@ def build_run_batch_parser(prog: str = "rawpaged run-batch") -> argparse.Argumen
 def run_batch_main(argv: list | None = None, prog: str = "rawpaged run-batch") -> int:
     """``rawpaged run-batch`` (``openai.batch.run_batch``): exit code 0 when every line was written (bad
     lines included, as error lines), 1 for a bad option, input file or model, or without pydantic."""
-    try:
-        import_optional("pydantic", "run-batch (the server's OpenAI request models)")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if not has_pydantic("run-batch (the server's OpenAI request models)"):
         return 1
     from rawpaged.entrypoints.api_server import create_app  # deferred: pydantic, checked just above
     from rawpaged.entrypoints.openai.batch.run_batch import run_batch  # deferred: pydantic, checked just above
 
-    parser = build_run_batch_parser(prog)
-    args = parser.parse_args(argv)
-    if args.model_tag is not None:
-        if args.model not in (None, args.model_tag):
-            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
+    args = parse_model_args(build_run_batch_parser(prog), argv)
     configure_logging(args.log_level)
     try:
         config = engine_config_from_args(args)

@@ -12,6 +12,7 @@ pytest.importorskip("pydantic")  # absent on some hosts (the GPU host has no pac
 import asyncio
 import json
 
+import benchmarks.run_batch
 from rawpaged import SamplingParams
 from rawpaged.config import EngineConfig
 from rawpaged.engine.llm_engine import LLMEngine
@@ -124,5 +125,7 @@ def test_the_command_runs_a_file(tmp_path, tiny_dir, capsys):
     argv += ["--num-kv-blocks", "32", "--max-model-len", "128", "--served-model-name", "tiny"]
     assert run_batch_main(argv) == 0
     assert read_lines(tmp_path / "out.jsonl")["one"]["response"]["status_code"] == 200
-    assert "1 lines written" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    summary = benchmarks.run_batch.SUMMARY.search(err)  # what the benchmark reads
+    assert "1 lines written" in err and summary is not None and summary.groups()[:3] == ("1", "0", "2")
     assert run_batch_main(["-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl")]) == 1
