@@ -301,6 +301,27 @@ def concat_rows(stacks: list) -> QuantizedExperts:
     return QuantizedExperts(first.qtype, (num, rows, cols), cat("qs"), cat("scales"), cat("mins"))
 
 
+class StackedExpertParts:
+    """What a backend's experts of fused parts in different formats (gate in one, up in another) say of
+    themselves: each part an expert stack ``[E, rows_i, cols]`` with ``qtype`` and ``nbytes``, its rows
+    the next columns of the product. A dataclass with a ``parts`` tuple subclasses it."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple:
+        first = self.parts[0].shape
+        return (first[0], sum(p.shape[1] for p in self.parts), first[2])
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 def runs_of_one_format(parts: list) -> list:
     """``parts`` (anything with a ``qtype``) as lists of adjacent parts of one format, in order: what a
     fused projection of mixed formats concatenates before repacking (Q4_K query and key rows together,

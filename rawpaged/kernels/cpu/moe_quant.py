@@ -34,7 +34,14 @@ from rawpaged.kernels.cpu.gemm import TILE_M, rows_tiles
 from rawpaged.kernels.cpu.quant import block_sums, gemv_group_q4, gemv_group_q8_0, group_rows
 from rawpaged.kernels.cpu.quant_layout import JIT, ROWS_PER_PASS, R
 from rawpaged.kernels.cpu.quant_weights import RepackedQuantized, kernel_planes
-from rawpaged.kernels.quantization import FORMAT_CODES, QK, QuantizedExperts, concat_rows, runs_of_one_format
+from rawpaged.kernels.quantization import (
+    FORMAT_CODES,
+    QK,
+    QuantizedExperts,
+    StackedExpertParts,
+    concat_rows,
+    runs_of_one_format,
+)
 
 #: groups of 16 weight rows in one work item of the direct (GEMV, integer) paths
 DIRECT_GROUPS = 4
@@ -83,24 +90,11 @@ class RepackedExperts:
 
 
 @dataclass(frozen=True)
-class StackedExperts:
+class StackedExperts(StackedExpertParts):
     """Experts whose fused parts differ in format (gate in one, up in another): each part a
     ``RepackedExperts``, its rows the next columns of the output."""
 
     parts: tuple
-
-    @property
-    def shape(self) -> tuple:
-        first = self.parts[0].shape
-        return (first[0], sum(p.shape[1] for p in self.parts), first[2])
-
-    @property
-    def qtype(self) -> str:
-        return "+".join(p.qtype for p in self.parts)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
 
 def repack_experts(parts: list) -> RepackedExperts | StackedExperts:

@@ -25,7 +25,7 @@ from rawpaged.dtypes import float_type
 from rawpaged.kernels.cuda import launch_config, program
 from rawpaged.kernels.cuda.launch import ctype, i32, i64, row_stride
 from rawpaged.kernels.cuda.weights import DeviceQuantized, upload_into, upload_quantized
-from rawpaged.kernels.quantization import QuantizedExperts, concat_rows, runs_of_one_format
+from rawpaged.kernels.quantization import QuantizedExperts, StackedExpertParts, concat_rows, runs_of_one_format
 
 #: a grid's y extent (the row tiles of a grouped product) is at most this
 MAX_GRID_Y = 65535
@@ -54,28 +54,15 @@ class DeviceQuantizedExperts:
 
 
 @dataclass(frozen=True)
-class DeviceStackedExperts:
+class DeviceStackedExperts(StackedExpertParts):
     """Fused expert parts of different formats (gate in one, up in another): each a
     :class:`DeviceQuantizedExperts`, its rows the next columns of the product."""
 
     parts: tuple
 
     @property
-    def shape(self) -> tuple:
-        first = self.parts[0].shape
-        return (first[0], sum(p.shape[1] for p in self.parts), first[2])
-
-    @property
-    def qtype(self) -> str:
-        return "+".join(p.qtype for p in self.parts)
-
-    @property
     def dtype(self) -> np.dtype:
         return self.parts[0].dtype
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
 
 def load_experts(ctx, parts: list, dtype: str):
