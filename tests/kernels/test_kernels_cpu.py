@@ -9,6 +9,7 @@ from rawpaged.kernels.cpu import cache as cpu_cache
 from rawpaged.kernels.cpu import elementwise as cpu_elementwise
 from rawpaged.kernels.cpu import gemm as cpu_gemm
 from rawpaged.kernels.cpu import intrinsics as cpu_intrinsics
+from rawpaged.kernels.cpu import paged_attention_v2
 from tests.kv_reference import (
     BF16,
     assert_cache_rows_written,
@@ -64,8 +65,8 @@ def test_paged_attention_split_context_matches_float64(dtype, window, numba_mode
     a window hold NaN, so a single read of them would show."""
     rng = np.random.default_rng(7 if window is None else window)
     num_kv_heads, group, head_dim = 1, 4, 256
-    part = cpu_attention.PARTITION_SIZE
-    assert cpu_attention.decode_partition(1, num_kv_heads) == part
+    part = paged_attention_v2.PARTITION_SIZE
+    assert paged_attention_v2.decode_partition(1, num_kv_heads) == part
     scale = head_dim**-0.5
     for contexts in ([1], [part - 1], [part + 1], [1000], [2 * part, 17, 5 * part - 3]):
         kc, vc, bt, keys, values = make_paged_kv(rng, contexts, num_kv_heads, head_dim, 16, dtype)
@@ -84,15 +85,15 @@ def test_paged_attention_one_partition_equals_the_whole_context_kernel():
     """A context of one partition (a short one, or a window that starts on a partition's edge) merges to
     exactly what the unsplit kernel computes, so the split changes nothing below ``PARTITION_SIZE``."""
     rng = np.random.default_rng(3)
-    part = cpu_attention.PARTITION_SIZE
+    part = paged_attention_v2.PARTITION_SIZE
     contexts = [part, 5, 3 * part]
     kc, vc, bt, _, _ = make_paged_kv(rng, contexts, 1, 256, 16, np.float32)
     q = rng.standard_normal((len(contexts), 4, 256)).astype(np.float32)
     lens, none = np.array(contexts, np.int32), np.zeros((1, 1, 1), np.float32)
     split, whole = np.full_like(q, np.nan), np.full_like(q, np.nan)
-    for out, partition in ((split, part), (whole, 0)):
-        args = (out, q, kc, vc, none, none, bt, lens, np.float32(1 / 16), 1, part, np.float32(0), partition)
-        cpu_attention.paged_attention_parallel(*args)
+    args = (q, kc, vc, none, none, bt, lens, np.float32(1 / 16), 1, part, np.float32(0))
+    paged_attention_v2.paged_attention_v2_parallel(split, *args, part)
+    cpu_attention.paged_attention_parallel(whole, *args)
     np.testing.assert_array_equal(split, whole)
 
 

@@ -10,6 +10,7 @@ import pytest
 from rawpaged.dtypes import FP8_E4M3, INT8, QUANTIZED_KV_TYPES, kv_row_bytes
 from rawpaged.kernels.cpu import attention as cpu_attention
 from rawpaged.kernels.cpu import cache as cpu_cache
+from rawpaged.kernels.cpu import paged_attention_v2
 from rawpaged.kernels.cpu.backend import CPUBackend
 from rawpaged.kernels.cpu.intrinsics import f32_to_fp8_e4m3_bits, fp8_e4m3_to_float
 from rawpaged.kernels.kv_cache import QuantizedKVCache
@@ -138,14 +139,14 @@ def test_paged_attention_reads_quantized_blocks(kind, group, numba_mode):
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)
 def test_split_decode_attention_reads_quantized_blocks(kind, numba_mode):
     """Batch 1 with one KV head (Gemma 3's shape): the context split into partitions
-    (``cpu_attention.PARTITION_SIZE``) reads quantized blocks as the whole-context kernel does."""
+    (``paged_attention_v2.PARTITION_SIZE``) reads quantized blocks as the whole-context kernel does."""
     rng = np.random.default_rng(11)
     contexts = [1000]
     kf, vf, bt, _, _ = make_paged_kv(rng, contexts, 1, 256, 16, np.float32)
     kc, vc, keys, values = quantized_paged_kv(kf, vf, bt, contexts, kind)
     q = rng.standard_normal((1, 4, 256)).astype(np.float32)
     out = np.full_like(q, np.nan)
-    assert cpu_attention.decode_partition(1, 1) > 0
+    assert paged_attention_v2.decode_partition(1, 1) > 0
     cpu_attention.paged_attention(out, q, kc, vc, bt, np.array(contexts, np.int32), 256**-0.5)
     ref = attention_ref(q, keys[0], values[0], 256**-0.5)[0]
     np.testing.assert_allclose(out[0], ref, rtol=2e-4, atol=2e-5)

@@ -4,7 +4,8 @@ in one Numba call (``model_executor.cpu_fused_decode`` runs pure-decode steps th
 
 It calls the kernels the backend's ops call (``gemm._gemv_nt``/``_gemm_nt``, ``quant``'s GEMVs and
 row products, ``elementwise``'s ``rms_norm_rows``/``add_rms_norm_rows``, ``rotate_half``,
-``silu_and_mul_rows`` and ``gelu_tanh_and_mul_rows``, ``cache``'s writes, ``attention.paged_attention_*``),
+``silu_and_mul_rows`` and ``gelu_tanh_and_mul_rows``, ``cache``'s writes, ``attention.paged_attention_*``,
+``paged_attention_v2``),
 on the same inputs and in the same order, so its hidden states equal the op-by-op forward's bit for bit.
 Activations are sized once per call; x rows are padded to a multiple of ``gemm.TILE_M`` (zero rows, as
 ``gemm.pad_rows`` pads them) for the products.
@@ -21,7 +22,7 @@ import numpy as np
 from numba import types as nb_types
 from numba.extending import overload
 
-from rawpaged.kernels.cpu import attention, cache, elementwise, gemm, quant, quant_weights
+from rawpaged.kernels.cpu import attention, cache, elementwise, gemm, paged_attention_v2, quant, quant_weights
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -143,8 +144,8 @@ def decode_layers(
             gelu: the MLP's gate is the tanh GeLU (Gemma's GeGLU), else SiLU; num_heads,
             intermediate_size: ints.
         attention_nkv: KV heads per attention task (``attention.kv_heads_per_task``); attention_partition:
-            positions per partition of a split context (``attention.decode_partition``; 0: none); parallel_attention:
-            the thread-parallel attention kernel or the serial one (the same results).
+            positions per partition of a split context (``paged_attention_v2.decode_partition``; 0: none);
+            parallel_attention: the thread-parallel attention kernel or the serial one (the same results).
         max_chunks: chunks of the quantized row products (as ``quant.quant_linear`` sizes them).
         out: float32 ``[M, hidden]``, written.
     Math: ``models.llama.LlamaModel.forward`` or ``models.gemma.GemmaModel.forward``, step for step, on the
@@ -196,14 +197,19 @@ def decode_layers(
         g = layer_groups[i]
         _write_kv(k, v, kc, vc, ks, vs, slot_mappings[g], kv_qmax)
         tables, lens, window = block_tables[g], context_lens[g], windows[i]
-        if parallel_attention:
-            attention.paged_attention_parallel(
-                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap, attention_partition
+        nkv, part = attention_nkv, attention_partition
+        if part > 0 and parallel_attention:
+            paged_attention_v2.paged_attention_v2_parallel(
+                att, q, kc, vc, ks, vs, tables, lens, scale, nkv, window, soft_cap, part
             )
+        elif part > 0:
+            paged_attention_v2.paged_attention_v2_serial(
+                att, q, kc, vc, ks, vs, tables, lens, scale, nkv, window, soft_cap, part
+            )
+        elif parallel_attention:
+            attention.paged_attention_parallel(att, q, kc, vc, ks, vs, tables, lens, scale, nkv, window, soft_cap)
         else:
-            attention.paged_attention_serial(
-                att, q, kc, vc, ks, vs, tables, lens, scale, attention_nkv, window, soft_cap, attention_partition
-            )
+            attention.paged_attention_serial(att, q, kc, vc, ks, vs, tables, lens, scale, nkv, window, soft_cap)
         for r in range(M):
             for c in range(q_dim):
                 att_rows[r, c] = att_flat[r * q_dim + c]
@@ -259,7 +265,8 @@ def cache_view(kv_cache) -> tuple:
 def attention_tasks(num_seqs: int, num_kv_heads: int) -> tuple:
     """``decode_layers``' ``(attention_nkv, attention_partition)``: KV heads per attention task and the
     split of long contexts, as ``attention.paged_attention`` picks them."""
-    return attention.kv_heads_per_task(num_seqs, num_kv_heads), attention.decode_partition(num_seqs, num_kv_heads)
+    nkv = attention.kv_heads_per_task(num_seqs, num_kv_heads)
+    return nkv, paged_attention_v2.decode_partition(num_seqs, num_kv_heads)
 
 
 def max_chunks() -> int:
