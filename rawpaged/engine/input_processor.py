@@ -90,10 +90,12 @@ class InputProcessor:
                 )
 
     def check_lora_request(self, lora_request, lora_manager) -> object:
-        """The adapter of ``lora_request`` (None: none), loaded and checked by ``lora_manager``
-        (``rawpaged.lora.models.LoRAModelManager``; None: LoRA is off), as a ``LoRAModel`` or None.
-        Raises InvalidRequestError (param "lora_request") where LoRA is off, for something not a
-        ``LoRARequest``, or an adapter that cannot be loaded (the message names the adapter and the field)."""
+        """The adapter of ``lora_request`` (None: none), registered and checked by ``lora_manager``
+        (``rawpaged.lora.models.LoRAModelManager.register``: its config and weights header; the weights
+        are loaded in the background when a step needs them; None: LoRA is off), as a ``LoRAAdapterSpec`` or
+        None. Raises InvalidRequestError (param "lora_request") where LoRA is off, for something not a
+        ``LoRARequest``, an adapter that cannot be loaded (the message names the adapter and the field), or
+        one whose pages leave no block of the pool for KV."""
         if lora_request is None:
             return None
         if lora_manager is None:
@@ -103,9 +105,17 @@ class InputProcessor:
                 f"lora_request must be a LoRARequest, got {type(lora_request).__name__}", "lora_request"
             )
         try:
-            return lora_manager.add_adapter(lora_request)
+            spec = lora_manager.register(lora_request)
         except ValueError as e:
             raise InvalidRequestError(str(e), "lora_request") from None
+        pages = lora_manager.num_pages(lora_request.lora_int_id)
+        if pages >= self.num_blocks:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r}: its weights take {pages} pages (KV blocks) but the pool "
+                f"has only {self.num_blocks} blocks",
+                "lora_request",
+            )
+        return spec
 
     def process(self, prompt, params: SamplingParams) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
