@@ -93,10 +93,11 @@ class AdmissionPolicy(Protocol):
 
 class LoRAAdapterSource(Protocol):
     """Where the scheduler learns about LoRA adapters (``rawpaged.lora.models.LoRAModelManager``):
-    ``ready`` says whether an adapter's weights are loaded (asking for the load if not, without blocking),
-    ``num_pages`` how many pool blocks it takes, ``lora_key`` its content digest (the prefix cache's key)."""
+    ``ready`` says whether an adapter's weights are loaded (with ``load``, asking for the load if not;
+    never blocking), ``num_pages`` how many pool blocks it takes, ``lora_key`` its content digest (the
+    prefix cache's key)."""
 
-    def ready(self, lora_int_id: int) -> bool: ...
+    def ready(self, lora_int_id: int, load: bool = True) -> bool: ...
 
     def num_pages(self, lora_int_id: int) -> int: ...
 
@@ -242,6 +243,7 @@ class Scheduler:
                     prefill_budget -= n
                 i = self.running.index(seq) + 1  # a preempted beam group may have stood before seq
 
+        self._prefetch_loras()
         if not out.preempted:  # no admissions in a step that had to preempt
             self._admit(out, min(budget, prefill_budget))
         if out.scheduled:
@@ -324,17 +326,35 @@ class Scheduler:
             budget -= n
 
     def _lora_loaded(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s adapter can run: in the pool already, or loaded (else its load is asked for and
-        ``seq`` marked ``WAITING_FOR_LORA``); its ``lora_key`` is set then, before any prefix lookup."""
+        """Whether ``seq``'s adapter can run: in the pool already, or loaded (else ``seq`` is marked
+        ``WAITING_FOR_LORA``; ``_prefetch_loras`` asks for the loads); its ``lora_key`` is set then, before
+        any prefix lookup."""
         lid, source = seq.lora_int_id, self.lora_source
         if source is None or not lid:
             return True
-        if not (self.kv_cache_manager.adapter_pages.is_resident(lid) or source.ready(lid)):
+        if not (self.kv_cache_manager.adapter_pages.is_resident(lid) or source.ready(lid, load=False)):
             seq.status = SequenceStatus.WAITING_FOR_LORA
             return False
         seq.status = SequenceStatus.WAITING
         seq.lora_key = source.lora_key(lid)
         return True
+
+    def _prefetch_loras(self) -> None:
+        """Ask for the loads of the first ``max_loras`` (or 1) adapters the waiting queue needs that are not
+        in the pool, so they are read while the queue ahead of them runs; their sequences show
+        ``WAITING_FOR_LORA`` until loaded."""
+        if self.lora_source is None:
+            return
+        pages, asked = self.kv_cache_manager.adapter_pages, {}
+        for seq in self.waiting:
+            lid = seq.lora_int_id
+            if not lid or pages.is_resident(lid):
+                continue
+            if lid not in asked:
+                if len(asked) >= (self.max_loras or 1):
+                    break
+                asked[lid] = self.lora_source.ready(lid)
+            seq.status = SequenceStatus.WAITING if asked[lid] else SequenceStatus.WAITING_FOR_LORA
 
     def _holds_lora(self, seq: Sequence) -> bool:
         return seq.seq_id in self._lora_holders

@@ -164,6 +164,31 @@ class LLMEngine:
         self.scheduler.finish_seqs(req.seqs, "abort")
         return True
 
+    # ---------------------------------------------------------------------- LoRA adapters
+    def add_lora(self, lora_request) -> bool:
+        """Register an adapter (checked from its config and weights header; loaded when a request needs
+        it), as vLLM's ``add_lora``; True. Raises InvalidRequestError as ``add_request`` for its
+        ``lora_request``."""
+        self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its pool pages, host copy and slot (vLLM's ``remove_lora``). False if it is not
+        registered. Raises ValueError while an unfinished request uses it (finish or abort them first)."""
+        manager = self.runner.lora_manager
+        if manager is None or lora_int_id not in manager.specs:
+            return False
+        users = [r.request_id for r in self.requests.values() if any(s.lora_int_id == lora_int_id for s in r.seqs)]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} unfinished requests")
+        self.kv_cache_manager.adapter_pages.evict(lora_int_id)
+        return manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> dict:
+        """``{lora_int_id: LoRARequest}`` of the registered adapters (empty without LoRA)."""
+        manager = self.runner.lora_manager
+        return manager.list_adapters() if manager is not None else {}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

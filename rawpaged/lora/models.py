@@ -112,8 +112,8 @@ class LoRAModelManager:
         return self._host_model(request.lora_int_id)
 
     def remove_adapter(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its host copy and slot; its pool pages are the scheduler's, evicted by the
-        caller); False if it is unknown."""
+        """Forget an adapter (its host copy and slot); False if it is unknown. Its pool pages are the
+        scheduler's: the caller evicts them (``LLMEngine.remove_lora`` does both)."""
         slot = self._resident.pop(lora_int_id, None)
         if slot is not None:
             self._clear_slot(slot)
@@ -133,14 +133,15 @@ class LoRAModelManager:
         return dict(self.cpu_cache._models)
 
     # ------------------------------------------------------------------ the scheduler's view
-    def ready(self, lora_int_id: int) -> bool:
-        """Whether the registered adapter's weights are on the host (its pages can be written); if not, its
-        load is asked for (on the worker with ``load_in_background``). An adapter already written in pages
-        still resident counts as ready only once its host copy is back too. Raises KeyError for an id that
-        is not registered."""
+    def ready(self, lora_int_id: int, load: bool = True) -> bool:
+        """Whether the registered adapter's weights are on the host (its pages can be written); if not and
+        ``load``, its load is asked for (on the worker with ``load_in_background``). Raises KeyError for an
+        id that is not registered."""
         spec = self.specs[lora_int_id]
         if lora_int_id in self.cpu_cache:
             return lora_int_id in self._digests or self._note_digest(lora_int_id)
+        if not load:
+            return False
         self.cpu_cache.request(spec.request)
         return lora_int_id in self.cpu_cache and self._note_digest(lora_int_id)
 

@@ -52,7 +52,7 @@ class _Source:
     def __init__(self, num_pages, loaded=()):
         self.pages, self.loaded = num_pages, set(loaded)
 
-    def ready(self, lid):
+    def ready(self, lid, load=True):
         return lid in self.loaded
 
     def num_pages(self, lid):

@@ -177,6 +177,7 @@ def test_lora_steps_run_op_by_op_and_base_steps_keep_the_fused_decode(lora_base,
     monkeypatch.setattr(fused, "forward_step", lambda step: calls.append(step) or forward_step(step))
     _greedy(llm, PROMPTS[:1])
     assert calls  # the base model's decode steps: one compiled call
+    _greedy(llm, PROMPTS[:1], _request(0, adapters[0]))  # loaded: the next batch admits both at once
     calls.clear()
     _greedy(llm, PROMPTS[:2], [_request(0, adapters[0]), None])
     assert not calls  # any adapter token in a step: op by op

@@ -5,6 +5,7 @@ whose adapter is loading in the background waits without stalling the others."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
@@ -14,6 +15,11 @@ from safetensors.numpy import load_file
 
 from rawpaged import LLM, LoRARequest, SamplingParams
 from rawpaged.core.sequence import SequenceStatus
+from rawpaged.kernels.cpu.backend import CPUBackend
+from rawpaged.lora import page_store
+from rawpaged.lora.lora_model import LoRAAdapterSpec, LoRAModel
+from rawpaged.model_executor.model_config import ModelConfig
+from rawpaged.model_executor.model_runner import kv_block_bytes
 from rawpaged.testing.random_lora import write_random_adapter
 
 MAX_LEN = 256
@@ -187,3 +193,48 @@ def test_a_failed_background_load_fails_its_requests_alone(lora_base, adapters, 
 def test_max_cpu_loras_below_max_loras_is_refused(lora_base):
     with pytest.raises(ValueError, match="max_cpu_loras"):
         _engine(lora_base, max_loras=4, max_cpu_loras=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "int8"])
+def test_pool_pages_are_the_pools_blocks_and_hold_an_adapter_bit_for_bit(lora_base, adapters, kv_cache_dtype):
+    """A page is a block's bytes in every K and V tensor (a quantized cache's scales included), as many as
+    ``kv_block_bytes`` counts; an adapter written across pages reads back unchanged, in any block order."""
+    mc = ModelConfig.from_dict(json.loads((lora_base / "config.json").read_text()))
+    shape = (12, 16, mc.num_key_value_heads, mc.head_dim)
+    tensors = [CPUBackend.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(2 * mc.num_hidden_layers)]
+    pages = page_store.PoolPages(tensors)
+    want = kv_block_bytes(mc.num_hidden_layers, 16, mc.num_key_value_heads, mc.head_dim, kv_cache_dtype)
+    assert pages.page_bytes == want
+    request = LoRARequest("a", 1, str(adapters[3]))
+    model = LoRAModel.from_local_checkpoint(request, mc, 16)
+    spec = LoRAAdapterSpec.from_local_checkpoint(request, mc, 16)
+    flat = page_store.pack(model)
+    assert len(flat) == spec.num_floats
+    block_ids = [7, 2, 9, 0, 5, 11, 3, 8, 1, 10, 4, 6][: pages.num_pages(flat.nbytes)]
+    assert len(block_ids) > 1
+    pages.write(block_ids, flat)
+    back = page_store.unpack(pages.read(block_ids, flat.nbytes).view(np.float32), spec)
+    assert set(back) == set(model.layers)
+    for key, (a, b) in back.items():
+        np.testing.assert_array_equal(a, model.layers[key].lora_a)
+        np.testing.assert_array_equal(b, model.layers[key].lora_b)
+    with pytest.raises(ValueError, match="do not fit"):
+        pages.write(block_ids[:-1], flat)
+
+
+def test_remove_lora_frees_its_pages_and_refuses_while_a_request_uses_it(lora_base, adapters):
+    llm = _engine(lora_base, num_kv_blocks=64)
+    engine = llm.engine
+    a = LoRARequest("a", 1, str(adapters[0]))
+    assert engine.add_lora(a) and engine.list_loras() == {1: a}
+    first = _tokens(llm, [_prompt(0)], a)
+    rid = engine.add_request(_prompt(1), PARAMS, lora_request=a)
+    with pytest.raises(ValueError, match="in use"):
+        engine.remove_lora(1)
+    engine.abort_request(rid)
+    assert engine.remove_lora(1) and not engine.remove_lora(1) and engine.list_loras() == {}
+    assert llm.stats()["num_free_blocks"] == 64 and llm.stats()["lora_adapters_resident"] == 0
+    b = LoRARequest("b", 1, str(adapters[2]))  # the id again, for another adapter: its own weights
+    assert _tokens(llm, [_prompt(0)], b) != first
+    assert _tokens(llm, [_prompt(0)], b) == _tokens(_engine(lora_base, num_kv_blocks=64), [_prompt(0)], b)
+    _no_leak(llm)
