@@ -117,11 +117,12 @@ class InputProcessor:
             )
         return spec
 
-    def process(self, prompt, params: SamplingParams) -> tuple:
+    def process(self, prompt, params: SamplingParams, lora_pages: int = 0) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
         footprint (prompt + ``max_tokens``, capped by ``max_model_len``; times ``beam_width`` for beam
-        search; with a sliding window, only what the window and one step hold) must fit the empty pool
-        (InvalidRequestError, param "max_tokens"); ``check_logprobs``."""
+        search; with a sliding window, only what the window and one step hold; plus ``lora_pages``, the
+        pool blocks its LoRA adapter takes) must fit the empty pool (InvalidRequestError, param
+        "max_tokens"); ``check_logprobs``."""
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
         self.check_logprobs(params)
@@ -129,10 +130,13 @@ class InputProcessor:
         need = sum(self._group_blocks(total, w) for w in self.group_windows)
         if params.use_beam_search:  # beams run together; each may end up holding its own blocks
             need *= params.beam_width
+        need += lora_pages
         if need > self.num_blocks:
             beams = f" x beam_width {params.beam_width}" if params.use_beam_search else ""
             if len(self.group_windows) > 1:
                 beams += f", over {len(self.group_windows)} KV cache groups"
+            if lora_pages:
+                beams += f", with {lora_pages} pages of its LoRA adapter"
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
                 f"{beams}) but the pool has only {self.num_blocks}",

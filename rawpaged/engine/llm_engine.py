@@ -115,13 +115,16 @@ class LLMEngine:
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
         token ids outside the vocabulary (in the prompt, ``logit_bias``, ``allowed_token_ids`` or
         ``bad_words``), a prompt that leaves no room in ``max_model_len``, one that cannot fit even in the
-        empty pool, a ``request_id`` in use, a constraint that does not compile, or a ``lora_request``
+        empty pool (with its LoRA adapter's pages), a ``request_id`` in use, a constraint that does not
+        compile, or a ``lora_request``
         (``rawpaged.lora.request.LoRARequest``: the adapter it runs with) without ``enable_lora`` or whose
         adapter cannot be loaded (param "lora_request", the message naming the adapter and the field).
         """
         params = params or SamplingParams()
-        text, ids = self.input_processor.process(prompt, params)
-        lora = self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
+        manager = self.runner.lora_manager
+        lora = self.input_processor.check_lora_request(lora_request, manager)
+        pages = manager.num_pages(lora.request.lora_int_id) if lora is not None else 0
+        text, ids = self.input_processor.process(prompt, params, lora_pages=pages)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")

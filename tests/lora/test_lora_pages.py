@@ -238,3 +238,15 @@ def test_remove_lora_frees_its_pages_and_refuses_while_a_request_uses_it(lora_ba
     assert _tokens(llm, [_prompt(0)], b) != first
     assert _tokens(llm, [_prompt(0)], b) == _tokens(_engine(lora_base, num_kv_blocks=64), [_prompt(0)], b)
     _no_leak(llm)
+
+
+def test_a_request_whose_kv_and_adapter_pages_exceed_the_pool_is_refused(lora_base, adapters):
+    llm = _engine(lora_base, num_kv_blocks=24)
+    a = LoRARequest("a", 1, str(adapters[0]))
+    pages = _pages(adapters[0], llm.stats()["kv_block_bytes"])
+    fits = 16 * (24 - pages)  # tokens of the KV blocks the adapter leaves
+    params = SamplingParams(max_tokens=fits - 12, temperature=0.0, ignore_eos=True)
+    assert llm.generate([_prompt(0)], params, lora_request=a)[0].finished
+    with pytest.raises(ValueError, match=f"with {pages} pages of its LoRA adapter"):
+        llm.generate([_prompt(0)], SamplingParams(max_tokens=fits - 11), lora_request=a)
+    _no_leak(llm)
