@@ -250,3 +250,25 @@ def test_a_request_whose_kv_and_adapter_pages_exceed_the_pool_is_refused(lora_ba
     with pytest.raises(ValueError, match=f"with {pages} pages of its LoRA adapter"):
         llm.generate([_prompt(0)], SamplingParams(max_tokens=fits - 11), lora_request=a)
     _no_leak(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_adapter_requests_keep_their_tokens_and_pages_come_back(lora_base, many_adapters, mode):
+    """Long requests of three adapters in a pool too small for all of them: preempted (by recompute, or
+    swapped to a second tier and back), each still gets its tokens alone, and every page returns."""
+    loras = [LoRARequest(f"m{i}", i + 1, str(p)) for i, p in enumerate(many_adapters[:3])]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [_prompt(j, n=20) for j in range(6)]
+    per_prompt = [loras[j % 3] for j in range(6)]
+    ref = _engine(lora_base, num_kv_blocks=256, max_loras=3)
+    alone = [_tokens(ref, [p], lora, params)[0] for p, lora in zip(prompts, per_prompt)]
+    pages = _pages(many_adapters[0], ref.stats()["kv_block_bytes"])
+    extra = dict(kv_offloading_size=0.01, preemption_mode="swap") if mode == "swap" else {}
+    llm = _engine(lora_base, num_kv_blocks=3 * pages + 10, max_loras=3, enable_prefix_caching=False, **extra)
+    assert _tokens(llm, prompts, per_prompt, params) == alone
+    s = llm.stats()
+    assert s["num_preemptions"] > 0
+    if mode == "swap":
+        assert s["num_swapped_out"] > 0
+    _no_leak(llm)
+    llm.close()
