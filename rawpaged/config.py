@@ -219,10 +219,14 @@ class EngineConfig:
     LLM.generate(..., lora_request=LoRARequest(name, id, path)) picks one per prompt (the CPU backend and
     Llama-family models only; docs/lora.md)"""
     max_loras: int = 1
-    """LoRA adapters one step computes with at most (slots); a request whose adapter would be one more waits
-    (the ones behind it go on)"""
+    """LoRA adapters one step computes with at most (a cap, not a reservation: adapters' weights take pages
+    of the KV pool only while resident); a request whose adapter would be one more waits (the ones behind
+    it go on)"""
     max_lora_rank: int = 16
     """the highest rank r an adapter may have (vLLM's default 16); a higher one is refused"""
+    max_cpu_loras: int | None = None
+    """LoRA adapters kept loaded in host memory at most, least recently used dropped beyond it and read
+    from disk again when a request needs it (default: every adapter used); at least max_loras"""
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -264,6 +268,14 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (
+            isinstance(self.max_cpu_loras, bool)
+            or not isinstance(self.max_cpu_loras, int)
+            or self.max_cpu_loras < self.max_loras
+        ):
+            raise ValueError(
+                f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}"
+            )
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError(
                 f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}"

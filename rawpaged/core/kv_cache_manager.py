@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from itertools import count
 
+from rawpaged.core.adapter_pages import AdapterPages
 from rawpaged.core.block_pool import BlockPool, BlockPoolError
 from rawpaged.core.block_table import NULL_BLOCK, BlockTable
 from rawpaged.core.kv_cache_groups import KVCacheGroupSpec
@@ -74,6 +75,8 @@ class KVCacheManager:
             raise ValueError("a KV cache needs at least one group")
         self.groups = groups
         self.block_pool = BlockPool(num_blocks)
+        #: LoRA adapters' pages in the same pool (``adapter_pages``): idle ones are evicted for KV first
+        self.adapter_pages = AdapterPages(self.block_pool)
         self.managers = [single_type_manager(g, i, self.block_pool, block_size) for i, g in enumerate(groups)]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -254,8 +257,9 @@ class KVCacheManager:
         group, cached under their keys, which the finder fills before the step's kernels;
         ``kv_tier.KVTier.allocate_slots``). New blocks are taken as a table crosses block boundaries; a
         shared, partly filled last block is copied first (copy-on-write, see ``take_block_copies``).
-        Returns False, changing nothing, when the pool has too few free blocks (blocks a sliding window
-        has passed are given back first, in any case: ``remove_skipped_blocks``).
+        Where the free blocks are too few, idle LoRA adapters' pages are evicted first (``make_room``).
+        Returns False, changing nothing else, when the pool has too few free blocks even so (blocks a
+        sliding window has passed are given back first, in any case: ``remove_skipped_blocks``).
 
         Raises:
             ValueError: ``num_new_tokens < 0``, or ``computed_blocks`` for a sequence that has blocks.
@@ -268,10 +272,7 @@ class KVCacheManager:
                 raise ValueError("computed_blocks apply only to a sequence without blocks")
             _check_live(seq.block_tables[0])
             self.remove_skipped_blocks(seq)
-        if (
-            self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks, external_blocks)
-            > self.block_pool.num_free_blocks
-        ):
+        if not self.make_room(self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks, external_blocks)):
             return False
         if seq.block_tables is None:
             num_tokens = (len(computed_blocks) + len(external_blocks)) * self.block_size
@@ -287,6 +288,11 @@ class KVCacheManager:
             if copied is not None:
                 self.events.record(COPY, seq, src=copied[0], dst=copied[1])
         return True
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Whether the pool has ``num_blocks`` free blocks, after evicting idle LoRA adapters' pages (least
+        recently used first) where it needs them (``AdapterPages.make_room``)."""
+        return self.adapter_pages.make_room(num_blocks)
 
     def _hit_hashes(self, computed) -> list:
         """The chained hashes of the hit blocks ``computed`` (one group's plain list: its blocks')."""
@@ -386,7 +392,8 @@ class KVCacheManager:
         """The pool's invariants; with ``seqs`` (every sequence holding blocks) also that each sequence has
         a table per group, of ``ceil(num_tokens / block_size)`` entries, distinct blocks apart from leading
         ``NULL_BLOCK``s (only in a sliding group: those its window released), and each block's
-        ``ref_count`` equals the number of tables holding it."""
+        ``ref_count`` equals the number of tables holding it (a LoRA adapter's pages count as held by it,
+        each by its adapter alone)."""
         pool = self.block_pool
         pool.check_invariants()
         counts: dict[int, int] = {}
@@ -399,6 +406,10 @@ class KVCacheManager:
                 for bid in m.check_table(t):
                     assert t.table_id in pool.blocks[bid].owners, f"table {t.table_id} does not own block {bid}"
                     counts[bid] = counts.get(bid, 0) + 1
+        for owner, block_ids in self.adapter_pages.owner_blocks().items():
+            for bid in block_ids:
+                assert pool.blocks[bid].owners == {owner}, f"adapter page {bid} is shared"
+                counts[bid] = counts.get(bid, 0) + 1
         if any(s.block_tables is not None for s in seqs):
             for b in pool.blocks:
                 assert counts.get(b.block_id, 0) == b.ref_count, f"block {b.block_id} ref_count mismatch"

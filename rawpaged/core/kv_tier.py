@@ -142,7 +142,7 @@ class KVTier:
         that shared it, loaded before the step's kernels. Returns False, changing nothing, when the pool has
         too few free blocks."""
         kv = self.kv_cache_manager
-        if self.num_blocks_to_swap_in(seqs) > kv.block_pool.num_free_blocks:
+        if not kv.make_room(self.num_blocks_to_swap_in(seqs)):
             return False
         layouts = [
             (s.swapped_table.group_slots, s.swapped_table.num_tokens, s.swapped_table.block_hashes) for s in seqs

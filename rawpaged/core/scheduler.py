@@ -46,6 +46,8 @@ class SchedulerOutput:
             (``kv_offload.KVTransfers``, from the ``KVTier``).
         spec_token_ids: ``seq_id -> drafts`` of the decoding sequences that verify drafts this step; such
             a sequence is scheduled for ``1 + len(drafts)`` tokens: its last token, then the drafts.
+        lora_pages: ``lora_int_id -> (epoch, block ids)`` of the pool pages of each LoRA adapter the
+            scheduled sequences use (``adapter_pages.AdapterPages.pages``; empty without a ``lora_source``).
     """
 
     scheduled: list = field(default_factory=list)
@@ -53,6 +55,7 @@ class SchedulerOutput:
     blocks_to_copy: list = field(default_factory=list)
     kv_transfers: KVTransfers = field(default_factory=lambda: KVTransfers([], []))
     spec_token_ids: dict = field(default_factory=dict)
+    lora_pages: dict = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -88,6 +91,19 @@ class AdmissionPolicy(Protocol):
     def released(self, seq: Sequence) -> None: ...
 
 
+class LoRAAdapterSource(Protocol):
+    """Where the scheduler learns about LoRA adapters (``rawpaged.lora.models.LoRAModelManager``):
+    ``ready`` says whether an adapter's weights are loaded (with ``load``, asking for the load if not;
+    never blocking), ``num_pages`` how many pool blocks it takes, ``lora_key`` its content digest (the
+    prefix cache's key)."""
+
+    def ready(self, lora_int_id: int, load: bool = True) -> bool: ...
+
+    def num_pages(self, lora_int_id: int) -> int: ...
+
+    def lora_key(self, lora_int_id: int) -> str: ...
+
+
 class Scheduler:
     """Args:
         kv_cache_manager: the block pool's manager (the scheduler's only access to blocks).
@@ -103,6 +119,10 @@ class Scheduler:
         max_loras: LoRA adapters the running sequences use at most (``Sequence.lora_int_id``); a waiting
             sequence whose adapter would be one more is passed over, keeping its place (vLLM's rule); None:
             no limit.
+        lora_source: the adapters' ``LoRAAdapterSource``, or None (adapters then take no pool pages). With
+            one, a waiting sequence whose adapter is not loaded yet is passed over, keeping its place
+            (``SequenceStatus.WAITING_FOR_LORA``), and one admitted holds its adapter's pages in the pool
+            (``KVCacheManager.adapter_pages``) while it runs.
     Raises:
         ValueError: a limit below 1, or an unknown ``preemption_mode``.
     """
@@ -119,6 +139,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         kv_tier: KVTier | None = None,
         max_loras: int | None = None,
+        lora_source: LoRAAdapterSource | None = None,
     ):
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -141,6 +162,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.admission_policy = admission_policy
         self.max_loras = max_loras
+        self.lora_source = lora_source
+        self._lora_holders: set = set()  # seq_ids of the sequences holding their adapter's pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -148,6 +171,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_waiting_for_lora(self) -> int:
+        """Waiting sequences passed over because their adapter is still loading."""
+        return sum(1 for s in self.waiting if s.status is SequenceStatus.WAITING_FOR_LORA)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (FCFS)."""
@@ -158,6 +186,8 @@ class Scheduler:
         """``child`` (from ``parent.fork``) shares ``parent``'s blocks and joins the running batch. Called
         when ``parent`` samples, so its KV covers all its tokens by the end of the step."""
         self.kv_cache_manager.fork(parent, child)
+        if parent.seq_id in self._lora_holders:
+            self._hold_lora([child])
         child.num_computed_tokens = parent.num_tokens
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
@@ -176,6 +206,7 @@ class Scheduler:
             seq.finish_reason = reason
             if self.admission_policy is not None:
                 self.admission_policy.released(seq)
+            self._drop_lora(seq)
             self.kv_cache_manager.free(seq)
 
     # ------------------------------------------------------------------ schedule
@@ -212,11 +243,14 @@ class Scheduler:
                     prefill_budget -= n
                 i = self.running.index(seq) + 1  # a preempted beam group may have stood before seq
 
+        self._prefetch_loras()
         if not out.preempted:  # no admissions in a step that had to preempt
             self._admit(out, min(budget, prefill_budget))
         if out.scheduled:
             self.stats.num_steps += 1
         out.blocks_to_copy = kv.take_block_copies()
+        pages = kv.adapter_pages
+        out.lora_pages = {s.lora_int_id: pages.pages(s.lora_int_id) for s, _ in out.scheduled if self._holds_lora(s)}
         if self.kv_tier is not None:
             out.kv_transfers = self.kv_tier.take_transfers()
         return out
@@ -248,7 +282,7 @@ class Scheduler:
         slots = sum(map(_seq_slots, self.running))  # batch slots taken, counting forks still to come
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self._lora_fits(seq):
+            if not self._lora_fits(seq) or not self._lora_loaded(seq):
                 skipped.append(self.waiting.popleft())
                 continue
             if seq.swapped_table is not None:
@@ -273,7 +307,10 @@ class Scheduler:
             num_cached = (len(computed) + len(offloaded)) * kv.block_size
             n = min(seq.num_tokens - num_cached, budget)
             allocate = tier.allocate_slots if offloaded else kv.allocate_slots  # the tier loads its hits
+            if not self._hold_lora([seq]):
+                return
             if not allocate(seq, n, computed, offloaded):
+                self._drop_lora(seq)
                 return
             kv.count_prefix_lookup(seq, len(computed))  # once per admission, not per attempt
             self.waiting.popleft()
@@ -287,6 +324,59 @@ class Scheduler:
                 self.admission_policy.admitted(seq)
             out.scheduled.append((seq, n))
             budget -= n
+
+    def _lora_loaded(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter can run: in the pool already, or loaded (else ``seq`` is marked
+        ``WAITING_FOR_LORA``; ``_prefetch_loras`` asks for the loads); its ``lora_key`` is set then, before
+        any prefix lookup."""
+        lid, source = seq.lora_int_id, self.lora_source
+        if source is None or not lid:
+            return True
+        if not (self.kv_cache_manager.adapter_pages.is_resident(lid) or source.ready(lid, load=False)):
+            seq.status = SequenceStatus.WAITING_FOR_LORA
+            return False
+        seq.status = SequenceStatus.WAITING
+        seq.lora_key = source.lora_key(lid)
+        return True
+
+    def _prefetch_loras(self) -> None:
+        """Ask for the loads of the first ``max_loras`` (or 1) adapters the waiting queue needs that are not
+        in the pool, so they are read while the queue ahead of them runs; their sequences show
+        ``WAITING_FOR_LORA`` until loaded."""
+        if self.lora_source is None:
+            return
+        pages, asked = self.kv_cache_manager.adapter_pages, {}
+        for seq in self.waiting:
+            lid = seq.lora_int_id
+            if not lid or pages.is_resident(lid):
+                continue
+            if lid not in asked:
+                if len(asked) >= (self.max_loras or 1):
+                    break
+                asked[lid] = self.lora_source.ready(lid)
+            seq.status = SequenceStatus.WAITING if asked[lid] else SequenceStatus.WAITING_FOR_LORA
+
+    def _holds_lora(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._lora_holders
+
+    def _hold_lora(self, seqs) -> bool:
+        """Each of ``seqs`` (of one adapter) holds its adapter's pool pages, taken now if the adapter is not
+        resident (idle adapters evicted for them); False, holding nothing, when the pool has no room."""
+        seqs = [s for s in seqs if s.lora_int_id and self.lora_source is not None and not self._holds_lora(s)]
+        pages = self.kv_cache_manager.adapter_pages
+        for i, s in enumerate(seqs):
+            if not pages.acquire(s.lora_int_id, self.lora_source.num_pages(s.lora_int_id)):
+                for held in seqs[:i]:
+                    self._drop_lora(held)
+                return False
+            self._lora_holders.add(s.seq_id)
+        return True
+
+    def _drop_lora(self, seq: Sequence) -> None:
+        """``seq`` no longer runs: it lets go of its adapter's pages (idle at no user: kept, evictable)."""
+        if seq.seq_id in self._lora_holders:
+            self._lora_holders.discard(seq.seq_id)
+            self.kv_cache_manager.adapter_pages.release(seq.lora_int_id)
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether running ``seq`` keeps the running sequences' adapters within ``max_loras``."""
@@ -322,7 +412,11 @@ class Scheduler:
         their tokens must be free; their prefill may still be chunked over several steps."""
         group = [s for s in self.waiting if s.request_id == head.request_id]
         kv = self.kv_cache_manager
-        if sum(kv.num_blocks_to_allocate(s, s.num_tokens) for s in group) > kv.block_pool.num_free_blocks:
+        if not self._hold_lora(group):
+            return False
+        if not kv.make_room(sum(kv.num_blocks_to_allocate(s, s.num_tokens) for s in group)):
+            for s in group:
+                self._drop_lora(s)
             return False
         budget = self.max_num_batched_tokens - out.num_batched_tokens
         for s in group:
@@ -342,6 +436,7 @@ class Scheduler:
         recompute (its blocks freed, ``num_computed_tokens`` 0)."""
         if self.admission_policy is not None:
             self.admission_policy.released(seq)
+        self._drop_lora(seq)
         if seq.block_tables is not None:
             held = [b for blocks in self.kv_cache_manager.group_blocks(seq) for b in blocks]
             self.kv_cache_manager.events.record(PREEMPT, seq, block_ids=held)
@@ -360,9 +455,13 @@ class Scheduler:
         fit. Their remaining tokens run from the next step (as running sequences)."""
         group = [s for s in self.waiting if s.request_id == head.request_id and s.swapped_table is not None]
         kv = self.kv_cache_manager
-        if KVTier.num_blocks_to_swap_in(group) + len(group) * kv.num_groups > kv.block_pool.num_free_blocks:
-            return False
         if len(self.running) + len(group) > self.max_num_seqs and self.running:
+            return False
+        if not self._hold_lora(group):
+            return False
+        if not kv.make_room(KVTier.num_blocks_to_swap_in(group) + len(group) * kv.num_groups):
+            for s in group:
+                self._drop_lora(s)
             return False
         self.kv_tier.swap_in(group)
         for s in group:

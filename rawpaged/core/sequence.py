@@ -13,6 +13,7 @@ from rawpaged.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_LORA = "waiting_for_lora"  # in the waiting queue, its LoRA adapter still being loaded
     RUNNING = "running"
     FINISHED = "finished"
 

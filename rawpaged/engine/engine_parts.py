@@ -203,11 +203,13 @@ def _scheduler(config: EngineConfig, target: ModelParts, eos_token_ids: set, tie
         preemption_mode=config.preemption_mode or ("swap" if tier else "recompute"),
         kv_tier=KVTier(kv, tier.manager, write_through=tier.persistent) if tier else None,
         max_loras=config.max_loras if config.enable_lora else None,
+        lora_source=target.runner.lora_manager,
     )
 
 
 def lora_manager(config: EngineConfig, model_config, backend) -> LoRAModelManager | None:
-    """The adapters' slots with ``enable_lora`` (else None). Raises ValueError where LoRA cannot run yet:
+    """The adapters' registry, host copies (loaded in the background) and slots with ``enable_lora`` (else
+    None). Raises ValueError where LoRA cannot run yet:
     a backend other than the CPU, or a Gemma model."""
     if not config.enable_lora:
         return None
@@ -215,7 +217,9 @@ def lora_manager(config: EngineConfig, model_config, backend) -> LoRAModelManage
         raise ValueError(f"enable_lora: the {backend.name} backend has no LoRA kernels yet (use device='cpu')")
     if model_config.gemma:
         raise ValueError(f"enable_lora: {model_config.architecture} does not take LoRA adapters yet")
-    return LoRAModelManager(model_config, config.max_loras, config.max_lora_rank)
+    return LoRAModelManager(
+        model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras, load_in_background=True
+    )
 
 
 def build_speculator(spec, target: ModelParts) -> Speculator | None:

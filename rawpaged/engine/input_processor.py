@@ -90,10 +90,12 @@ class InputProcessor:
                 )
 
     def check_lora_request(self, lora_request, lora_manager) -> object:
-        """The adapter of ``lora_request`` (None: none), loaded and checked by ``lora_manager``
-        (``rawpaged.lora.models.LoRAModelManager``; None: LoRA is off), as a ``LoRAModel`` or None.
-        Raises InvalidRequestError (param "lora_request") where LoRA is off, for something not a
-        ``LoRARequest``, or an adapter that cannot be loaded (the message names the adapter and the field)."""
+        """The adapter of ``lora_request`` (None: none), registered and checked by ``lora_manager``
+        (``rawpaged.lora.models.LoRAModelManager.register``: its config and weights header; the weights
+        are loaded in the background when a step needs them; None: LoRA is off), as a ``LoRAAdapterSpec`` or
+        None. Raises InvalidRequestError (param "lora_request") where LoRA is off, for something not a
+        ``LoRARequest``, an adapter that cannot be loaded (the message names the adapter and the field), or
+        one whose pages leave no block of the pool for KV."""
         if lora_request is None:
             return None
         if lora_manager is None:
@@ -103,15 +105,24 @@ class InputProcessor:
                 f"lora_request must be a LoRARequest, got {type(lora_request).__name__}", "lora_request"
             )
         try:
-            return lora_manager.add_adapter(lora_request)
+            spec = lora_manager.register(lora_request)
         except ValueError as e:
             raise InvalidRequestError(str(e), "lora_request") from None
+        pages = lora_manager.num_pages(lora_request.lora_int_id)
+        if pages >= self.num_blocks:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r}: its weights take {pages} pages (KV blocks) but the pool "
+                f"has only {self.num_blocks} blocks",
+                "lora_request",
+            )
+        return spec
 
-    def process(self, prompt, params: SamplingParams) -> tuple:
+    def process(self, prompt, params: SamplingParams, lora_pages: int = 0) -> tuple:
         """``(text or None, token ids as ints)`` of a request that can run: ``check_prompt``, and its
         footprint (prompt + ``max_tokens``, capped by ``max_model_len``; times ``beam_width`` for beam
-        search; with a sliding window, only what the window and one step hold) must fit the empty pool
-        (InvalidRequestError, param "max_tokens"); ``check_logprobs``."""
+        search; with a sliding window, only what the window and one step hold; plus ``lora_pages``, the
+        pool blocks its LoRA adapter takes) must fit the empty pool (InvalidRequestError, param
+        "max_tokens"); ``check_logprobs``."""
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
         self.check_logprobs(params)
@@ -119,10 +130,13 @@ class InputProcessor:
         need = sum(self._group_blocks(total, w) for w in self.group_windows)
         if params.use_beam_search:  # beams run together; each may end up holding its own blocks
             need *= params.beam_width
+        need += lora_pages
         if need > self.num_blocks:
             beams = f" x beam_width {params.beam_width}" if params.use_beam_search else ""
             if len(self.group_windows) > 1:
                 beams += f", over {len(self.group_windows)} KV cache groups"
+            if lora_pages:
+                beams += f", with {lora_pages} pages of its LoRA adapter"
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
                 f"{beams}) but the pool has only {self.num_blocks}",

@@ -19,7 +19,7 @@ from rawpaged.config import EngineConfig
 from rawpaged.core import kv_cache_snapshot
 from rawpaged.core.kv_cache_manager import KVCacheManager
 from rawpaged.core.scheduler import SchedulerStats
-from rawpaged.core.sequence import Sequence
+from rawpaged.core.sequence import Sequence, SequenceStatus
 from rawpaged.engine import beam_search
 from rawpaged.engine.engine_parts import build_engine_parts
 from rawpaged.engine.logprobs import prompt_logprob_entries
@@ -115,13 +115,16 @@ class LLMEngine:
         Raises InvalidRequestError (a ValueError naming the field; nothing is queued) for an empty prompt,
         token ids outside the vocabulary (in the prompt, ``logit_bias``, ``allowed_token_ids`` or
         ``bad_words``), a prompt that leaves no room in ``max_model_len``, one that cannot fit even in the
-        empty pool, a ``request_id`` in use, a constraint that does not compile, or a ``lora_request``
+        empty pool (with its LoRA adapter's pages), a ``request_id`` in use, a constraint that does not
+        compile, or a ``lora_request``
         (``rawpaged.lora.request.LoRARequest``: the adapter it runs with) without ``enable_lora`` or whose
         adapter cannot be loaded (param "lora_request", the message naming the adapter and the field).
         """
         params = params or SamplingParams()
-        text, ids = self.input_processor.process(prompt, params)
-        lora = self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
+        manager = self.runner.lora_manager
+        lora = self.input_processor.check_lora_request(lora_request, manager)
+        pages = manager.num_pages(lora.request.lora_int_id) if lora is not None else 0
+        text, ids = self.input_processor.process(prompt, params, lora_pages=pages)
         request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
@@ -130,8 +133,8 @@ class LLMEngine:
             grammar = self.structured_output_manager.compile(params.structured_outputs)
         req = Request(request_id, text, ids, params, time.monotonic(), logits_rules=rules, lora_request=lora_request)
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, self._seq_rng(params, 0), req.arrival_time)
-        if lora is not None:
-            seq.lora_int_id, seq.lora_key = lora.id, lora.digest
+        if lora is not None:  # its lora_key (the adapter's digest) is set when the scheduler admits it
+            seq.lora_int_id = lora.request.lora_int_id
         seq.grammar = grammar if params.structured_outputs is not None else None
         if seq.grammar is not None and self.reasoning_end_token_id is not None:  # as vLLM: ended if in the prompt
             seq.reasoning_ended = self.reasoning_end_token_id in ids
@@ -164,6 +167,31 @@ class LLMEngine:
         self.scheduler.finish_seqs(req.seqs, "abort")
         return True
 
+    # ---------------------------------------------------------------------- LoRA adapters
+    def add_lora(self, lora_request) -> bool:
+        """Register an adapter (checked from its config and weights header; loaded when a request needs
+        it), as vLLM's ``add_lora``; True. Raises InvalidRequestError as ``add_request`` for its
+        ``lora_request``."""
+        self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its pool pages, host copy and slot (vLLM's ``remove_lora``). False if it is not
+        registered. Raises ValueError while an unfinished request uses it (finish or abort them first)."""
+        manager = self.runner.lora_manager
+        if manager is None or lora_int_id not in manager.specs:
+            return False
+        users = [r.request_id for r in self.requests.values() if any(s.lora_int_id == lora_int_id for s in r.seqs)]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} unfinished requests")
+        self.kv_cache_manager.adapter_pages.evict(lora_int_id)
+        return manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> dict:
+        """``{lora_int_id: LoRARequest}`` of the registered adapters (empty without LoRA)."""
+        manager = self.runner.lora_manager
+        return manager.list_adapters() if manager is not None else {}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -187,11 +215,14 @@ class LLMEngine:
         requests' outputs are those of a step without it. A failure of the batch itself (the forward pass)
         propagates.
         """
+        failed = self._fail_lora_loads()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:  # a swap-in runs no tokens until the next step; its copies run now
             self.runner.run_kv_transfers(sched_out.kv_transfers)
             self.scheduler.update_from_output(sched_out, [])
-            return []
+            if self.scheduler.num_waiting_for_lora and not self.scheduler.running:
+                self.runner.lora_manager.wait_for_loads(0.01)  # nothing else to run: let a load finish
+            return failed
         logits, layout, scored = self.runner.execute_model(sched_out)
         for seq, (first, entries) in scored.items():
             if not seq.prompt_logprobs:
@@ -203,7 +234,19 @@ class LLMEngine:
         self._update_sequences(sched_out, selected, now)
         if self.speculator is not None:
             self._speculate(selected)
-        return self._make_outputs(selected)
+        return failed + self._make_outputs(selected)
+
+    def _fail_lora_loads(self) -> list:
+        """End the waiting requests whose adapter failed to load in the background (its files changed or
+        vanished after it was registered): a finished output with ``error`` each."""
+        manager = self.runner.lora_manager
+        if manager is None:
+            return []
+        errors = manager.take_failed_loads()
+        if not errors:
+            return []
+        failed = {s.request_id: errors[s.lora_int_id] for s in self.scheduler.waiting if s.lora_int_id in errors}
+        return [self._fail_request(rid, e) for rid, e in failed.items() if rid in self.requests]
 
     def _speculate(self, selected: SelectedTokens) -> None:
         """Record this step's verified drafts and finished outputs, then draft for the next step."""
@@ -321,6 +364,27 @@ class LLMEngine:
             "kv_cache_groups": kv_cache_snapshot.groups_summary(kv, sched.running),
             **self._spec_decode_stats(),
             **self._offload_stats(),
+            **self._lora_stats(),
+        }
+
+    def _lora_stats(self) -> dict:
+        """LoRA's counters (``lora_*``; zeros without LoRA): adapters resident in the pool and the blocks
+        (pages) they hold, adapters paged in and evicted, adapters read from disk, host copies kept and
+        dropped (``max_cpu_loras``), loads under way, and requests waiting for their adapter's load."""
+        pages = self.kv_cache_manager.adapter_pages
+        manager = self.runner.lora_manager
+        cache = manager.cpu_cache if manager is not None else None
+        waiting = {s.request_id for s in self.scheduler.waiting if s.status is SequenceStatus.WAITING_FOR_LORA}
+        return {
+            "lora_adapters_resident": pages.num_resident,
+            "lora_adapter_pages": pages.num_pages,
+            "lora_pool_loads": pages.stats.num_loads,
+            "lora_evictions": pages.stats.num_evictions,
+            "lora_loads": cache.num_loads if cache is not None else 0,
+            "lora_adapters_cpu": len(cache) if cache is not None else 0,
+            "lora_cpu_evictions": cache.num_evictions if cache is not None else 0,
+            "lora_loading": cache.num_pending if cache is not None else 0,
+            "num_requests_waiting_for_lora": len(waiting),
         }
 
     def _spec_decode_stats(self) -> dict:

@@ -12,6 +12,7 @@ from rawpaged.core.kv_cache_groups import KVCacheGroupSpec, group_size, layer_sl
 from rawpaged.core.scheduler import SchedulerOutput
 from rawpaged.dtypes import kv_row_bytes
 from rawpaged.kernels.backend import split_block_mapping
+from rawpaged.lora.page_store import PoolPages
 from rawpaged.lora.punica import PunicaWrapper
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
@@ -49,7 +50,8 @@ class ModelRunner:
             decode path, when enabled, takes the steps it covers first.
         kv_store: the second KV tier's bytes (``kv_offload_store.HostKVStore``, its layout these caches'), or
             None without a tier.
-        lora_manager: the adapters' slots (``rawpaged.lora.models.LoRAModelManager``), or None without LoRA.
+        lora_manager: the adapters' slots (``rawpaged.lora.models.LoRAModelManager``), or None without LoRA;
+            its adapters' weights are kept in this pool's blocks (``attach_pages``).
             A step where some token has an adapter runs op by op (the static decode path and the fused CPU
             decode have no LoRA), the adapters added beside the linears (``rawpaged.lora.punica``).
     """
@@ -83,6 +85,8 @@ class ModelRunner:
         #: the pool's tensors, one K and one V per position in a group
         self.key_tensors = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(group_size(groups))]
         self.value_tensors = [be.allocate_kv_cache(shape, kv_cache_dtype) for _ in range(group_size(groups))]
+        if lora_manager is not None:  # the adapters' weights live in the pool's blocks (rawpaged.lora.page_store)
+            lora_manager.attach_pages(PoolPages(self.key_tensors + self.value_tensors))
         self.key_caches = [self.key_tensors[pos] for _, pos in slots]
         self.value_caches = [self.value_tensors[pos] for _, pos in slots]
         self.fused_decode = (
@@ -135,15 +139,16 @@ class ModelRunner:
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
             self.backend.copy_blocks(self.key_tensors, self.value_tensors, group)
         step = build_step_input(scheduler_output)
-        logits, hidden = self._forward_path(step).forward_step(step)
+        logits, hidden = self._forward_path(step, getattr(scheduler_output, "lora_pages", None)).forward_step(step)
         scored = {} if hidden is None else self._prompt_logprobs(hidden, step.ordered)
         return logits, step.layout, scored
 
-    def _forward_path(self, step: StepInput):
+    def _forward_path(self, step: StepInput, lora_pages: dict | None = None):
         """The first of the static decode path, the CPU's fused decode and the op-by-op forward that
-        runs ``step``; a step with adapters runs op by op."""
+        runs ``step``; a step with adapters runs op by op (``lora_pages``: ``SchedulerOutput.lora_pages``)."""
         if step.lora_ids is not None:
-            lora = PunicaWrapper(self.lora_manager, self.lora_manager.token_slots(step.lora_ids))
+            pages = lora_pages or None  # None: a scheduler without adapter pages (slots from host copies)
+            lora = PunicaWrapper(self.lora_manager, self.lora_manager.token_slots(step.lora_ids, pages))
             return EagerForward(self.model, self.key_caches, self.value_caches, self.layer_groups, lora=lora)
         for path in (self.cuda_graph, self.fused_decode):
             if path is not None and path.can_run(step):
