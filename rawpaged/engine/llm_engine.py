@@ -23,6 +23,7 @@ from rawpaged.core.sequence import Sequence
 from rawpaged.engine import beam_search
 from rawpaged.engine.engine_parts import build_engine_parts
 from rawpaged.engine.logprobs import prompt_logprob_entries
+from rawpaged.engine.lora_stats import lora_stats
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
@@ -163,6 +164,34 @@ class LLMEngine:
             return False
         self.scheduler.finish_seqs(req.seqs, "abort")
         return True
+
+    # ---------------------------------------------------------------------- LoRA adapters (vLLM's names)
+    def add_lora(self, lora_request) -> bool:
+        """Load and check ``lora_request``'s adapter (``rawpaged.lora.request.LoRARequest``) now, so that
+        requests can name it; True (also when it is registered already). Raises InvalidRequestError (param
+        "lora_request", the message naming the adapter and the field) without ``enable_lora`` or for an
+        adapter that cannot be loaded; nothing is kept then."""
+        self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` (its slot freed); False if it is not registered. Raises
+        InvalidRequestError (param "lora_request") while an unfinished request runs with it."""
+        manager = self.runner.lora_manager
+        if manager is None:
+            return False
+        users = [r for r in self.requests.values() if r.lora_request and r.lora_request.lora_int_id == lora_id]
+        if users:
+            raise InvalidRequestError(
+                f"LoRA adapter {users[0].lora_request.lora_name!r} is used by {len(users)} unfinished request(s)",
+                "lora_request",
+            )
+        return manager.remove_adapter(lora_id)
+
+    def list_loras(self) -> set:
+        """The ``lora_int_id``s of the registered adapters (empty with LoRA off)."""
+        manager = self.runner.lora_manager
+        return set(manager.list_adapters()) if manager is not None else set()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -321,6 +350,7 @@ class LLMEngine:
             "kv_cache_groups": kv_cache_snapshot.groups_summary(kv, sched.running),
             **self._spec_decode_stats(),
             **self._offload_stats(),
+            **lora_stats(self.runner.lora_manager, sched.running, self.requests),
         }
 
     def _spec_decode_stats(self) -> dict:
