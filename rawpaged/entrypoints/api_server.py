@@ -3,8 +3,9 @@ middleware (``middleware``) and the start-up and clean-up hooks (``lifecycle``);
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id}
 and POST /v1/responses/{id}/cancel (OpenAI's Responses API), POST /v1/messages and POST
-/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), GET /v1/models, and vLLM's tokenizer routes
-POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
+/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), GET /v1/models (the model and its LoRA
+adapters), vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``openai/models/``), and vLLM's
+tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
 /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``), and the playground page:
 GET / and /static/ (``playground``). All but /health, /metrics and the playground's need the API key when
 one is set (``middleware``). The protocol is described in docs/server.md.
