@@ -268,13 +268,26 @@ def test_the_websocket_picks_an_adapter_by_model(srv, offline, adapters):
 
 
 def test_responses_and_messages_pick_an_adapter_by_model(srv):
-    status, body = post(srv, "/v1/responses", {"model": "a0", "input": "hi", "max_output_tokens": 4})
-    assert status == 200 and body["model"] == "a0", body
-    status, body = post(
-        srv, "/v1/messages", {"model": "a1", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    )
-    assert status == 200 and body["model"] == "a1", body
+    messages = [{"role": "user", "content": "hi"}]
+
+    def chat_text(model):
+        body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        status, reply = post(srv, "/v1/chat/completions", body)
+        assert status == 200
+        return reply["choices"][0]["message"]["content"]
+
+    for model in ("a0", "a1", "tiny"):  # the same conversation, the same greedy text as chat's
+        body = {"model": model, "input": "hi", "max_output_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        status, reply = post(srv, "/v1/responses", body)
+        assert status == 200 and reply["model"] == model, reply
+        text = "".join(c["text"] for item in reply["output"] for c in item.get("content", []) if "text" in c)
+        body = {"model": model, "max_tokens": 6, "messages": messages, "temperature": 0.0, "ignore_eos": True}
+        status, message = post(srv, "/v1/messages", body)
+        assert status == 200 and message["model"] == model, message
+        assert text == message["content"][0]["text"] == chat_text(model), model
+    assert chat_text("a0") != chat_text("tiny") or chat_text("a1") != chat_text("tiny")
     assert post(srv, "/v1/responses", {"model": "zz", "input": "hi"})[0] == 404
+    assert post(srv, "/v1/messages", {"model": "zz", "max_tokens": 2, "messages": messages})[0] == 404
 
 
 def test_metrics_report_the_adapters(srv):
