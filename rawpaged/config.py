@@ -224,8 +224,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     """the highest rank r an adapter may have (vLLM's default 16); a higher one is refused"""
     max_cpu_loras: int | None = None
-    """LoRA adapters kept loaded in host memory at most (vLLM's name; at least max_loras; default:
-    max_loras); kept on the config for the paged adapter pool (docs/lora.md, "Not built yet")"""
+    """LoRA adapters kept loaded in host memory at most (vLLM's name; default: no cap); at least max_loras.
+    Checked and kept for the paged adapter pool, not applied yet (docs/lora.md)"""
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -272,7 +272,9 @@ class EngineConfig:
             or not isinstance(self.max_cpu_loras, int)
             or self.max_cpu_loras < self.max_loras
         ):
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an int >= max_loras ({self.max_loras})")
+            raise ValueError(
+                f"max_cpu_loras must be an int >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}"
+            )
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError(
                 f"max_prefill_tokens_while_decoding must be >= 1, got {self.max_prefill_tokens_while_decoding}"

@@ -321,11 +321,11 @@ def test_engine_stats_count_each_adapters_running_and_waiting_requests(lora_base
     assert lora["running_lora_adapters"] == ["a0"] and lora["waiting_lora_adapters"] == ["a1"]
     assert lora["adapters"]["a0"]["num_requests_running"] == 2 and lora["adapters"]["a0"]["resident"]
     assert lora["num_resident"] == 1 and lora["num_loads"] == 1
-    with pytest.raises(ValueError, match="'a0' is used by 2 unfinished request"):
+    with pytest.raises(ValueError, match="2 unfinished request"):
         engine.remove_lora(1)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.remove_lora(1) and engine.list_loras() == {2}
+    assert engine.remove_lora(1) and set(engine.list_loras()) == {2}
     assert engine.stats()["lora"]["num_registered"] == 1
 
 
@@ -356,7 +356,7 @@ def test_lora_module_syntax_and_flags(lora_base):
     assert args.lora_modules == [LoRAModulePath("a", "/p"), LoRAModulePath("b", "/q")]
     assert args.max_cpu_loras == 4 and args.enable_lora and not args.allow_runtime_lora_updating
     assert build_serve_parser().parse_args(["--allow-runtime-lora-updating"]).allow_runtime_lora_updating
-    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be an int >= max_loras \(2\)"):
+    with pytest.raises(ValueError, match=r"max_cpu_loras must be an int >= max_loras \(2\), got 1"):
         EngineConfig(max_loras=2, max_cpu_loras=1)
     assert EngineConfig(max_loras=2, max_cpu_loras=8).max_cpu_loras == 8
     with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
