@@ -25,7 +25,7 @@ from rawpaged.entrypoints.api_server import create_app
 from rawpaged.entrypoints.cli import build_serve_parser
 from rawpaged.entrypoints.server.lora_registry import LoRAModulePath, parse_lora_module
 from rawpaged.testing.random_lora import write_random_adapter
-from tests.entrypoints.server_thread import openai_client, run, served, wait_pool_empty, ws_generate
+from tests.entrypoints.server_thread import openai_client, run, served, stats, ws_generate
 from tests.lora.test_lora_adapters import BAD
 
 MAX_LEN = 128
@@ -37,6 +37,21 @@ def _config(lora_base, **kw) -> EngineConfig:
     return EngineConfig(
         model=str(lora_base), device="cpu", num_kv_blocks=64, max_model_len=MAX_LEN, enable_lora=True, max_loras=2, **kw
     )
+
+
+def wait_pool_empty(srv, timeout=10.0) -> dict:
+    """Poll ``/v1/debug/stats`` until nothing runs and every KV block is free but those holding resident
+    adapters' weights, where the pool pages them (``lora_adapter_pages``); the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(srv)
+        pages = s.get("lora_adapter_pages", 0)
+        if s["num_free_blocks"] + pages == s["num_total_blocks"] and not (
+            s["num_running"] or s["num_waiting"] or s["num_active_streams"]
+        ):
+            return s
+        assert time.monotonic() < deadline, f"blocks not returned: {s}"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +242,8 @@ def test_a_bad_adapter_is_a_400_and_nothing_is_kept(srv, offline, adapters, lora
     status, body = post(srv, "/v1/completions", _completion("a0", PROMPTS[2]))  # the others keep running
     assert status == 200
     assert body["choices"][0]["token_ids"] == _greedy(offline, PROMPTS[2], LoRARequest("a0", 1, str(adapters[0])))
-    stats = wait_pool_empty(srv)
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    s = wait_pool_empty(srv)
+    assert s["num_free_blocks"] + s.get("lora_adapter_pages", 0) == s["num_total_blocks"]
 
 
 def test_adapter_routes_answer_404_while_runtime_updating_is_off(srv, adapters):
@@ -316,8 +331,12 @@ def test_engine_stats_count_each_adapters_running_and_waiting_requests(lora_base
     lora = engine.stats()["lora"]
     assert lora["waiting_lora_adapters"] == ["a0", "a1"] and lora["running_lora_adapters"] == []
     assert lora["adapters"]["a0"]["num_requests_waiting"] == 2 and lora["num_registered"] == 2
-    engine.step()  # max_loras 1: a0's requests run, a1's waits
-    lora = engine.stats()["lora"]
+    deadline = time.monotonic() + 30
+    while not engine.stats()["lora"]["running_lora_adapters"]:  # where adapters load in the background: a
+        assert time.monotonic() < deadline  # step or more before their requests run
+        engine.step()
+        time.sleep(0.01)
+    lora = engine.stats()["lora"]  # max_loras 1: a0's requests run, a1's waits
     assert lora["running_lora_adapters"] == ["a0"] and lora["waiting_lora_adapters"] == ["a1"]
     assert lora["adapters"]["a0"]["num_requests_running"] == 2 and lora["adapters"]["a0"]["resident"]
     assert lora["num_resident"] == 1 and lora["num_loads"] == 1
