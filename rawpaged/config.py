@@ -216,8 +216,8 @@ class EngineConfig:
     default: off"""
     enable_lora: bool = False
     """serve LoRA adapters (PEFT directories) beside the base model, mixed in one batch; offline
-    LLM.generate(..., lora_request=LoRARequest(name, id, path)) picks one per prompt (the CPU backend and
-    Llama-family models only; docs/lora.md)"""
+    LLM.generate(..., lora_request=LoRARequest(name, id, path)) picks one per prompt, a server's request by its
+    model (--lora-modules) (the CPU backend and Llama-family models only; docs/lora.md)"""
     max_loras: int = 1
     """LoRA adapters one step computes with at most (a cap, not a reservation: adapters' weights take pages
     of the KV pool only while resident); a request whose adapter would be one more waits (the ones behind

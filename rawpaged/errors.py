@@ -26,6 +26,15 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class LoRAInUseError(RuntimeError):
+    """A LoRA adapter that requests in flight run with cannot be unloaded (the server answers 409);
+    ``num_requests`` says how many use it."""
+
+    def __init__(self, message: str, num_requests: int):
+        super().__init__(message)
+        self.num_requests = num_requests
+
+
 class EngineError(RuntimeError):
     """A request ended by a failure of the engine; the server answers ``status`` (500) with ``type``."""
 

@@ -30,7 +30,7 @@ from rawpaged.core import kv_cache_snapshot
 from rawpaged.engine.engine_client import RequestStream
 from rawpaged.engine.llm_engine import LLMEngine
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
-from rawpaged.errors import EngineDeadError, RequestFailedError
+from rawpaged.errors import EngineDeadError, InvalidRequestError, LoRAInUseError, RequestFailedError
 from rawpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("rawpaged.server")
@@ -62,6 +62,7 @@ class AsyncEngine:
         self._num_arrivals = 0  # add_request calls so far (``_gather_arrivals``)
         # when the engine last went idle, how many requests its last step finished, arrivals by then
         self._idle_since = (float("-inf"), 0, 0)
+        self._removed_loras: set[int] = set()  # adapters ``remove_lora`` removed: requests for them are refused
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -85,13 +86,21 @@ class AsyncEngine:
         self.engine.input_processor.check_prompt(ids)
 
     async def add_request(
-        self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        log_label: str | None = None,
+        lora_request=None,
     ) -> RequestStream:
         """Queue a request (it joins the batch at the next step) and return its stream.
 
-        ``prompt`` is what ``LLMEngine.add_request`` takes; ``log_label`` goes into the request's log line
-        (e.g. a client's own id). Raises ValueError (nothing queued) for an invalid request or a duplicate
-        id; EngineDeadError after ``close``.
+        ``prompt`` is what ``LLMEngine.add_request`` takes, ``lora_request`` its LoRA adapter
+        (``rawpaged.lora.request.LoRARequest``, or None); ``log_label`` goes into the request's log line
+        (e.g. a client's own id). The request counts as a user of its adapter (``num_lora_requests``) from
+        this call on, before any await. Raises ValueError (nothing queued) for an invalid request, a
+        duplicate id or an adapter ``remove_lora`` has removed (InvalidRequestError, param "model");
+        EngineDeadError after ``close``.
         """
         if self._closed:
             raise EngineDeadError("the engine is shut down")
@@ -100,7 +109,10 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
+        lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        if lora_int_id in self._removed_loras:
+            raise InvalidRequestError(f"the LoRA adapter {lora_request.lora_name!r} was unloaded", "model")
+        stream = RequestStream(request_id, lora_int_id=lora_int_id)
         self._streams[request_id] = stream
         arrival = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -113,7 +125,9 @@ class AsyncEngine:
                 return stream
             # no await between the check above and this submit: an abort from now on is queued on the
             # engine thread after the add, so it finds the request there and removes it
-            n_prompt = await loop.run_in_executor(self._executor, self._add, prompt, params, request_id, grammar)
+            n_prompt = await loop.run_in_executor(
+                self._executor, self._add, prompt, params, request_id, grammar, lora_request
+            )
         except asyncio.CancelledError:
             self.abort(request_id)  # runs after the add on the engine thread: nothing is left behind
             raise
@@ -127,9 +141,10 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None):
-        """Async generator of ``RequestOutput``s; leaving it early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id)
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None, lora_request=None):
+        """Async generator of ``RequestOutput``s (``lora_request``: as ``add_request``); leaving it early
+        aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -156,6 +171,40 @@ class AsyncEngine:
         n = len(self._streams)
         self._fail_all(error)
         return n
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def add_lora(self, lora_request) -> bool:
+        """``LLMEngine.add_lora`` on the engine thread (between steps): the adapter loaded and checked.
+        Raises InvalidRequestError (the message naming the adapter and the field) for one that cannot be
+        loaded, or one removed before (ids are not reused); EngineDeadError after ``close``."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        if lora_request.lora_int_id in self._removed_loras:
+            raise InvalidRequestError(f"lora_int_id {lora_request.lora_int_id} was removed", "lora_request")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id``; False if the engine did not have it. Raises ``LoRAInUseError``
+        (nothing changed) while a request in flight runs with it: those requests are never broken. From
+        this call on, requests for it are refused (``add_request``); the engine thread forgets it after
+        the step under way and any aborts queued before."""
+        users = self.num_lora_requests(lora_int_id)
+        if users:
+            raise LoRAInUseError(f"{users} request(s) in flight use the adapter", users)
+        self._removed_loras.add(lora_int_id)
+        if self._closed:
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self.engine.remove_lora, lora_int_id)
+        except BaseException:
+            self._removed_loras.discard(lora_int_id)
+            raise
+
+    def num_lora_requests(self, lora_int_id: int) -> int:
+        """Requests in flight (queued, waiting or running) that run with adapter ``lora_int_id``."""
+        return sum(1 for s in self._streams.values() if s.lora_int_id == lora_int_id)
 
     async def stats(self) -> dict:
         """``LLMEngine.stats()`` taken between steps, plus ``num_active_streams``."""
@@ -202,8 +251,8 @@ class AsyncEngine:
         self.engine.close()
 
     # ------------------------------------------------------------------ engine thread
-    def _add(self, prompt, params, request_id, grammar) -> int:
-        self.engine.add_request(prompt, params, request_id, grammar)
+    def _add(self, prompt, params, request_id, grammar, lora_request) -> int:
+        self.engine.add_request(prompt, params, request_id, grammar, lora_request=lora_request)
         return len(self.engine.requests[request_id].prompt_token_ids)
 
     def _step(self):

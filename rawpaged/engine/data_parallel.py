@@ -28,7 +28,7 @@ from rawpaged.engine.engine_parts import FrontEnd
 from rawpaged.engine.replica import ACCEPTED, EngineReplica
 from rawpaged.engine.request_stats import RequestStatsTracker, finish_reasons
 from rawpaged.engine.router import Router
-from rawpaged.errors import EngineDeadError, EngineError, ReplicaUnavailableError, import_optional
+from rawpaged.errors import EngineDeadError, EngineError, InvalidRequestError, ReplicaUnavailableError, import_optional
 from rawpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("rawpaged.server")
@@ -359,6 +359,18 @@ class DataParallelEngine:
             return await self.replicas[replica].kv_cache_snapshot.remote(start, count, since_event)
         except Exception as e:  # noqa: BLE001 - a Ray error, or the replica's own ValueError
             raise self._replica_error(replica, e) from None
+
+    async def add_lora(self, lora_request) -> bool:
+        """Refused: LoRA adapters are not served over replicas yet (InvalidRequestError)."""
+        raise InvalidRequestError("LoRA adapters are not supported with data-parallel replicas yet", "lora_request")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """False: no replica has adapters."""
+        return False
+
+    def num_lora_requests(self, lora_int_id: int) -> int:
+        """0: no request runs with an adapter here."""
+        return 0
 
     async def stats(self) -> dict:
         """The replicas' counters summed (``kv_cache_usage``: used over total blocks), plus

@@ -19,12 +19,13 @@ class RequestStream:
     Iteration ends after the finished output, or early when the request was aborted (``aborted`` is
     then True). Raises ``EngineDeadError`` if the engine failed, ``RequestFailedError`` if the engine
     ended this request alone. ``replica`` is the data-parallel replica serving it (None for a single
-    engine).
+    engine); ``lora_int_id`` the LoRA adapter it runs with (0: none).
     """
 
-    def __init__(self, request_id: str, replica: int | None = None):
+    def __init__(self, request_id: str, replica: int | None = None, lora_int_id: int = 0):
         self.request_id = request_id
         self.replica = replica
+        self.lora_int_id = lora_int_id
         self.aborted = False
         self.finished = False
         self._latest: RequestOutput | None = None
@@ -82,12 +83,27 @@ class EngineClient(Protocol):
         """Raises InvalidRequestError for prompt token ids the engine would refuse."""
 
     async def add_request(
-        self, prompt, params: SamplingParams, request_id: str | None = None, log_label: str | None = None
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        log_label: str | None = None,
+        lora_request=None,
     ) -> RequestStream:
-        """Queue a request; its stream of cumulative ``RequestOutput``s."""
+        """Queue a request (``lora_request``: the ``LoRARequest`` it runs with, or None); its stream of
+        cumulative ``RequestOutput``s."""
 
     def abort(self, request_id: str) -> bool:
         """End a request now; False if unknown or finished."""
+
+    async def add_lora(self, lora_request) -> bool:
+        """Load and check a LoRA adapter (``LLMEngine.add_lora``); raises InvalidRequestError."""
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; raises ``LoRAInUseError`` while requests in flight use it."""
+
+    def num_lora_requests(self, lora_int_id: int) -> int:
+        """Requests in flight that run with adapter ``lora_int_id``."""
 
     async def stats(self) -> dict:
         """The engine's counters (``LLMEngine.stats`` and more)."""

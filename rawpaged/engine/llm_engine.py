@@ -23,6 +23,7 @@ from rawpaged.core.sequence import Sequence, SequenceStatus
 from rawpaged.engine import beam_search
 from rawpaged.engine.engine_parts import build_engine_parts
 from rawpaged.engine.logprobs import prompt_logprob_entries
+from rawpaged.engine.lora_stats import lora_stats
 from rawpaged.engine.outputs import RequestOutput
 from rawpaged.engine.request import Request
 from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
@@ -365,6 +366,7 @@ class LLMEngine:
             **self._spec_decode_stats(),
             **self._offload_stats(),
             **self._lora_stats(),
+            **lora_stats(self.runner.lora_manager, sched.running, self.requests),
         }
 
     def _lora_stats(self) -> dict:

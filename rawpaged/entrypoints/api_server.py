@@ -3,8 +3,9 @@ middleware (``middleware``) and the start-up and clean-up hooks (``lifecycle``);
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id}
 and POST /v1/responses/{id}/cancel (OpenAI's Responses API), POST /v1/messages and POST
-/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), GET /v1/models, and vLLM's tokenizer routes
-POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
+/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), GET /v1/models (the model and its LoRA
+adapters), vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``openai/models/``), and vLLM's
+tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
 /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``), and the playground page:
 GET / and /static/ (``playground``). All but /health, /metrics and the playground's need the API key when
 one is set (``middleware``). The protocol is described in docs/server.md.
@@ -28,7 +29,12 @@ from rawpaged.entrypoints.http.connections import ConnectionGate
 from rawpaged.entrypoints.http.middleware import add_cors_headers, request_middleware
 from rawpaged.entrypoints.openai.chat_completion.serving import create_chat_completion
 from rawpaged.entrypoints.openai.completion.serving import create_completion
-from rawpaged.entrypoints.openai.models.serving import retrieve_model, show_available_models
+from rawpaged.entrypoints.openai.models.serving import (
+    load_lora_adapter,
+    retrieve_model,
+    show_available_models,
+    unload_lora_adapter,
+)
 from rawpaged.entrypoints.openai.responses.serving import (
     ResponseStore,
     cancel_background_responses,
@@ -39,6 +45,7 @@ from rawpaged.entrypoints.openai.responses.serving import (
 from rawpaged.entrypoints.openai.tokenize.serving import create_detokenize, create_tokenize, get_tokenizer_info
 from rawpaged.entrypoints.server import lifecycle
 from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
+from rawpaged.entrypoints.server.lora_registry import LoRAModulePath, LoRARegistry, parse_lora_module
 from rawpaged.entrypoints.server.state import STATE, AppState
 from rawpaged.entrypoints.websocket.serving import websocket_handler
 from rawpaged.weights import DEFAULT_MODEL
@@ -56,6 +63,8 @@ ROUTES = (
     web.post("/v1/messages/count_tokens", count_tokens, expect_handler=expect_handler),
     web.get("/v1/models", show_available_models),
     web.get("/v1/models/{model:.+}", retrieve_model),
+    web.post("/v1/load_lora_adapter", load_lora_adapter, expect_handler=expect_handler),
+    web.post("/v1/unload_lora_adapter", unload_lora_adapter, expect_handler=expect_handler),
     web.post("/tokenize", create_tokenize, expect_handler=expect_handler),
     web.post("/detokenize", create_detokenize, expect_handler=expect_handler),
     web.get("/tokenizer_info", get_tokenizer_info),
@@ -94,6 +103,8 @@ def create_app(
     data_parallel_size: int = 1,
     ray_address: str | None = None,
     server_config: ServerConfig | None = None,
+    lora_modules: Sequence = (),
+    allow_runtime_lora_updating: bool = False,
 ) -> web.Application:
     """The aiohttp application.
 
@@ -106,16 +117,26 @@ def create_app(
     ``allowed_origins``: origins (or ``"*"``) browsers may call from (``rawpaged.entrypoints.http.cors``).
     ``data_parallel_size`` > 1 serves ``config`` through that many Ray replicas
     (``rawpaged.engine.data_parallel``; ``ray_address`` joins a running cluster). ``server_config``: the
-    timeouts and limits (``ServerConfig``'s defaults when None).
+    timeouts and limits (``ServerConfig``'s defaults when None). ``lora_modules``: LoRA adapters served
+    from the start (``LoRAModulePath``s or ``--lora-modules`` strings, ``name=path`` or JSON), loaded before
+    the server reports ready (a bad one fails the start); ``allow_runtime_lora_updating`` switches on
+    ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (docs/lora.md).
+
+    Raises ValueError for a bad ``lora_modules`` entry, ``lora_modules`` with ``config`` but without
+    ``enable_lora``, or ``enable_lora`` with ``data_parallel_size`` > 1 (not supported yet).
     """
     config = config or EngineConfig()
     default_loader = engine is None and loader is None
     server_config = server_config or ServerConfig()
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or ())
     names = names or [model_name_of(config)]
+    aliases = {*names, model_name_of(config)} | ({config.model} if config.model else set())
+    loras = _lora_registry(config, engine, loader, lora_modules, data_parallel_size, names[0], aliases)
     state = AppState(
         model_name=names[0],
-        model_aliases={*names, model_name_of(config)} | ({config.model} if config.model else set()),
+        model_aliases=aliases,
+        loras=loras,
+        allow_runtime_lora_updating=allow_runtime_lora_updating,
         loader=loader,
         api_key=api_key or None,
         limits=Limits(
@@ -142,3 +163,13 @@ def create_app(
     app.on_shutdown.append(cancel_background_responses)
     app.on_cleanup.append(lifecycle.close_engine)
     return app
+
+
+def _lora_registry(config, engine, loader, lora_modules, data_parallel_size, name, aliases) -> LoRARegistry:
+    """The served adapters of ``create_app``'s ``lora_modules`` (see its errors)."""
+    modules = [m if isinstance(m, LoRAModulePath) else parse_lora_module(m) for m in lora_modules or ()]
+    if modules and engine is None and loader is None and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if config.enable_lora and data_parallel_size > 1:
+        raise ValueError("--enable-lora with --data-parallel-size > 1 is not supported yet")
+    return LoRARegistry(modules, base_model_name=name, base_names=aliases)

@@ -24,6 +24,7 @@ from rawpaged.config import EngineConfig, SpeculativeConfig
 from rawpaged.engine.data_parallel import init_ray, shutdown_ray
 from rawpaged.engine.outputs import DeltaTracker
 from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, ServerConfig
+from rawpaged.entrypoints.server.lora_registry import parse_lora_module
 from rawpaged.entrypoints.server.startup import load_engine
 from rawpaged.errors import import_optional
 from rawpaged.sampling_params import SamplingParams
@@ -306,6 +307,35 @@ def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _lora_module(text: str):
+    """One ``--lora-modules`` value (``name=path`` or JSON), checked (an error names the entry)."""
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA adapters served (vLLM's ``--lora-modules``) and whether they may change at run time; the
+    engine's ``--enable-lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras`` are engine options."""
+    group = p.add_argument_group("LoRA adapters (docs/lora.md; with --enable-lora)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=(),
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served from the start, each picked by a request's model: "
+        'name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...} (vLLM\'s forms)',
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="switch on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; vLLM switches "
+        "them on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); off, they answer 404",
+    )
+
+
 def _add_server_config_args(p: argparse.ArgumentParser) -> None:
     """``ServerConfig``'s timeouts and limits, one flag per field."""
     seconds = (float, "SECONDS")
@@ -337,6 +367,7 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
     add_log_level_arg(p, "info: one line per request")
     _add_data_parallel_args(p)
     _add_server_config_args(p)
+    _add_lora_args(p)
     add_engine_args(p)
     return p
 
@@ -361,17 +392,23 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     if error:
         print(error, file=sys.stderr)
         return 1
-    app = create_app(
-        config,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_tokens_limit=args.max_tokens_limit,
-        max_body_size=args.max_body_size,
-        allowed_origins=args.allowed_origins,
-        data_parallel_size=args.data_parallel_size,
-        ray_address=args.ray_address,
-        server_config=server_config,
-    )
+    try:
+        app = create_app(
+            config,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_tokens_limit=args.max_tokens_limit,
+            max_body_size=args.max_body_size,
+            allowed_origins=args.allowed_origins,
+            data_parallel_size=args.data_parallel_size,
+            ray_address=args.ray_address,
+            server_config=server_config,
+            lora_modules=args.lora_modules,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        )
+    except ValueError as e:  # --lora-modules without --enable-lora, a name given twice
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     started_ray = False
     if args.ray_address and args.data_parallel_size == 1:
         print("error: --ray-address needs --data-parallel-size 2 or more", file=sys.stderr)

@@ -16,7 +16,14 @@ from aiohttp import web
 
 from rawpaged.entrypoints.anthropic.content_blocks import ContentBlocks, message_object, new_id, usage
 from rawpaged.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from rawpaged.entrypoints.generation.admission import admit, check_capacity, check_model, require_engine
+from rawpaged.entrypoints.generation.admission import (
+    admit,
+    check_capacity,
+    check_model,
+    lora_request_of,
+    require_engine,
+    served_model_name,
+)
 from rawpaged.entrypoints.generation.engine_requests import submitted
 from rawpaged.entrypoints.generation.preprocessing import encode_conversation, prepare_prompts
 from rawpaged.entrypoints.generation.reply_writer import last_output, stream_deltas
@@ -38,9 +45,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     prompts = await prepare_prompts(engine, req, state.limits)
     check_capacity(state, engine, len(prompts))
     mid, blocks = new_id("msg"), ContentBlocks(req, state.reasoning_parser)
-    async with submitted(engine, req, prompts, mid) as streams:
+    async with submitted(engine, req, prompts, mid, lora_request_of(state, req.model)) as streams:
         if req.stream:
-            events = _events(state, blocks, mid, prompts[0], streams[0])
+            events = _events(state, blocks, mid, prompts[0], streams[0], served_model_name(state, req.model))
             return await write_events(request, events, _error_event)
         final = await last_output(streams[0])
     choice = final.outputs[0]
@@ -48,7 +55,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     blocks.finish()
     stop_reason, stop_sequence = blocks.stop(choice, prompts[0].tokenizer)
     used = usage(len(prompts[0].ids), len(choice.token_ids), final.num_cached_tokens)
-    return json_response(message_object(mid, state.model_name, blocks.blocks, stop_reason, stop_sequence, used))
+    model = served_model_name(state, req.model)
+    return json_response(message_object(mid, model, blocks.blocks, stop_reason, stop_sequence, used))
 
 
 def _error_event(e: EngineError) -> bytes:
@@ -57,10 +65,10 @@ def _error_event(e: EngineError) -> bytes:
     return typed_event(anthropic_error_body(str(e), anthropic_error_type(status)))
 
 
-async def _events(state, blocks: ContentBlocks, mid: str, prompt, stream):
+async def _events(state, blocks: ContentBlocks, mid: str, prompt, stream, model: str):
     """The stream's events (``sse.typed_event``). ``message_start`` waits for the first output, which
     brings the prefix cache's hits for its ``usage``."""
-    model, started, final = state.model_name, False, None
+    started, final = False, None
     async for out, d in stream_deltas(stream):
         if not started:
             opening = message_object(mid, model, [], None, None, usage(len(prompt.ids), 0, out.num_cached_tokens))

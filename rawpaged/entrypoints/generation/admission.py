@@ -44,12 +44,29 @@ def check_capacity(state: AppState, engine: EngineClient, num_requests: int = 1)
 
 
 def check_model(state: AppState, model: str | None) -> None:
-    """A 404 for a ``model`` this server does not serve (None: the served model)."""
-    if model is not None and model not in state.model_aliases:
+    """A 404 for a ``model`` this server does not serve (None: the served model), naming what it serves:
+    the base model and its LoRA adapters (``state.loras``)."""
+    loras = state.loras.requests
+    if model is not None and model not in state.model_aliases and model not in loras:
+        adapters = f" and the LoRA adapters {', '.join(f'`{n}`' for n in loras)}" if loras else ""
         raise ProtocolError(
-            f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
+            f"The model `{model}` does not exist; this server serves `{state.model_name}`{adapters}.",
             param="model",
             status=404,
             type="invalid_request_error",
             code="model_not_found",
         )
+
+
+def lora_request_of(state: AppState, model: str | None):
+    """The ``LoRARequest`` a request's ``model`` names (None: the base model); a 404 as ``check_model`` for
+    a name not served now. Call it just before the engine's ``add_request``, with no await between: from
+    that call on the request counts as the adapter's user, and an unload is refused (409)."""
+    check_model(state, model)
+    return state.loras.get(model)
+
+
+def served_model_name(state: AppState, model: str | None) -> str:
+    """The ``model`` a response reports: the adapter's name for a request of a LoRA adapter (as vLLM),
+    else the served model's."""
+    return model if model in state.loras else state.model_name

@@ -39,18 +39,31 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
-def model_card(name: str, created: int, max_model_len: int | None) -> dict:
+def model_card(
+    name: str, created: int, max_model_len: int | None, root: str | None = None, parent: str | None = None
+) -> dict:
     """One model card (OpenAI's ``Model`` plus vLLM's ``root``, ``parent`` and, once the model has loaded,
-    ``max_model_len``)."""
-    card = {"id": name, "object": "model", "created": created, "owned_by": "rawpaged", "root": name, "parent": None}
+    ``max_model_len``): a LoRA adapter's ``root`` is its path and its ``parent`` the base model's name, as
+    vLLM's; the base model's ``root`` is its name (default) and its ``parent`` null."""
+    card = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "rawpaged",
+        "root": root or name,
+        "parent": parent,
+    }
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
     return card
 
 
-def models_response(name: str, created: int, max_model_len: int | None) -> dict:
-    """``GET /v1/models``' list with the one model card."""
-    return {"object": "list", "data": [model_card(name, created, max_model_len)]}
+def models_response(name: str, created: int, max_model_len: int | None, adapters: list = ()) -> dict:
+    """``GET /v1/models``' list: the model's card, then one per LoRA adapter of ``adapters``, each
+    ``(name, path, parent)``."""
+    cards = [model_card(name, created, max_model_len)]
+    cards += [model_card(n, created, max_model_len, root, parent) for n, root, parent in adapters]
+    return {"object": "list", "data": cards}
 
 
 def _fingerprinted(response: dict, system_fingerprint: str | None) -> dict:

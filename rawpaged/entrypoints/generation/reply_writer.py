@@ -10,6 +10,7 @@ import json
 from aiohttp import web
 
 from rawpaged.engine.outputs import DeltaTracker
+from rawpaged.entrypoints.generation.admission import served_model_name
 from rawpaged.entrypoints.generation.output_json import ResponseFormat, now, usage
 from rawpaged.entrypoints.http.sse import data_event, write_events
 from rawpaged.entrypoints.server.state import AppState
@@ -104,7 +105,8 @@ async def _full_response(state: AppState, req, fmt: ResponseFormat, rid, prompts
                 completion_tokens += 0 if req.echo_only else len(c.token_ids)
                 choices.append(fmt.choice(req, i * n + c.index, p, c))
         totals = usage(sum(len(p.ids) for p in prompts), completion_tokens, cached_tokens(state, final.values()))
-        response = fmt.response(rid, created, state.model_name, choices, totals, state.system_fingerprint)
+        model = served_model_name(state, req.model)
+        response = fmt.response(rid, created, model, choices, totals, state.system_fingerprint)
         fmt.add_prompt_fields(req, response, prompts)
         return dumps_by_part(response, "choices")
 
@@ -146,7 +148,7 @@ async def _chunks(state: AppState, req, fmt: ResponseFormat, rid, prompts, strea
     """The stream's events (``sse.data_event``), one choice per chunk, as OpenAI streams n > 1 (clients
     read choices[0]); the usage chunk last with ``include_usage``."""
     created = now()
-    model = state.model_name
+    model = served_model_name(state, req.model)
     n = req.num_choices
     trackers = [DeltaTracker() for _ in prompts]
     completion_tokens, finals, fingerprint = 0, {}, state.system_fingerprint

@@ -2,7 +2,9 @@
 
 At start-up the app gets its engine: one given (``use_engine``), or the model loaded in a daemon thread
 (``load_model``; ``/health`` and the generation routes answer 503 meanwhile, and a failed load is kept for
-``/health`` and ends ``launcher.serve``). At clean-up an engine the app started is closed.
+``/health`` and ends ``launcher.serve``). The ``--lora-modules`` adapters are loaded into it before it serves
+(``add_static_loras``; one that cannot be loaded fails the start). At clean-up an engine the app started is
+closed.
 """
 
 from __future__ import annotations
@@ -52,9 +54,20 @@ async def use_engine(engine, app: web.Application) -> None:
     ``LLMEngine`` wrapped in one."""
     state = _starting(app)
     if isinstance(engine, AsyncEngine):
+        for lora in state.loras.static:
+            await engine.add_lora(lora)
         state.engine, state.owns_engine = engine, False
     else:
+        add_static_loras(state, engine)
         state.engine = AsyncEngine(engine, metrics=state.metrics)
+
+
+def add_static_loras(state: AppState, engine: LLMEngine) -> None:
+    """Load the ``--lora-modules`` adapters into ``engine`` (before it serves). Raises ValueError naming
+    the adapter and the field for one that cannot be loaded (or LoRA off)."""
+    for lora in state.loras.static:
+        engine.add_lora(lora)
+        logger.info("LoRA adapter %r served from %s", lora.lora_name, lora.lora_path)
 
 
 async def load_model(app: web.Application) -> None:
@@ -82,6 +95,8 @@ def _starting(app: web.Application) -> AppState:
 def _load(state: AppState, loop: asyncio.AbstractEventLoop) -> None:
     try:
         result, error = state.loader(), None
+        if isinstance(result, LLMEngine):
+            add_static_loras(state, result)
     except BaseException as e:  # noqa: BLE001
         logger.debug("model load failed", exc_info=True)
         lines = str(e).strip().splitlines()

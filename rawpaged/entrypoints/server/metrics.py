@@ -7,6 +7,8 @@ token counters are read from ``LLMEngine.stats()`` at scrape time.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -157,6 +159,7 @@ class _EngineStatsCollector:
                 per_pos.add_metric([*label_values, str(pos)], float(count))
         yield per_pos
         yield from _group_metrics(labels, sources)
+        yield from _lora_metrics(labels, sources)
         if replicas is not None:
             yield from _router_metrics(replicas, s.get("router", {}))
 
@@ -180,6 +183,47 @@ def _group_metrics(labels: list, sources: list):
             used.add_metric(group, float(g["num_used_blocks"]))
             frees.add_metric(group, float(g["num_window_frees"]))
     yield from (used, frees)
+
+
+def _lora_metrics(labels: list, sources: list):
+    """With LoRA on (``stats["lora"]``, ``engine.lora_stats``): vLLM's ``lora_requests_info`` (labels
+    ``max_lora``, ``waiting_lora_adapters`` and ``running_lora_adapters``, the adapters' names joined by
+    commas; its value the time of the scrape, as vLLM's the time of its update), the adapters registered
+    and resident, their loads into a slot, and each adapter's running and waiting requests (label
+    ``lora_name``)."""
+    lora_sources = [(values, source["lora"]) for values, source in sources if source.get("lora")]
+    if not lora_sources:
+        return
+    info = GaugeMetricFamily(
+        "rawpaged:lora_requests_info",
+        "Running stats on LoRA requests (vLLM's): the adapters with running and with waiting requests.",
+        labels=[*labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    flat = [
+        (GaugeMetricFamily, "rawpaged:lora_adapters_registered", "LoRA adapters served.", "num_registered"),
+        (GaugeMetricFamily, "rawpaged:lora_adapters_resident", "LoRA adapters in a slot now.", "num_resident"),
+        (CounterMetricFamily, "rawpaged:lora_loads", "LoRA adapters copied into a slot so far.", "num_loads"),
+    ]
+    families = [(family(name, doc, labels=labels), key) for family, name, doc, key in flat]
+    per_adapter = [
+        (GaugeMetricFamily(f"rawpaged:lora_requests_{kind}", doc, labels=[*labels, "lora_name"]), key)
+        for kind, doc, key in (
+            ("running", "Requests of a LoRA adapter with a sequence in the running batch.", "num_requests_running"),
+            ("waiting", "Requests of a LoRA adapter waiting to be scheduled.", "num_requests_waiting"),
+        )
+    ]
+    now = time.time()
+    for values, lora in lora_sources:
+        running, waiting = ",".join(lora["running_lora_adapters"]), ",".join(lora["waiting_lora_adapters"])
+        info.add_metric([*values, str(lora["max_loras"]), waiting, running], now)
+        for metric, key in families:
+            metric.add_metric(values, float(lora[key]))
+        for metric, key in per_adapter:
+            for name, adapter in lora["adapters"].items():
+                metric.add_metric([*values, name], float(adapter[key]))
+    yield info
+    yield from (m for m, _ in families)
+    yield from (m for m, _ in per_adapter)
 
 
 def _router_metrics(replicas: list, router: dict):

@@ -1,6 +1,6 @@
 """The app's shared objects: one ``AppState`` per aiohttp application, under ``app[STATE]``, read by the
 middleware, every route and the start-up and shutdown code. It holds the engine (None while the model
-loads), the served model's names, the limits, the metrics, the connection gate and whether the server
+loads), the served model's names and LoRA adapters, the limits, the metrics, the connection gate and whether the server
 drains."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from aiohttp import web
 
 from rawpaged.engine.engine_client import EngineClient
 from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, Limits, ServerConfig
+from rawpaged.entrypoints.server.lora_registry import LoRARegistry
 from rawpaged.entrypoints.server.metrics import ServerMetrics
 
 
@@ -44,6 +45,8 @@ class AppState:
     reasoning_parser: str | None = None  # chat output's <think> split out (``generation.reasoning_parsers``)
     responses: object = None  # the Responses API's ``openai.responses.serving.ResponseStore``
     system_fingerprint: str | None = None  # chat and completions' ``system_fingerprint`` (``generation.fingerprint``)
+    loras: LoRARegistry = field(default_factory=LoRARegistry)  # the served LoRA adapters, by name
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter answer
 
 
 STATE = web.AppKey("rawpaged_state", AppState)

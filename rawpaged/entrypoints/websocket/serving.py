@@ -22,7 +22,7 @@ import logging
 from aiohttp import WSCloseCode, web
 
 from rawpaged.core.kv_cache_snapshot import KVCacheSnapshotDiffer
-from rawpaged.entrypoints.generation.admission import admit, check_capacity, require_engine
+from rawpaged.entrypoints.generation.admission import admit, check_capacity, lora_request_of, require_engine
 from rawpaged.entrypoints.generation.choice_parser import ChoiceParser
 from rawpaged.entrypoints.generation.engine_requests import add_requests
 from rawpaged.entrypoints.generation.output_json import ChatFormat, CompletionFormat, new_id, prompt_logprobs_json
@@ -258,7 +258,8 @@ class WebSocketSession:
             if job.cancelled:
                 raise asyncio.CancelledError
             job.rid = new_id("ws")
-            stream = (await add_requests(engine, req, prompts, job.rid, log_label=f"websocket id {job.id!r}"))[0]
+            label, lora = f"websocket id {job.id!r}", lora_request_of(state, req.model)
+            stream = (await add_requests(engine, req, prompts, job.rid, log_label=label, lora_request=lora))[0]
             job.replica = stream.replica
             if job.cancelled:  # cancelled while being added
                 engine.abort(job.rid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from rawpaged.entrypoints.generation.admission import admit, check_capacity
+from rawpaged.entrypoints.generation.admission import admit, check_capacity, lora_request_of
 from rawpaged.entrypoints.generation.engine_requests import submitted
 from rawpaged.entrypoints.generation.output_json import ChatFormat, new_id
 from rawpaged.entrypoints.generation.preprocessing import prepare_prompts
@@ -31,5 +31,5 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompts = await prepare_prompts(engine, req, state.limits)
     check_capacity(state, engine, len(prompts))
     rid, fmt = new_id("chatcmpl"), ChatFormat(state.reasoning_parser)
-    async with submitted(engine, req, prompts, rid) as streams:
+    async with submitted(engine, req, prompts, rid, lora_request_of(state, req.model)) as streams:
         return await write_response(request, state, req, fmt, rid, prompts, streams)

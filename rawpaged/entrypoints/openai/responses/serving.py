@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 from aiohttp import web
 
-from rawpaged.entrypoints.generation.admission import admit, check_capacity
+from rawpaged.entrypoints.generation.admission import admit, check_capacity, lora_request_of, served_model_name
 from rawpaged.entrypoints.generation.engine_requests import add_requests, submitted
 from rawpaged.entrypoints.generation.preprocessing import prepare_prompts
 from rawpaged.entrypoints.generation.reply_writer import last_output, stream_deltas
@@ -92,9 +92,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     rid, created = new_id("resp"), int(time.time())
     items = OutputItems(req, state.reasoning_parser)
     if req.background:
-        streams = await add_requests(engine, req, prompts, rid)
+        streams = await add_requests(engine, req, prompts, rid, lora_request=lora_request_of(state, req.model))
         return _start_background(state, engine, items, rid, created, prompts[0], streams, conversation)
-    async with submitted(engine, req, prompts, rid) as streams:
+    async with submitted(engine, req, prompts, rid, lora_request_of(state, req.model)) as streams:
         if req.stream:
             return await _stream(request, state, items, rid, created, prompts[0], streams[0], conversation)
         response = await _final_response(state, items, rid, created, prompts[0], streams[0])
@@ -109,22 +109,23 @@ async def _final_response(state, items, rid, created, prompt, stream) -> dict:
     choice = final.outputs[0]
     items.feed(choice.text, items.logprobs(prompt, choice.token_ids, choice.logprobs))
     items.finish(item_status(choice))
-    return items.response(rid, created, state.model_name, final, prompt)
+    return items.response(rid, created, served_model_name(state, items.req.model), final, prompt)
 
 
 def _start_background(state, engine, items, rid, created, prompt, streams, conversation) -> web.Response:
     """Keep a ``queued`` response and run the request in a task that keeps its progress and result."""
     req = items.req
-    queued = response_object(req, rid, created, state.model_name, "queued", [])
+    model = served_model_name(state, req.model)
+    queued = response_object(req, rid, created, model, "queued", [])
     state.responses.put(queued, conversation)
 
     async def run() -> None:
         try:
-            state.responses.put(response_object(req, rid, created, state.model_name, "in_progress", []), conversation)
+            state.responses.put(response_object(req, rid, created, model, "in_progress", []), conversation)
             response = await _final_response(state, items, rid, created, prompt, streams[0])
             state.responses.put(response, conversation + conversation_of(items.items))
         except EngineError as e:
-            failed = response_object(req, rid, created, state.model_name, "failed", [])
+            failed = response_object(req, rid, created, model, "failed", [])
             failed["error"] = {"code": "server_error", "message": str(e)}
             state.responses.put(failed, conversation)
         finally:
@@ -147,7 +148,8 @@ async def _stream(request, state, items, rid, created, prompt, stream, conversat
 async def _events(state, items, rid, created, prompt, stream, conversation):
     """The stream's events (``sse.typed_event``), numbered by ``items``; the finished response is kept
     (unless ``store: false``)."""
-    req, model = items.req, state.model_name
+    req = items.req
+    model = served_model_name(state, req.model)
     opening = response_object(req, rid, created, model, "in_progress", [])
     for e in (items.event("response.created", response=opening), items.event("response.in_progress", response=opening)):
         yield typed_event(e)
