@@ -30,7 +30,7 @@ class FakeEngine:
         self.fail_next = False
         self.fail_request = None
 
-    def add_request(self, prompt, params, request_id, grammar=None):
+    def add_request(self, prompt, params, request_id, grammar=None, lora_request=None):
         if not prompt:
             raise ValueError("prompt is empty")
         self.requests[request_id] = SimpleNamespace(prompt_token_ids=[1, 2, 3], n=0, max=params.max_tokens)
