@@ -1,10 +1,13 @@
-"""Offline inference: ``LLM(model=None).generate(prompts, SamplingParams(...))``, named after vLLM's."""
+"""Offline inference: ``LLM(model=None).generate(prompts, SamplingParams(...))`` and ``LLM.embed(prompts)``,
+named after vLLM's."""
 
 from __future__ import annotations
 
 from rawpaged.config import EngineConfig
 from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.engine.outputs import EmbeddingRequestOutput
 from rawpaged.errors import RequestFailedError
+from rawpaged.pooling_params import PoolingParams
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -35,12 +38,37 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        return self._run(prompts, sampling_params, lora_request)
+
+    def embed(self, prompts, pooling_params=None, lora_request=None) -> list:
+        """Embed one prompt or a list (strings, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``);
+        returns an ``EmbeddingRequestOutput`` per prompt, in input order, as vLLM's ``LLM.embed``: its
+        ``outputs.embedding`` is a float32 NumPy array ``[hidden_size]`` (or ``[dimensions]``); stack them
+        with ``np.stack([o.outputs.embedding for o in outs])``.
+
+        Each prompt runs once, prefill only, batched with whatever else runs, and is pooled as the
+        engine's ``pooler_config`` says (default: the last position's final-norm hidden state,
+        L2-normalized; docs/embeddings.md). ``pooling_params``: one ``PoolingParams`` for all, a list, or
+        None. ``lora_request`` as ``generate``'s. Raises ValueError (nothing left queued) for an invalid
+        prompt or parameter, RequestFailedError as ``generate``.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        return [EmbeddingRequestOutput.from_base(o) for o in self._run(prompts, pooling_params, lora_request)]
+
+    def _run(self, prompts: list, params_list: list, lora_request) -> list:
+        """Queue every prompt with its parameters and step the engine until all finished; the final outputs
+        in input order (see ``generate``)."""
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, sampling_params, loras):
+            for prompt, params, lora in zip(prompts, params_list, loras):
                 ids.append(self.engine.add_request(prompt, params, lora_request=lora))
         except ValueError:
             for rid in ids:
