@@ -144,3 +144,16 @@ def test_openai_sdk_raises_bad_request(server):
     with pytest.raises(openai.BadRequestError) as e:
         openai_client(server).embeddings.create(model=server.state.model_name, input="x", dimensions=8)
     assert e.value.body["param"] == "dimensions"
+
+
+def test_the_pooler_config_option():
+    from rawpaged.entrypoints.cli import build_serve_parser, engine_config_from_args
+    from rawpaged.pooling_params import PoolerConfig
+
+    parser = build_serve_parser()
+    args = parser.parse_args(["--pooler-config", '{"pooling_type": "mean", "normalize": false}'])
+    assert engine_config_from_args(args).pooler_config == PoolerConfig("MEAN", False)
+    assert engine_config_from_args(parser.parse_args([])).pooler_config is None
+    for bad in ('{"pooling_type": "MAX"}', '{"pool": "MEAN"}', "not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--pooler-config", bad])
