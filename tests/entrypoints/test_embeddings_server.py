@@ -51,8 +51,11 @@ def test_openai_sdk_floats_and_base64(server, offline):
     pytest.importorskip("openai")
     client = openai_client(server)
     want = offline(TEXTS)
+    # without encoding_format the SDK asks for base64 and decodes it itself; "float" sends lists of numbers
     floats = client.embeddings.create(model=server.state.model_name, input=TEXTS)
     got = np.array([d.embedding for d in floats.data], dtype=np.float32)
+    listed = client.embeddings.create(model=server.state.model_name, input=TEXTS, encoding_format="float")
+    assert np.array_equal(np.array([d.embedding for d in listed.data], dtype=np.float32), got)
     assert [d.index for d in floats.data] == [0, 1, 2] and floats.object == "list"
     assert np.abs(got - want).max() < SAME
     assert np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
