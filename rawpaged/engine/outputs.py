@@ -95,6 +95,24 @@ class EmbeddingRequestOutput:
         return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.outputs.data), out.finished)
 
 
+@dataclass
+class ScoringOutput:
+    """A pair's score (vLLM's ``ScoringOutput``): here the cosine similarity of the two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result per pair (vLLM's ``ScoringRequestOutput``): ``outputs.score``; ``request_id``
+    and ``prompt_token_ids`` are the second text's embedding request's."""
+
+    request_id: str
+    prompt_token_ids: list
+    outputs: ScoringOutput
+    finished: bool = True
+
+
 @dataclass(slots=True)
 class CompletionDelta:
     """What choice ``index`` gained since the previous output: new ``text``, ``token_ids`` and their

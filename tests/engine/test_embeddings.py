@@ -69,15 +69,16 @@ def _check_returned(llm: LLM) -> None:
 def test_embeddings_equal_the_float64_reference(checkpoint, pooling_type):
     path, cfg, w = checkpoint
     llm = _engine(path, pooling_type)
-    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS])
+    prompts = PROMPTS + [[7]]  # a one-token prompt runs as a decode row of the step
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
     got = _vectors(outs)
-    assert got.dtype == np.float32 and got.shape == (len(PROMPTS), cfg["hidden_size"])
-    want = np.stack([_reference(cfg, w, p, pooling_type) for p in PROMPTS])
+    assert got.dtype == np.float32 and got.shape == (len(prompts), cfg["hidden_size"])
+    want = np.stack([_reference(cfg, w, p, pooling_type) for p in prompts])
     assert np.abs(got - want).max() < TOL, np.abs(got - want).max()
     # the pooling types give different vectors (a test that cannot tell them apart would pass anyway)
     other = "MEAN" if pooling_type != "MEAN" else "LAST"
-    assert np.abs(got - np.stack([_reference(cfg, w, p, other) for p in PROMPTS])).max() > 1e-2
-    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    assert np.abs(got - np.stack([_reference(cfg, w, p, other) for p in prompts])).max() > 1e-2
+    assert [o.prompt_token_ids for o in outs] == prompts
     _check_returned(llm)
 
 
@@ -166,6 +167,23 @@ def test_pooling_and_generation_share_steps(checkpoint):
     assert isinstance(final[emb], PoolingRequestOutput) and final[emb].outputs.data.shape == (cfg["hidden_size"],)
     assert np.abs(final[emb].outputs.data - alone_vec).max() < SAME
     assert final[gen].outputs[0].token_ids == alone_tokens
+    _check_returned(llm)
+
+
+def test_score_is_the_cosine_of_the_embeddings(checkpoint):
+    """``LLM.score``: one prompt against a list, and lists pairwise, each the cosine similarity of the
+    reference's normalized vectors (with ``normalize`` false in the pooler config too)."""
+    path, cfg, w = checkpoint
+    llm = _engine(path, "MEAN", normalize=False)
+    p = [{"prompt_token_ids": q} for q in PROMPTS]
+    unit = [_reference(cfg, w, q, "MEAN") for q in PROMPTS]
+    one_to_many = [o.outputs.score for o in llm.score(p[0], p[1:3])]
+    assert np.allclose(one_to_many, [unit[0] @ unit[1], unit[0] @ unit[2]], atol=TOL)
+    pairwise = [o.outputs.score for o in llm.score(p[:2], p[2:4])]
+    assert np.allclose(pairwise, [unit[0] @ unit[2], unit[1] @ unit[3]], atol=TOL)
+    assert np.isclose(llm.score(p[3], p[3])[0].outputs.score, 1, atol=TOL)
+    with pytest.raises(ValueError, match="data_1 has 2"):
+        llm.score(p[:2], p[:3])
     _check_returned(llm)
 
 
