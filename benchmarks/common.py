@@ -6,6 +6,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -132,3 +134,41 @@ def write_json(path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
+
+
+RSS_SCRIPT = """
+import json, sys
+from pathlib import Path
+def rss(key):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+before = rss("VmRSS:")
+from rawpaged import LLM, SamplingParams
+imported = rss("VmRSS:")
+llm = LLM(model=sys.argv[1], device="cpu", **json.loads(sys.argv[2]))
+loaded = rss("VmRSS:")
+runner = llm.engine.runner
+kv = sum(int(getattr(c, "nbytes", 0)) for c in list(runner.key_caches) + list(runner.value_caches))
+llm.generate({"prompt_token_ids": list(range(3, 67))}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print(json.dumps({"rss_at_start_bytes": before, "rss_after_import_bytes": imported, "rss_after_load_bytes": loaded,
+                  "rss_after_generate_bytes": rss("VmRSS:"), "peak_rss_bytes": rss("VmHWM:"), "kv_pool_bytes": kv}))
+"""
+
+
+def fresh_process_memory(model, engine_args: dict, env=None) -> dict:
+    """Absolute resident memory of a fresh CPU process on ``model`` (``RSS_SCRIPT``): at start, after
+    importing rawpaged, after loading the model, after a short generation, and its peak, with the KV pool's
+    bytes and the file's (a delta taken inside a process that loaded another model first is wrong: freeing
+    that one's memory made it negative)."""
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(model), json.dumps(engine_args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+    ).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    res["file_bytes"] = Path(model).stat().st_size if Path(model).is_file() else None
+    return res

@@ -28,19 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import conditions, print_table, write_json  # noqa: E402
+from benchmarks.common import conditions, fresh_process_memory, print_table, write_json  # noqa: E402
 
 THREADS = 2
 DECODE_TOKENS = 128
 PROMPT_TOKENS = 20
 PREFILL_TOKENS = 512
-
-
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+#: the engine options of every run (a pool of 256 blocks, max_model_len 2048)
+ENGINE_ARGS = {"num_kv_blocks": 256, "max_model_len": 2048}
 
 
 def llama_bench(binary: str, gguf: Path) -> dict:
@@ -60,9 +55,7 @@ class Ours:
     def __init__(self, model: str, **engine_args):
         from rawpaged import LLM
 
-        before = rss_bytes()
-        self.llm = LLM(model=model, device="cpu", **{"num_kv_blocks": 256, "max_model_len": 2048, **engine_args})
-        self.rss = rss_bytes() - before
+        self.llm = LLM(model=model, device="cpu", **{**ENGINE_ARGS, **engine_args})
         runner = self.llm.engine.runner
         caches = list(runner.key_caches) + list(runner.value_caches)
         self.kv_pool_bytes = sum(int(getattr(c, "nbytes", 0)) for c in caches)
@@ -125,7 +118,7 @@ def main(argv=None) -> int:
             "llama_cpp": {k: med(theirs, k) for k in ("decode_tok_s", "prefill_tok_s")},
             "rawpaged": {k: med(mine, k) for k in ("decode_tok_s", "prefill_tok_s")},
             "rounds": {"llama_cpp": theirs, "rawpaged": mine},
-            "rss_after_load_bytes": ours.rss,
+            "memory": fresh_process_memory(ours_model, ENGINE_ARGS, env=os.environ.copy()),
             "kv_pool_bytes": ours.kv_pool_bytes,
             "llama_cpp_build": theirs[0]["build"],
         }
@@ -137,7 +130,7 @@ def main(argv=None) -> int:
     print_table(rows, ["file", "metric", "rawpaged", "llama.cpp", "ratio"])
     for r in results:
         print(
-            f"{r['file']}: RSS after load {r['rss_after_load_bytes'] / 1e6:.0f} MB "
+            f"{r['file']}: RSS after load {r['memory']['rss_after_load_bytes'] / 1e6:.0f} MB in a fresh process "
             f"(file {r['file_bytes'] / 1e6:.0f} MB, KV pool {r['kv_pool_bytes'] / 1e6:.0f} MB)"
         )
     cond = conditions(threads=THREADS, llama_cpp="llama-bench, GGML_NATIVE=ON", rounds=args.rounds)

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import serve  # noqa: E402
-from benchmarks.common import conditions, print_table, write_json  # noqa: E402
+from benchmarks.common import conditions, fresh_process_memory, print_table, write_json  # noqa: E402
 
 THREADS = 2
 #: the layers both models share: Llama-like attention with head_dim 128 and 4 groups of 2 KV heads
@@ -188,40 +188,10 @@ def timed_rounds(models: dict, bench, rounds: int, sizes: tuple) -> dict:
     return runs
 
 
-RSS_SCRIPT = """
-import json, sys
-from pathlib import Path
-def rss(key):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-before = rss("VmRSS:")
-from rawpaged import LLM, SamplingParams
-imported = rss("VmRSS:")
-llm = LLM(model=sys.argv[1], device="cpu", **json.loads(sys.argv[2]))
-loaded = rss("VmRSS:")
-runner = llm.engine.runner
-kv = sum(int(getattr(c, "nbytes", 0)) for c in list(runner.key_caches) + list(runner.value_caches))
-llm.generate({"prompt_token_ids": list(range(3, 67))}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-print(json.dumps({"rss_at_start_bytes": before, "rss_after_import_bytes": imported, "rss_after_load_bytes": loaded,
-                  "rss_after_generate_bytes": rss("VmRSS:"), "peak_rss_bytes": rss("VmHWM:"), "kv_pool_bytes": kv}))
-"""
-
-
 def memory(gguf: Path) -> dict:
-    """Absolute resident memory of a fresh process on ``gguf`` (``RSS_SCRIPT``): at start, after importing
-    rawpaged, after loading the model (the goal's), after a short generation, and its peak; the KV pool's bytes
-    and the budget, file + pool + ``RSS_SLACK_BYTES``."""
-    out = subprocess.run(
-        [sys.executable, "-c", RSS_SCRIPT, str(gguf), json.dumps(ENGINE_ARGS)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-        env=serve.bench_env(),
-    ).stdout
-    res = json.loads(out.strip().splitlines()[-1])
-    res["file_bytes"] = gguf.stat().st_size
+    """``common.fresh_process_memory`` on ``gguf`` with the budget of the goal: file + pool +
+    ``RSS_SLACK_BYTES``."""
+    res = fresh_process_memory(gguf, ENGINE_ARGS, env=serve.bench_env())
     res["budget_bytes"] = res["file_bytes"] + res["kv_pool_bytes"] + RSS_SLACK_BYTES
     return res
 

@@ -18,6 +18,7 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 
 def _byte_level_alphabet() -> dict:
@@ -112,10 +113,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.special_tokens = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
-        spec = self._tok.to_str()
-        self._literal = HFTokenizer.from_str(spec)  # special-token text stays text
-        self._literal.encode_special_tokens = True
-        self._byte_level = (json.loads(spec).get("decoder") or {}).get("type") == "ByteLevel"
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         self._template = None
 
     def to_json(self) -> str:
@@ -178,6 +176,14 @@ class Tokenizer:
         4). The server refuses a prompt that cannot fit before spending seconds tokenizing it."""
         per_token = self.max_token_chars * (4 if self._tok.normalizer is not None else 1)
         return -(-len(text) // per_token)
+
+    @functools.cached_property
+    def _literal(self) -> HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as text (built when first used: a copy
+        of a 262,144-piece vocabulary takes a second or more)."""
+        literal = HFTokenizer.from_str(self._tok.to_str())
+        literal.encode_special_tokens = True
+        return literal
 
     def encode_literal(self, text: str) -> list:
         """Token ids of ``text`` with any special-token text encoded as plain characters (no BOS)."""

@@ -74,7 +74,7 @@ def _speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except None or empty (those options describe their default in words) and where the
     help already gives one."""
 
@@ -225,7 +225,28 @@ def configure_logging(level: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ serve
-def _add_model_name_args(p: argparse.ArgumentParser) -> None:
+def parse_model_args(parser: argparse.ArgumentParser, argv: list | None) -> argparse.Namespace:
+    """``parser``'s arguments, the positional model (``add_model_name_args``) moved to ``args.model``; a
+    model given both ways differently is a usage error."""
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model not in (None, args.model_tag):
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return args
+
+
+def has_pydantic(what: str) -> bool:
+    """Whether pydantic imports; without it one ``error:`` line naming ``what`` needs it goes to stderr."""
+    try:
+        import_optional("pydantic", what)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def add_model_name_args(p: argparse.ArgumentParser) -> None:
     """The model (positional, as ``vllm serve`` takes it) and the names it is served as."""
     p.add_argument(
         "model_tag",
@@ -316,12 +337,12 @@ def _add_server_config_args(p: argparse.ArgumentParser) -> None:
 def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Serve a model with an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/responses, /v1/models, vLLM's /tokenize, /detokenize, /tokenizer_info), websocket streaming "
         "(/v1/ws), /health and Prometheus /metrics.",
     )
-    _add_model_name_args(p)
+    add_model_name_args(p)
     _add_http_args(p)
     add_log_level_arg(p, "info: one line per request")
     _add_data_parallel_args(p)
@@ -333,20 +354,12 @@ def build_serve_parser(prog: str = "rawpaged serve") -> argparse.ArgumentParser:
 def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
     """``rawpaged serve``: exit code 0 after Ctrl-C/SIGTERM, 1 for a bad option, port or model, or a
     missing library the server needs (pydantic)."""
-    try:
-        import_optional("pydantic", "the HTTP server (its OpenAI request models)")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if not has_pydantic("the HTTP server (its OpenAI request models)"):
         return 1
     from rawpaged.entrypoints.api_server import create_app  # deferred: pydantic, checked just above
     from rawpaged.entrypoints.launcher import serve  # deferred: pydantic, checked just above
 
-    parser = build_serve_parser(prog)
-    args = parser.parse_args(argv)
-    if args.model_tag is not None:
-        if args.model not in (None, args.model_tag):
-            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
+    args = parse_model_args(build_serve_parser(prog), argv)
     configure_logging(args.log_level)
     try:
         config = engine_config_from_args(args)
@@ -391,7 +404,7 @@ def serve_main(argv: list | None = None, prog: str = "rawpaged serve") -> int:
 # ------------------------------------------------------------------------------------------ generate
 def build_generate_parser(prog: str = "rawpaged generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, formatter_class=_HelpFormatter, description="Generate from one prompt and stream the text to stdout."
+        prog=prog, formatter_class=HelpFormatter, description="Generate from one prompt and stream the text to stdout."
     )
     p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
@@ -439,14 +452,72 @@ def generate_main(argv: list | None = None, prog: str = "rawpaged generate") -> 
     return 0
 
 
+# ------------------------------------------------------------------------------------------ run-batch
+def build_run_batch_parser(prog: str = "rawpaged run-batch") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=HelpFormatter,
+        description="Run an OpenAI Batch API file (JSONL of custom_id/method/url/body) through the server's "
+        "routes and write OpenAI's output lines.",
+    )
+    p.add_argument("-i", "--input-file", type=Path, required=True, help="the requests, one JSON object a line")
+    p.add_argument("-o", "--output-file", type=Path, required=True, help="the results, written as lines finish")
+    p.add_argument("--resume", action="store_true", help="append, skipping custom_ids already in the output")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="lines in flight at once (default: twice the engine's max_num_seqs, so its batch stays full)",
+    )
+    add_model_name_args(p)
+    add_log_level_arg(p, "info: the start-up phases")
+    add_engine_args(p)
+    return p
+
+
+def run_batch_main(argv: list | None = None, prog: str = "rawpaged run-batch") -> int:
+    """``rawpaged run-batch`` (``openai.batch.run_batch``): exit code 0 when every line was written (bad
+    lines included, as error lines), 1 for a bad option, input file or model, or without pydantic."""
+    if not has_pydantic("run-batch (the server's OpenAI request models)"):
+        return 1
+    from rawpaged.entrypoints.api_server import create_app  # deferred: pydantic, checked just above
+    from rawpaged.entrypoints.openai.batch.run_batch import run_batch  # deferred: pydantic, checked just above
+
+    args = parse_model_args(build_run_batch_parser(prog), argv)
+    configure_logging(args.log_level)
+    try:
+        config = engine_config_from_args(args)
+        if not args.input_file.is_file():
+            raise ValueError(f"input file {args.input_file} does not exist")
+        engine = load_engine(config)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    app = create_app(config, engine=engine, served_model_name=args.served_model_name)
+    concurrency = args.max_concurrency or 2 * engine.config.max_num_seqs
+    try:
+        run = run_batch(app, args.input_file, args.output_file, resume=args.resume, max_concurrency=concurrency)
+        s = asyncio.run(run)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"run-batch: {s.written} lines written to {args.output_file} ({s.succeeded} succeeded, "
+        f"{s.written - s.succeeded} failed, {s.skipped} skipped as done), {s.tokens} tokens in {s.seconds:.1f}s "
+        f"({s.tokens / max(s.seconds, 1e-9):.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ rawpaged
 def main(argv: list | None = None) -> int:
-    """``rawpaged serve|generate [options]``."""
+    """``rawpaged serve|generate|run-batch [options]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"serve": serve_main, "generate": generate_main}
+    commands = {"serve": serve_main, "generate": generate_main, "run-batch": run_batch_main}
     if not argv or argv[0] not in commands:
         print(
-            "usage: rawpaged {serve,generate} [options]   (rawpaged <command> --help for its options)",
+            "usage: rawpaged {serve,generate,run-batch} [options]   (rawpaged <command> --help for its options)",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2

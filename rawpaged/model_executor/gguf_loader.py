@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from rawpaged.errors import import_optional
 from rawpaged.kernels.quantization import NATIVE, QuantizedExperts, QuantizedTensor
 from rawpaged.model_executor import gguf_gemma3, gguf_moe
+from rawpaged.model_executor.gguf_reader import fast_reader_class
 from rawpaged.model_executor.gguf_spm import build_spm_tokenizer
 from rawpaged.model_executor.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer
 from rawpaged.model_executor.model_config import GenerationConfig, ModelConfig
@@ -382,7 +383,7 @@ def is_gguf(path) -> bool:
 
 
 def open_reader(path) -> Any:
-    """A ``gguf.GGUFReader`` of ``path``.
+    """A ``gguf.GGUFReader`` of ``path`` (``gguf_reader``'s, which parses large metadata arrays in bulk).
 
     Raises:
         ValueError naming the file when it cannot be read as GGUF; MissingDependencyError (a ValueError)
@@ -391,7 +392,7 @@ def open_reader(path) -> Any:
     gguf = import_optional("gguf", "reading a GGUF file")
 
     try:
-        return gguf.GGUFReader(str(path))
+        return fast_reader_class(gguf)(str(path))
     except Exception as e:  # the reader raises ValueError, struct.error, FileNotFoundError, ...
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 

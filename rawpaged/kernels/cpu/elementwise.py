@@ -122,14 +122,16 @@ def gelu_tanh_and_mul_rows(x, out):
         for i in range(inter):
             g = gate[i]
             inner = GELU_TANH_K * (g + np.float32(0.044715) * g * g * g)
-            o[i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * up[i]
+            o[i] = g / (np.float32(1.0) + exp_f32(np.float32(-2.0) * inner)) * up[i]
 
 
 def gelu_tanh_and_mul(x):
     """GeGLU with the tanh GeLU (Shazeer 2020; PyTorch's ``gelu(approximate="tanh")``, HF's
     ``gelu_pytorch_tanh``; vLLM's ``gelu_tanh_and_mul``): x float32 ``[num_tokens, 2 * inter]`` -> a new
     float32 ``[num_tokens, inter]`` = ``gelu(x[:, :inter]) * x[:, inter:]`` with ``gelu(g) = 0.5 g (1 +
-    tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``, in one Numba pass (float32 math)."""
+    tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``, in one Numba pass (float32 math). It is computed as ``g /
+    (1 + exp(-2 u))`` (``0.5 (1 + tanh(u)) = sigmoid(2 u)``) with the vectorized ``intrinsics.exp_f32``:
+    libm's ``tanh`` is scalar, and the sigmoid form has no cancellation where ``tanh(u)`` nears -1."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], x.shape[1] // 2), np.float32)
     gelu_tanh_and_mul_rows(x, out)

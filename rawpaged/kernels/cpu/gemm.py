@@ -221,33 +221,42 @@ def _gemm_nt(x, w, out):
                     _tile_4x1(x, w, out, m, n)
 
 
+@nb.njit(**_JIT)
+def gemv_rows(x, w, out, n0, n1):
+    """``out[n0:n1] = w[n0:n1] @ x`` for ``x [K]``: dot products of ``GEMV_ROWS`` weight rows at a time,
+    vectorized along K (each x vector loaded once for the four rows; four accumulator chains in flight),
+    the last rows one by one."""
+    K = x.shape[0]
+    n = n0
+    while n + GEMV_ROWS <= n1:
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for k in range(K):
+            xk = x[k]
+            a0 += xk * w[n, k]
+            a1 += xk * w[n + 1, k]
+            a2 += xk * w[n + 2, k]
+            a3 += xk * w[n + 3, k]
+        out[n] = a0
+        out[n + 1] = a1
+        out[n + 2] = a2
+        out[n + 3] = a3
+        n += GEMV_ROWS
+    for m in range(n, n1):
+        acc = np.float32(0.0)
+        for k in range(K):
+            acc += x[k] * w[m, k]
+        out[m] = acc
+
+
 @nb.njit(parallel=True, **_JIT)
 def _gemv_nt(x, w, out):
-    """out [N] = w [N, K] @ x [K]: dot products of GEMV_ROWS weight rows at a time, vectorized along K
-    (each x vector loaded once for the four rows; four accumulator chains in flight)."""
-    N, K = w.shape
+    """out [N] = w [N, K] @ x [K] (``gemv_rows``), whole groups of ``GEMV_ROWS`` rows split across threads."""
+    N = w.shape[0]
     quads = N // GEMV_ROWS
     nchunks = max(1, min(quads, GEMV_CHUNKS))
     for c in nb.prange(nchunks):
-        for q in range(c * quads // nchunks, (c + 1) * quads // nchunks):
-            n = GEMV_ROWS * q
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for k in range(K):
-                xk = x[k]
-                a0 += xk * w[n, k]
-                a1 += xk * w[n + 1, k]
-                a2 += xk * w[n + 2, k]
-                a3 += xk * w[n + 3, k]
-            out[n] = a0
-            out[n + 1] = a1
-            out[n + 2] = a2
-            out[n + 3] = a3
-        if c == nchunks - 1:
-            for n in range(quads * GEMV_ROWS, N):
-                acc = np.float32(0.0)
-                for k in range(K):
-                    acc += x[k] * w[n, k]
-                out[n] = acc
+        n1 = N if c == nchunks - 1 else (c + 1) * quads // nchunks * GEMV_ROWS
+        gemv_rows(x, w, out, c * quads // nchunks * GEMV_ROWS, n1)
 
 
 def gemm_nt(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x1, _tile_4x3, _tile_4x6
+from rawpaged.kernels.cpu.gemm import GEMM_TILE_N, TILE_M, _tile_4x1, _tile_4x3, _tile_4x6, gemv_rows
 from rawpaged.kernels.cpu.jit import JIT
 
 #: the exact kernels (routing, counting sort, scatter): no fastmath, so ties and NaNs compare as written
@@ -149,32 +149,6 @@ def _tasks(offsets, N, tile):
 
 
 @nb.njit(**JIT)
-def _row(xr, w, out, n0, n1):
-    """``out[n0:n1] = w[n0:n1] @ xr``: dot products of four weight rows at a time (each x vector loaded once
-    for the four, as ``gemm``'s GEMV), the last rows one by one."""
-    K = xr.shape[0]
-    n = n0
-    while n + 4 <= n1:
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for k in range(K):
-            xk = xr[k]
-            a0 += xk * w[n, k]
-            a1 += xk * w[n + 1, k]
-            a2 += xk * w[n + 2, k]
-            a3 += xk * w[n + 3, k]
-        out[n] = a0
-        out[n + 1] = a1
-        out[n + 2] = a2
-        out[n + 3] = a3
-        n += 4
-    for m in range(n, n1):
-        acc = np.float32(0.0)
-        for k in range(K):
-            acc += xr[k] * w[m, k]
-        out[m] = acc
-
-
-@nb.njit(**JIT)
 def _tiles(x, w, out, n0, n1):
     """``out[:, n0:n1] = x @ w[n0:n1].T`` for ``x [Mt, K]``, Mt a multiple of ``gemm.TILE_M``: ``gemm``'s
     register tiles (4 rows by ``GEMM_TILE_N`` weight rows), weight rows past the last whole tile 4 x 1."""
@@ -201,7 +175,7 @@ def _grouped(x, offsets, w, task_e, task_n, tile, out):
         if tiled > r0:
             _tiles(x[r0:tiled], w[e], out[r0:tiled], n0, n1)
         for r in range(tiled, r1):
-            _row(x[r], w[e], out[r], n0, n1)
+            gemv_rows(x[r], w[e], out[r], n0, n1)
 
 
 def grouped_linear(x, expert_offsets, experts) -> np.ndarray:

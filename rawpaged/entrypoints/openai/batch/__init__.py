@@ -1,0 +1,1 @@
+"""OpenAI's Batch API file format (``rawpaged run-batch``)."""
