@@ -160,3 +160,35 @@ def test_the_pooler_config_option():
     for bad in ('{"pooling_type": "MAX"}', '{"pool": "MEAN"}', "not json"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--pooler-config", bad])
+
+
+def test_run_batch_embeddings_and_scores(tmp_path, tiny_dir, offline):
+    """``rawpaged run-batch`` lines for ``/v1/embeddings``, ``/v1/score`` and ``/v1/rerank`` go through these
+    routes: the vectors ``LLM.embed`` gives, the refusal of ``dimensions`` in its own line."""
+    import asyncio
+    import json
+
+    from rawpaged.engine.llm_engine import LLMEngine
+    from rawpaged.entrypoints.api_server import create_app
+    from rawpaged.entrypoints.openai.batch.run_batch import run_batch
+
+    config = EngineConfig(model=str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+    engine = LLMEngine(config)
+    bodies = {
+        "emb": ("/v1/embeddings", {"model": "tiny", "input": TEXTS}),
+        "score": ("/v1/score", {"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS[1:]}),
+        "rerank": ("/v1/rerank", {"model": "tiny", "query": TEXTS[0], "documents": TEXTS[1:]}),
+        "bad": ("/v1/embeddings", {"model": "tiny", "input": "x", "dimensions": 4}),
+    }
+    lines = [json.dumps({"custom_id": k, "method": "POST", "url": u, "body": b}) for k, (u, b) in bodies.items()]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    app = create_app(config, engine=engine, served_model_name="tiny")
+    asyncio.run(run_batch(app, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False))
+    out = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    vectors = np.array([d["embedding"] for d in out["emb"]["response"]["body"]["data"]], dtype=np.float32)
+    assert np.abs(vectors - offline(TEXTS)).max() < SAME
+    assert out["score"]["response"]["body"]["score_method"] == "cosine_similarity"
+    assert len(out["rerank"]["response"]["body"]["results"]) == 2
+    assert out["bad"]["response"]["status_code"] == 400 and out["bad"]["error"]["param"] == "dimensions"
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
