@@ -16,7 +16,7 @@ import numpy as np
 
 from rawpaged import LLM
 from rawpaged.config import EngineConfig
-from tests.entrypoints.server_thread import openai_client, run, served, wait_pool_empty
+from tests.entrypoints.server_thread import openai_client, run, served, stats, wait_pool_empty
 
 MAX_MODEL_LEN = 64
 TEXTS = ["the cat sat", "a dog ran far away", "the cat sat on the mat"]
@@ -87,6 +87,18 @@ def test_every_input_form(server, offline):
             "total_tokens": sum(len(ids[r]) for r in rows),
             "completion_tokens": 0,
         }
+    wait_pool_empty(server)
+
+
+def test_many_inputs_are_prefilled_together(server, offline):
+    """64 inputs of one request are queued together: a few steps, not one per input, and the same vectors."""
+    texts = [f"item {i} of the list" for i in range(64)]
+    before = stats(server)["num_steps"]
+    status, out = run(post(server.url + "/v1/embeddings", {"input": texts}))
+    assert status == 200, out
+    assert stats(server)["num_steps"] - before <= 4
+    got = np.array([d["embedding"] for d in out["data"]], dtype=np.float32)
+    assert np.abs(got - offline(texts)).max() < SAME
     wait_pool_empty(server)
 
 

@@ -47,20 +47,27 @@ def tokenize_inputs(tokenizer, items: list, add_special_tokens: bool = True) -> 
 async def embed_prompts(
     engine: EngineClient, prompts: list, params: PoolingParams, base_id: str, params_of: list | None = None
 ) -> list:
-    """The ``PoolingRequestOutput`` of each of ``prompts`` (``[(text or None, token ids)]``), in order: all
-    queued first (ids ``base_id-i``), then awaited; every one is aborted when this ends, however it ends
-    (a no-op for finished ones). The engine's refusal (``InvalidRequestError``) becomes a ProtocolError
-    naming the client's field: for a prompt, ``params_of[i]`` (the field prompt ``i`` came from; default
-    "input"), else the engine's (``dimensions``)."""
-    streams = []
+    """The ``PoolingRequestOutput`` of each of ``prompts`` (``[(text or None, token ids)]``), in order.
+
+    All are submitted at once (ids ``base_id-i``), so that the engine thread queues them together before its
+    next step and they are prefilled in as few steps as the token budget allows (one by one, each add would
+    wait for the step in flight); then awaited. Every one is aborted when this ends, however it ends (a no-op
+    for finished ones), so a refusal leaves nothing queued. The engine's refusal (``InvalidRequestError``, the
+    first in input order) becomes a ProtocolError naming the client's field: for a prompt, ``params_of[i]``
+    (the field prompt ``i`` came from; default "input"), else the engine's (``dimensions``)."""
+    adds = [
+        engine.add_request({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}")
+        for i, (text, ids) in enumerate(prompts)
+    ]
+    added = await asyncio.gather(*adds, return_exceptions=True)
+    streams = [s for s in added if not isinstance(s, BaseException)]
     try:
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                prompt = {"prompt_token_ids": ids, "prompt": text}
-                streams.append(await engine.add_request(prompt, params, f"{base_id}-{i}"))
-        except InvalidRequestError as e:
-            field = params_of[len(streams)] if params_of else "input"
-            raise ProtocolError(str(e), param=field if e.param == "prompt" else e.param) from None
+        for i, result in enumerate(added):
+            if isinstance(result, InvalidRequestError):
+                field = params_of[i] if params_of else "input"
+                raise ProtocolError(str(result), param=field if result.param == "prompt" else result.param)
+            if isinstance(result, BaseException):
+                raise result
         return await asyncio.gather(*(_final(s) for s in streams))
     finally:
         for s in streams:
