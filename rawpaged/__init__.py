@@ -8,10 +8,21 @@ _configure_numba()  # before anything imports numba: 512-bit vectors on AVX-512 
 
 
 from rawpaged.engine.llm_engine import LLMEngine
-from rawpaged.engine.outputs import CompletionOutput, RequestOutput
+from rawpaged.engine.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from rawpaged.entrypoints.llm import LLM
 from rawpaged.lora.request import LoRARequest
+from rawpaged.pooling_params import PoolingParams
 from rawpaged.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
+    "PoolingRequestOutput",
+]
 __version__ = "0.1.0"

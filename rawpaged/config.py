@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from rawpaged.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPE_CHOICES
+from rawpaged.pooling_params import PoolerConfig
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal[DTYPE_CHOICES]
@@ -195,6 +196,10 @@ class EngineConfig:
     """reasoning models: the server splits <think>...</think> out of chat content into reasoning (and
     reasoning_content), and structured outputs constrain only the text after </think> (none: off). A
     model whose tokenizer has no </think> token is refused with it, as vLLM's parsers refuse it"""
+    pooler_config: PoolerConfig | dict | str | None = None
+    """embeddings (/v1/embeddings, LLM.embed), a JSON object as vLLM's: '{"pooling_type": "MEAN",
+    "normalize": true}'; pooling_type LAST, MEAN or CLS; default: the model's sentence-transformers files
+    (modules.json, 1_Pooling/config.json) when present, else LAST, normalized (docs/embeddings.md)"""
     disable_additional_properties: bool = True
     """JSON Schemas (json_schema response formats, structured_outputs.json, tool parameters) compile
     strict: an object that lists its properties admits no other key unless it says additionalProperties
@@ -230,6 +235,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
         if self.device not in Device.__args__:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -154,6 +154,14 @@ def layer_windows(cfg: dict) -> list:
 def forward(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
     """float64 logits ``[len(ids), vocab]`` of the whole sequence ``ids``; ``w`` maps HF tensor names to
     arrays. ``seq_len_for_rope``: what dynamic NTK is evaluated at (the engine's max_model_len)."""
+    x = final_hidden(cfg, w, ids, seq_len_for_rope)
+    head = w["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else w["lm_head.weight"]
+    return x @ np.asarray(head, np.float64).T
+
+
+def final_hidden(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
+    """float64 hidden states after the final norm ``[len(ids), hidden]`` (what ``forward`` multiplies by
+    the LM head; what pooling pools)."""
     arch = cfg["architectures"][0]
     eps = cfg["rms_norm_eps"]
     T = len(ids)
@@ -173,9 +181,7 @@ def forward(cfg: dict, w: dict, ids: list, seq_len_for_rope: int) -> np.ndarray:
         gate = h @ g[p + "mlp.gate_proj.weight"].T
         up = h @ g[p + "mlp.up_proj.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ g[p + "mlp.down_proj.weight"].T
-    x = rms_norm(x, g["model.norm.weight"], eps)
-    head = g["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else g["lm_head.weight"]
-    return x @ head.T
+    return rms_norm(x, g["model.norm.weight"], eps)
 
 
 def greedy_reference(cfg: dict, w: dict, prompt: list, max_tokens: int, seq_len_for_rope: int) -> tuple:

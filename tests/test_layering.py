@@ -72,6 +72,7 @@ ROOT_MODULES = {
     "rawpaged.dtypes": "base",
     "rawpaged.config": "face",
     "rawpaged.sampling_params": "face",
+    "rawpaged.pooling_params": "face",
     "rawpaged.tokenizer": "face",
 }
 DEFERRED = "# deferred:"

@@ -127,11 +127,13 @@ class KVCacheManager:
         """The longest cached prefix of ``seq``'s tokens (full blocks) that every group can serve
         (``ComputedBlocks``). The last token is never taken from the cache, so the step that computes it
         has a logit to sample from. A sequence that asks for ``prompt_logprobs`` takes nothing (the cached
-        tokens' logprobs would be missing; as vLLM, it computes its whole prompt and still fills the cache).
+        tokens' logprobs would be missing; as vLLM, it computes its whole prompt and still fills the cache),
+        nor does a pooling sequence whose vector needs every position (MEAN, CLS:
+        ``PoolingParams.requires_all_positions``).
         ``count``: add the lookup to the prefix-cache counters now (the scheduler counts it with
         ``count_prefix_lookup`` once it admits ``seq``, so a request waiting for blocks is not counted at
         every attempt)."""
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+        if not self.takes_cached_blocks(seq):
             return ComputedBlocks([[] for _ in self.groups], [])
         max_blocks = self._max_cached_blocks(seq)
         blocks = self.hashed_blocks(seq.token_ids, 0, max_blocks, self.seq_root_hash(seq))
@@ -146,6 +148,16 @@ class KVCacheManager:
         if count:
             self.count_prefix_lookup(seq, shortest)
         return ComputedBlocks(found, [h for h, _ in blocks[:shortest]])
+
+    def takes_cached_blocks(self, seq) -> bool:
+        """Whether ``seq`` may start from cached blocks: prefix caching is on, it asks for no
+        ``prompt_logprobs`` and it does not pool every position (see ``get_computed_blocks``)."""
+        pooling = seq.pooling_params
+        return (
+            self.enable_prefix_caching
+            and seq.sampling_params.prompt_logprobs is None
+            and not (pooling is not None and pooling.requires_all_positions)
+        )
 
     def seq_root_hash(self, seq) -> int:
         """The root of ``seq``'s hash chain: the cache's ``root_hash``, mixed with its LoRA adapter's

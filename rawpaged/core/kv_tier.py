@@ -62,9 +62,10 @@ class KVTier:
         """After ``num_computed_blocks`` pool hits: the next full blocks of ``seq``'s prefix found in the tier,
         every KV cache group's block of each, as ``(block_hash, token_ids, slots)`` (a slot per group),
         stopping at the first block some group misses (the last token is never taken, as in
-        ``KVCacheManager.get_computed_blocks``). Empty without prefix caching."""
+        ``KVCacheManager.get_computed_blocks``). Empty where ``seq`` takes no cached blocks
+        (``KVCacheManager.takes_cached_blocks``)."""
         kv = self.kv_cache_manager
-        if not kv.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+        if not kv.takes_cached_blocks(seq):
             return []
         token_ids, bs = seq.token_ids, kv.block_size
         parent = kv.seq_root_hash(seq)

@@ -63,6 +63,12 @@ class Sequence:
     # hash chain starts from (None: the cache's own root), so two adapters never share a KV block
     lora_int_id: int = 0
     lora_key: str | None = None
+    # Pooling (embeddings): the request's resolved ``rawpaged.pooling_params.PoolingParams`` (None: it
+    # generates); such a sequence runs its prompt only, never samples, and ends once its last prompt
+    # position ran. ``pooling_state``: the float64 sum of the hidden rows pooled so far
+    # (``model_executor.layers.pooler``)
+    pooling_params: object = None
+    pooling_state: object = None
 
     @property
     def block_table(self) -> BlockTable | None:

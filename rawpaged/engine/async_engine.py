@@ -95,12 +95,12 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request (it joins the batch at the next step) and return its stream.
 
-        ``prompt`` is what ``LLMEngine.add_request`` takes, ``lora_request`` its LoRA adapter
-        (``rawpaged.lora.request.LoRARequest``, or None); ``log_label`` goes into the request's log line
-        (e.g. a client's own id). The request counts as a user of its adapter (``num_lora_requests``) from
-        this call on, before any await. Raises ValueError (nothing queued) for an invalid request, a
-        duplicate id or an adapter ``remove_lora`` has removed (InvalidRequestError, param "model");
-        EngineDeadError after ``close``.
+        ``prompt`` and ``params`` (``SamplingParams``, or ``PoolingParams`` for an embedding) are what
+        ``LLMEngine.add_request`` takes, ``lora_request`` its LoRA adapter (``rawpaged.lora.request.LoRARequest``,
+        or None); ``log_label`` goes into the request's log line (e.g. a client's own id). The request counts
+        as a user of its adapter (``num_lora_requests``) from this call on, before any await. Raises ValueError
+        (nothing queued) for an invalid request, a duplicate id or an adapter ``remove_lora`` has removed
+        (InvalidRequestError, param "model"); EngineDeadError after ``close``.
         """
         if self._closed:
             raise EngineDeadError("the engine is shut down")
@@ -118,7 +118,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         try:
             grammar = None
-            if params.structured_outputs is not None:  # compiled in the manager's threads, off the step loop
+            # compiled in the manager's threads, off the step loop (PoolingParams have none)
+            if getattr(params, "structured_outputs", None) is not None:
                 manager = self.engine.structured_output_manager
                 grammar = await manager.compile_await(params.structured_outputs)
             if stream.aborted:  # aborted while its grammar compiled: it never reaches the engine

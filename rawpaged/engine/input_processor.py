@@ -60,9 +60,10 @@ class InputProcessor:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise InvalidRequestError("prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'", "prompt")
 
-    def check_prompt(self, ids: list) -> None:
+    def check_prompt(self, ids: list, pooling: bool = False) -> None:
         """Raises InvalidRequestError (param "prompt") for no tokens, ids outside the vocabulary, or a
-        prompt that leaves no room to generate within ``max_model_len``."""
+        prompt that leaves no room to generate within ``max_model_len`` (``pooling``: a pooling request
+        generates nothing, so its prompt may fill ``max_model_len``)."""
         if not ids:
             raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
@@ -70,7 +71,13 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt_token_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}", "prompt"
             )
-        if len(ids) >= self.max_model_len:
+        if pooling and len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length (max_model_len) is {self.max_model_len} tokens; "
+                f"the input has {len(ids)} tokens: shorten it",
+                "prompt",
+            )
+        if not pooling and len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length (max_model_len) is {self.max_model_len} "
                 f"tokens; the prompt has {len(ids)} tokens and at least one must remain for "
@@ -141,6 +148,21 @@ class InputProcessor:
                 f"request needs {need} KV blocks ({total} tokens of block_size {self.block_size}"
                 f"{beams}) but the pool has only {self.num_blocks}",
                 "max_tokens",
+            )
+        return text, [int(t) for t in ids]
+
+    def process_pooling(self, prompt) -> tuple:
+        """``(text or None, token ids as ints)`` of a pooling request (prefill only) that can run:
+        ``check_prompt`` with ``pooling``, and its prompt's blocks must fit the empty pool
+        (InvalidRequestError, param "prompt")."""
+        text, ids = self.tokenize(prompt)
+        self.check_prompt(ids, pooling=True)
+        need = sum(self._group_blocks(len(ids), w) for w in self.group_windows)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"the input needs {need} KV blocks ({len(ids)} tokens of block_size {self.block_size}) but the "
+                f"pool has only {self.num_blocks}",
+                "prompt",
             )
         return text, [int(t) for t in ids]
 

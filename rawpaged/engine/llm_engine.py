@@ -25,12 +25,14 @@ from rawpaged.engine.engine_parts import build_engine_parts
 from rawpaged.engine.logprobs import prompt_logprob_entries
 from rawpaged.engine.lora_stats import lora_stats
 from rawpaged.engine.outputs import RequestOutput
+from rawpaged.engine.pooling import POOLING_SAMPLING_PARAMS, Pooling, finish_pooled
 from rawpaged.engine.request import Request
 from rawpaged.engine.token_selection import SelectedTokens, TokenSelector
 from rawpaged.engine.warmup import run_warmup
 from rawpaged.errors import InvalidRequestError
 from rawpaged.kernels import get_backend
 from rawpaged.model_executor.logits_processors import logits_rules
+from rawpaged.pooling_params import PoolingParams
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.structured_output.manager import StructuredOutputManager
 
@@ -68,6 +70,8 @@ class LLMEngine:
             self.tokenizer,
             reasoning_end_token_id=self.reasoning_end_token_id,
         )
+        #: what pooling requests (embeddings) pool with (``engine.pooling``)
+        self.pooling = Pooling.for_model(config.pooler_config, self.model_dir, self.model_config.hidden_size)
         self.requests: dict[str, Request] = {}
         self._structured_output_manager = None
         self._rng = np.random.default_rng(config.seed)
@@ -108,6 +112,9 @@ class LLMEngine:
         lora_request=None,
     ) -> str:
         """Queue a request; ``prompt`` is a string or ``{"prompt_token_ids": [...]}``/``{"prompt": str}``.
+        ``params``: ``SamplingParams`` (generation), or ``PoolingParams`` for a pooling request (an
+        embedding: its prompt runs once, and one ``PoolingRequestOutput`` comes when it did; see
+        ``_add_pooling_request``).
 
         With ``params.structured_outputs``, ``grammar`` is its matcher (from
         ``structured_output_manager.compile_await``, so that a server compiles off the step loop); None
@@ -121,6 +128,8 @@ class LLMEngine:
         (``rawpaged.lora.request.LoRARequest``: the adapter it runs with) without ``enable_lora`` or whose
         adapter cannot be loaded (param "lora_request", the message naming the adapter and the field).
         """
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(prompt, params, request_id, lora_request)
         params = params or SamplingParams()
         manager = self.runner.lora_manager
         lora = self.input_processor.check_lora_request(lora_request, manager)
@@ -143,6 +152,27 @@ class LLMEngine:
         if params.use_beam_search:
             req.beam = beam_search.BeamState(params.beam_width, params.length_penalty)
             req.beams = [seq]
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _add_pooling_request(self, prompt, params: PoolingParams, request_id, lora_request) -> str:
+        """Queue a pooling request (``add_request`` with ``PoolingParams``). Raises InvalidRequestError for
+        an empty prompt, ids outside the vocabulary, a prompt over ``max_model_len`` tokens or over the
+        empty pool (param "prompt"), ``dimensions`` the model does not take (``Pooling.check``), a
+        ``request_id`` in use, or a bad ``lora_request``."""
+        params = self.pooling.check(params)
+        text, ids = self.input_processor.process_pooling(prompt)
+        lora = self.input_processor.check_lora_request(lora_request, self.runner.lora_manager)
+        request_id = str(request_id) if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        sp = POOLING_SAMPLING_PARAMS
+        req = Request(request_id, text, ids, sp, time.monotonic(), lora_request=lora_request)
+        seq = Sequence(next(self._seq_ids), request_id, 0, ids, sp, None, req.arrival_time, pooling_params=params)
+        if lora is not None:
+            seq.lora_int_id, seq.lora_key = lora.id, lora.digest
+        req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return request_id
@@ -209,7 +239,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list:
-        """Run one iteration; returns a ``RequestOutput`` for each request that produced tokens or finished.
+        """Run one iteration; returns a ``RequestOutput`` for each request that produced tokens or finished,
+        then a ``PoolingRequestOutput`` for each pooling request whose prompt finished.
 
         A failure while computing one request's part of the step (its samples, forks, beams, text or
         output) ends that request alone: its blocks are freed and its output carries ``error``; the other
@@ -224,7 +255,7 @@ class LLMEngine:
             if self.scheduler.num_waiting_for_lora and not self.scheduler.running:
                 self.runner.lora_manager.wait_for_loads(0.01)  # nothing else to run: let a load finish
             return failed
-        logits, layout, scored = self.runner.execute_model(sched_out)
+        logits, layout, scored, pooled = self.runner.execute_model(sched_out)
         for seq, (first, entries) in scored.items():
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)  # the first prompt token has no context
@@ -233,9 +264,10 @@ class LLMEngine:
         now = time.monotonic()
         selected = self.token_selector.select(logits, layout, self.requests, now)
         self._update_sequences(sched_out, selected, now)
+        pooled_outputs = finish_pooled(self, pooled)
         if self.speculator is not None:
             self._speculate(selected)
-        return failed + self._make_outputs(selected)
+        return failed + self._make_outputs(selected) + pooled_outputs
 
     def _fail_lora_loads(self) -> list:
         """End the waiting requests whose adapter failed to load in the background (its files changed or

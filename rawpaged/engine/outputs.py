@@ -1,6 +1,7 @@
 """What the engine returns: ``RequestOutput`` (cumulative, one per request and step) with one
-``CompletionOutput`` per choice, and ``DeltaTracker``, which turns successive outputs into what each
-choice gained (the pieces a stream sends)."""
+``CompletionOutput`` per choice, ``PoolingRequestOutput`` (one per pooling request, when its prompt ran;
+``LLM.embed`` wraps it as ``EmbeddingRequestOutput``), and ``DeltaTracker``, which turns successive outputs
+into what each choice gained (the pieces a stream sends)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,75 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     prompt_logprobs: list | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's ``PoolingOutput``): ``data``, float32 ``[dimensions]``."""
+
+    data: object
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output, once its prompt ran (vLLM's ``PoolingRequestOutput``): ``outputs``
+    is its ``PoolingOutput`` (None with ``error``, when computing it failed inside a step). ``finished`` is
+    always True; ``num_cached_tokens``: prompt tokens taken from the prefix cache. ``metrics`` as
+    ``RequestOutput``'s."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list
+    outputs: PoolingOutput | None
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding (vLLM's ``EmbeddingOutput``): ``embedding``, a float32 NumPy array ``[dimensions]``
+    (vLLM gives a list of floats; ``.tolist()`` makes one)."""
+
+    embedding: object
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result per prompt (vLLM's ``EmbeddingRequestOutput``): ``outputs.embedding`` is the
+    vector."""
+
+    request_id: str
+    prompt_token_ids: list
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.outputs.data), out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score (vLLM's ``ScoringOutput``): here the cosine similarity of the two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result per pair (vLLM's ``ScoringRequestOutput``): ``outputs.score``; ``request_id``
+    and ``prompt_token_ids`` are the second text's embedding request's."""
+
+    request_id: str
+    prompt_token_ids: list
+    outputs: ScoringOutput
+    finished: bool = True
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ class RequestStatsTracker:
     def output(self, out: RequestOutput, now: float) -> None:
         """A new cumulative output of a request: its first token or the next ones."""
         info = self._info.get(out.request_id)
-        if info is None:
+        if info is None or not isinstance(out, RequestOutput):  # a pooling output generates no token
             return
         n = sum(len(c.token_ids) for c in out.outputs)
         if n <= info.num_generated:
@@ -80,4 +80,6 @@ class RequestStatsTracker:
 
 def finish_reasons(out: RequestOutput) -> str:
     """A finished output's finish reason per choice (``"stop"`` for one not set)."""
+    if not isinstance(out, RequestOutput):  # a pooling request: it ends when its prompt ran
+        return ["stop"]
     return [c.finish_reason or "stop" for c in out.outputs] or ["stop"]

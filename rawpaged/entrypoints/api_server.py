@@ -3,9 +3,11 @@ middleware (``middleware``) and the start-up and clean-up hooks (``lifecycle``);
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/responses/{id}
 and POST /v1/responses/{id}/cancel (OpenAI's Responses API), POST /v1/messages and POST
-/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), GET /v1/models (the model and its LoRA
-adapters), vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``openai/models/``), and vLLM's
-tokenizer routes POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
+/v1/messages/count_tokens (Anthropic's Messages API, ``anthropic/``), POST /v1/embeddings, POST /v1/score
+and POST /v1/rerank (also /score, /rerank, /v2/rerank: embeddings and their cosine scores, ``openai/``),
+GET /v1/models (the model and its LoRA adapters), vLLM's POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (``openai/models/``), and vLLM's tokenizer routes
+POST /tokenize, POST /detokenize, GET /tokenizer_info (``openai/``), GET /v1/ws (``websocket``), GET
 /health, GET /metrics, GET /v1/debug/stats, GET /v1/debug/kv_cache (``health``), and the playground page:
 GET / and /static/ (``playground``). All but /health, /metrics and the playground's need the API key when
 one is set (``middleware``). The protocol is described in docs/server.md.
@@ -29,6 +31,7 @@ from rawpaged.entrypoints.http.connections import ConnectionGate
 from rawpaged.entrypoints.http.middleware import add_cors_headers, request_middleware
 from rawpaged.entrypoints.openai.chat_completion.serving import create_chat_completion
 from rawpaged.entrypoints.openai.completion.serving import create_completion
+from rawpaged.entrypoints.openai.embeddings.serving import create_embedding
 from rawpaged.entrypoints.openai.models.serving import (
     load_lora_adapter,
     retrieve_model,
@@ -42,6 +45,7 @@ from rawpaged.entrypoints.openai.responses.serving import (
     create_response,
     retrieve_response,
 )
+from rawpaged.entrypoints.openai.score.serving import create_rerank, create_score
 from rawpaged.entrypoints.openai.tokenize.serving import create_detokenize, create_tokenize, get_tokenizer_info
 from rawpaged.entrypoints.server import lifecycle
 from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_TOKENS_LIMIT, Limits, ServerConfig
@@ -61,6 +65,9 @@ ROUTES = (
     web.post("/v1/responses/{response_id}/cancel", cancel_response),
     web.post("/v1/messages", create_message, expect_handler=expect_handler),
     web.post("/v1/messages/count_tokens", count_tokens, expect_handler=expect_handler),
+    web.post("/v1/embeddings", create_embedding, expect_handler=expect_handler),
+    *(web.post(p, create_score, expect_handler=expect_handler) for p in ("/v1/score", "/score")),
+    *(web.post(p, create_rerank, expect_handler=expect_handler) for p in ("/v1/rerank", "/rerank", "/v2/rerank")),
     web.get("/v1/models", show_available_models),
     web.get("/v1/models/{model:.+}", retrieve_model),
     web.post("/v1/load_lora_adapter", load_lora_adapter, expect_handler=expect_handler),

@@ -27,6 +27,7 @@ from rawpaged.entrypoints.server.config import DEFAULT_MAX_BODY_SIZE, DEFAULT_MA
 from rawpaged.entrypoints.server.lora_registry import parse_lora_module
 from rawpaged.entrypoints.server.startup import load_engine
 from rawpaged.errors import import_optional
+from rawpaged.pooling_params import PoolerConfig
 from rawpaged.sampling_params import SamplingParams
 from rawpaged.weights import MODEL_NAMES
 from rawpaged.weights.hub import is_repo_id
@@ -56,6 +57,14 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def _pooler_config(text: str):
+    """``--pooler-config``'s JSON object, checked as ``PoolerConfig`` (an error names the key)."""
+    try:
+        return PoolerConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _speculative_config(text: str):
@@ -106,6 +115,7 @@ _ARG_TYPES = {
     "kv_offloading_size": (float, "GIB"),
     "num_kv_blocks": (_positive_int, None),
     "speculative_config": (_speculative_config, "JSON"),
+    "pooler_config": (_pooler_config, "JSON"),
     "max_prefill_tokens_while_decoding": (_positive_int, None),
 }
 

@@ -1,10 +1,15 @@
-"""Offline inference: ``LLM(model=None).generate(prompts, SamplingParams(...))``, named after vLLM's."""
+"""Offline inference: ``LLM(model=None).generate(prompts, SamplingParams(...))``, ``LLM.embed(prompts)`` and
+``LLM.score(text_1, texts_2)``, named after vLLM's."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from rawpaged.config import EngineConfig
 from rawpaged.engine.llm_engine import LLMEngine
+from rawpaged.engine.outputs import EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
 from rawpaged.errors import RequestFailedError
+from rawpaged.pooling_params import PoolingParams
 from rawpaged.sampling_params import SamplingParams
 
 
@@ -35,12 +40,62 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        return self._run(prompts, sampling_params, lora_request)
+
+    def embed(self, prompts, pooling_params=None, lora_request=None) -> list:
+        """Embed one prompt or a list (strings, ``{"prompt_token_ids": [...]}`` or ``{"prompt": str}``);
+        returns an ``EmbeddingRequestOutput`` per prompt, in input order, as vLLM's ``LLM.embed``: its
+        ``outputs.embedding`` is a float32 NumPy array ``[hidden_size]`` (or ``[dimensions]``); stack them
+        with ``np.stack([o.outputs.embedding for o in outs])``.
+
+        Each prompt runs once, prefill only, batched with whatever else runs, and is pooled as the
+        engine's ``pooler_config`` says (default: the last position's final-norm hidden state,
+        L2-normalized; docs/embeddings.md). ``pooling_params``: one ``PoolingParams`` for all, a list, or
+        None. ``lora_request`` as ``generate``'s. Raises ValueError (nothing left queued) for an invalid
+        prompt or parameter, RequestFailedError as ``generate``.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        return [EmbeddingRequestOutput.from_base(o) for o in self._run(prompts, pooling_params, lora_request)]
+
+    def score(self, data_1, data_2) -> list:
+        """Score ``data_1`` (one prompt, or a list) against ``data_2`` (one, or a list: one against each, or
+        two lists of the same length pairwise, as vLLM's ``LLM.score``); a ``ScoringRequestOutput`` per pair
+        whose ``outputs.score`` is the cosine similarity of the two L2-normalized embeddings (this engine's
+        models have no classifier head: docs/embeddings.md). Raises ValueError for lists of other lengths
+        and as ``embed``."""
+        first = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
+        second = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(second) == 1:
+            second = second * len(first)
+        if len(first) != len(second) or not first:
+            raise ValueError(f"data_1 has {len(first)} prompts and data_2 {len(second)}: give one, or as many")
+        outs = self.embed(first + second, PoolingParams(normalize=True))
+        n = len(first)
+        return [
+            ScoringRequestOutput(
+                b.request_id,
+                b.prompt_token_ids,
+                ScoringOutput(float(np.dot(a.outputs.embedding.astype(np.float64), b.outputs.embedding))),
+            )
+            for a, b in zip(outs[:n], outs[n:])
+        ]
+
+    def _run(self, prompts: list, params_list: list, lora_request) -> list:
+        """Queue every prompt with its parameters and step the engine until all finished; the final outputs
+        in input order (see ``generate``)."""
         loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, sampling_params, loras):
+            for prompt, params, lora in zip(prompts, params_list, loras):
                 ids.append(self.engine.add_request(prompt, params, lora_request=lora))
         except ValueError:
             for rid in ids:

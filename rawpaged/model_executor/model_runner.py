@@ -17,6 +17,7 @@ from rawpaged.lora.punica import PunicaWrapper
 from rawpaged.model_executor.cpu_fused_decode import CPUFusedDecode
 from rawpaged.model_executor.cuda_graph import CUDAGraphRunner, cudagraph_capture_sizes
 from rawpaged.model_executor.forward_paths import EagerForward
+from rawpaged.model_executor.layers.pooler import pool_step
 from rawpaged.model_executor.models.llama import LlamaModel
 from rawpaged.model_executor.prompt_logprobs import prompt_logprobs
 from rawpaged.model_executor.sampler import sampling_arrays
@@ -133,7 +134,10 @@ class ModelRunner:
         its last token (it samples next), in ``scheduled`` order, one row, or k + 1 consecutive rows for a
         sequence verifying k drafts (``spec_token_ids``); and, for each sequence whose
         ``prompt_logprobs`` is set and whose prompt positions ran, ``{sequence: (index of the first
-        prompt token scored, [its logprobs entry, ...])}`` (``prompt_logprobs.prompt_logprobs``).
+        prompt token scored, [its logprobs entry, ...])}`` (``prompt_logprobs.prompt_logprobs``); and
+        ``{sequence: float32 vector}`` for each pooling sequence (``Sequence.pooling_params``) whose last
+        prompt position ran (``layers.pooler.pool_step``; such a sequence has no logits row). So
+        ``(logits, layout, prompt_logprobs, pooled)``.
         """
         self.run_kv_transfers(scheduler_output.kv_transfers)
         for group in split_block_mapping(scheduler_output.blocks_to_copy):
@@ -141,11 +145,15 @@ class ModelRunner:
         step = build_step_input(scheduler_output)
         logits, hidden = self._forward_path(step, getattr(scheduler_output, "lora_pages", None)).forward_step(step)
         scored = {} if hidden is None else self._prompt_logprobs(hidden, step.ordered)
-        return logits, step.layout, scored
+        pooled = pool_step(self.backend, hidden, step.ordered) if _pools(step) else {}
+        return logits, step.layout, scored, pooled
 
     def _forward_path(self, step: StepInput, lora_pages: dict | None = None):
         """The first of the static decode path, the CPU's fused decode and the op-by-op forward that
-        runs ``step``; a step with adapters runs op by op (``lora_pages``: ``SchedulerOutput.lora_pages``)."""
+        runs ``step``; a step with adapters (``lora_pages``: ``SchedulerOutput.lora_pages``), or with a pooling
+        sequence (whose hidden states are pooled), runs op by op."""
+        if step.lora_ids is None and _pools(step):
+            return EagerForward(self.model, self.key_caches, self.value_caches, self.layer_groups)
         if step.lora_ids is not None:
             pages = lora_pages or None  # None: a scheduler without adapter pages (slots from host copies)
             lora = PunicaWrapper(self.lora_manager, self.lora_manager.token_slots(step.lora_ids, pages))
@@ -197,3 +205,8 @@ class ModelRunner:
         be = self.backend
         host = be.to_numpy(logits[be.asarray(np.array(rows, dtype=np.int64))]).astype(np.float32, copy=False)
         return dict(zip(rows, host))
+
+
+def _pools(step: StepInput) -> bool:
+    """Whether some sequence of ``step`` pools (embeddings)."""
+    return any(s.pooling_params is not None for s, _ in step.ordered)

@@ -177,7 +177,7 @@ def _lora_ids(ordered: list) -> np.ndarray | None:
 
 def _logits_layout(scheduler_output: SchedulerOutput, ordered: list) -> LogitsLayout:
     """The sequences whose scheduled tokens reach their end (with drafts: their last draft) sample,
-    from the hidden rows of their last ``1 + len(drafts)`` new tokens."""
+    from the hidden rows of their last ``1 + len(drafts)`` new tokens; a pooling sequence never samples."""
     spec = scheduler_output.spec_token_ids
     last_row, row = {}, 0
     for seq, n in ordered:
@@ -186,7 +186,7 @@ def _logits_layout(scheduler_output: SchedulerOutput, ordered: list) -> LogitsLa
     seqs, drafts, first_rows, indices = [], [], [], []
     for s, n in scheduler_output.scheduled:
         d = tuple(spec.get(s.seq_id, ()))
-        if s.num_computed_tokens + n != s.num_tokens + len(d):
+        if s.num_computed_tokens + n != s.num_tokens + len(d) or s.pooling_params is not None:
             continue
         seqs.append(s)
         drafts.append(d)

@@ -130,7 +130,7 @@ class DraftModelProposer:
     def _forward(self, scheduled: list) -> list:
         """One forward pass of the draft model over ``scheduled`` = [(mirror, new tokens)]; each mirror's
         greedy next token. The mirrors' computed counts advance."""
-        logits, layout, _ = self.runner.execute_model(SchedulerOutput(scheduled=list(scheduled)))
+        logits, layout, *_ = self.runner.execute_model(SchedulerOutput(scheduled=list(scheduled)))
         assert len(layout.seqs) == len(scheduled)  # every mirror's new tokens reach its end
         for mirror, n in scheduled:
             mirror.num_computed_tokens += n

@@ -35,9 +35,9 @@ class Speculator:
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
 
     def num_draft_tokens(self, seq) -> int:
-        """How many drafts ``seq`` may take now (0: none)."""
+        """How many drafts ``seq`` may take now (0: none; a pooling sequence never samples, so never drafts)."""
         params = seq.sampling_params
-        if params.use_beam_search or seq.grammar is not None:
+        if params.use_beam_search or seq.grammar is not None or seq.pooling_params is not None:
             return 0
         if seq.num_tokens - seq.num_computed_tokens != 1:  # not decoding next
             return 0

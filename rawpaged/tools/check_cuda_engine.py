@@ -59,7 +59,7 @@ def _first_logits(llm, prompt_ids):
     kv = eng.kv_cache_manager
     seq = Sequence(0, "check", 0, list(prompt_ids), SamplingParams(), None, 0.0)
     assert kv.allocate_slots(seq, len(prompt_ids))
-    logits, _, _ = eng.runner.execute_model(SchedulerOutput(scheduled=[(seq, len(prompt_ids))]))
+    logits, *_ = eng.runner.execute_model(SchedulerOutput(scheduled=[(seq, len(prompt_ids))]))
     kv.free(seq)
     return eng.runner.fetch_rows(logits, [0])[0]
 

@@ -164,9 +164,9 @@ def _record_raw_logits(llm):
     steps = []
 
     def recording(out):
-        logits, layout, scored = execute(out)
+        logits, layout, *rest = execute(out)
         steps.append([[(s, list(s.output_token_ids)) for s in layout.seqs], np.array(logits, dtype=np.float64), None])
-        return logits, layout, scored
+        return logits, layout, *rest
 
     def sampling(logits, draws):
         steps[-1][2] = np.array(logits, dtype=np.float64)
