@@ -54,7 +54,7 @@ async def _embed_all(url: str, texts: list, batch: int, concurrency: int) -> dic
     async def one(session, start):
         nonlocal tokens
         async with slots:
-            body = {"model": "m", "input": texts[start : start + batch], "encoding_format": "float"}
+            body = {"input": texts[start : start + batch], "encoding_format": "float"}  # the served model
             async with session.post(url + "/v1/embeddings", json=body) as r:
                 data = await r.json()
                 if r.status != 200:
