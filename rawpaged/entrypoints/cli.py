@@ -205,12 +205,12 @@ def _check_model_arg(model: str | None, quantization: str | None = None) -> str 
 
 
 # ------------------------------------------------------------------------------------------ logging
-def add_log_level_arg(parser: argparse.ArgumentParser, what_info_shows: str) -> None:
-    """``--log-level {debug,info,warning,error}`` (default info; ``warning`` hides the start-up phases),
-    its help saying ``what_info_shows``."""
+def add_log_level_arg(parser: argparse.ArgumentParser, what_info_shows: str, default: str = "info") -> None:
+    """``--log-level {debug,info,warning,error}`` (``warning`` hides the start-up phases), its help saying
+    ``what_info_shows``."""
     parser.add_argument(
         "--log-level",
-        default="info",
+        default=default,
         choices=("debug", "info", "warning", "error"),
         help=f"logging level, on stderr ({what_info_shows})",
     )
@@ -507,7 +507,7 @@ def build_run_batch_parser(prog: str = "rawpaged run-batch") -> argparse.Argumen
         help="lines in flight at once (default: twice the engine's max_num_seqs, so its batch stays full)",
     )
     add_model_name_args(p)
-    add_log_level_arg(p, "info: the start-up phases")
+    add_log_level_arg(p, "info: the start-up phases, a line per request; warning: the bar alone", "warning")
     add_engine_args(p)
     return p
 

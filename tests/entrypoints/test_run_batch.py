@@ -99,6 +99,7 @@ def test_good_lines_match_the_engine_and_bad_lines_get_their_own_errors(tmp_path
     assert len(dup) == 1 and dup[0]["custom_id"] == "ok-0"
     refused = by_id["refused"]
     assert refused["response"]["status_code"] == 400 and refused["response"]["body"] is None
+    assert refused["response"]["request_id"].startswith("batch-")  # the route answered without an id
     assert refused["error"]["param"] == "max_tokens"
     assert by_id["other-model"]["response"]["status_code"] == 404
     stats = engine.stats()

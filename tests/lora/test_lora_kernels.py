@@ -18,8 +18,11 @@ def _reference(x, a, b, scales, ranks, slots, y0, offset):
     return y
 
 
+@pytest.mark.parametrize("path", ["parallel", "serial"])
 @pytest.mark.parametrize("max_rank", [8, 64])
-def test_shrink_expand_match_float64(max_rank):
+def test_shrink_expand_match_float64(max_rank, path, monkeypatch):
+    """Both twins (forced by ``PARALLEL_MIN_WORK``) against the float64 merged delta."""
+    monkeypatch.setattr(k, "PARALLEL_MIN_WORK", 0 if path == "parallel" else 1 << 62)
     rng = np.random.default_rng(max_rank)
     num_slots, fan_in, fan_out, offset, width = 4, 72, 40, 24, 80
     rows = 37

@@ -18,6 +18,10 @@ from rawpaged.kernels.cpu.jit import jit_serial_and_parallel
 
 #: rows of one adapter computed together (their A and B rows read once per tile)
 TILE_ROWS = 8
+#: multiply-adds below which a call runs on the calling thread: a decode step's products are tens of
+#: microseconds of work (32 rows of rank 16 over 576 inputs: 17 us serial), less than waking the thread
+#: pool, which measured 0.2-4 ms a call on a 2-core host with other work on it
+PARALLEL_MIN_WORK = 1 << 21
 
 
 def tiles(slots: np.ndarray, tile_rows: int = TILE_ROWS) -> tuple:
@@ -85,13 +89,20 @@ _shrink_serial, _shrink_parallel = jit_serial_and_parallel(_shrink)
 _expand_serial, _expand_parallel = jit_serial_and_parallel(_expand)
 
 
+def _parallel(tile_slots, ranks, rows: int, width: int) -> bool:
+    """Whether a call is worth the thread pool: two tiles or more and ``PARALLEL_MIN_WORK`` multiply-adds."""
+    if len(tile_slots) < 2:
+        return False
+    return rows * int(ranks[tile_slots].max()) * width >= PARALLEL_MIN_WORK
+
+
 def shrink(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf) -> None:
-    """``_shrink`` (its doc gives the arrays), serial for one tile, else over the thread pool."""
-    fn = _shrink_serial if len(tile_slots) < 2 else _shrink_parallel
+    """``_shrink`` (its doc gives the arrays), over the thread pool for large work (``_parallel``)."""
+    fn = _shrink_parallel if _parallel(tile_slots, ranks, len(order), x.shape[1]) else _shrink_serial
     fn(x, lora_a, scales, ranks, order, tile_starts, tile_slots, buf)
 
 
 def expand(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset: int) -> None:
-    """``_expand`` (its doc gives the arrays), serial for one tile, else over the thread pool."""
-    fn = _expand_serial if len(tile_slots) < 2 else _expand_parallel
+    """``_expand`` (its doc gives the arrays), over the thread pool for large work (``_parallel``)."""
+    fn = _expand_parallel if _parallel(tile_slots, ranks, len(order), lora_b.shape[1]) else _expand_serial
     fn(buf, lora_b, ranks, order, tile_starts, tile_slots, y, out_offset)

@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -97,7 +98,7 @@ async def _post(session: aiohttp.ClientSession, req) -> BatchRequestOutput:
                 body = {"error": {"message": await resp.text(), "type": "server_error", "param": None, "code": None}}
             if resp.status != 503 or attempt == MAX_ATTEMPTS - 1:
                 request_id = resp.headers.get("X-Request-Id") or (body.get("id") if isinstance(body, dict) else None)
-                return response_line(req.custom_id, resp.status, body, request_id or "")
+                return response_line(req.custom_id, resp.status, body, request_id or f"batch-{uuid.uuid4().hex}")
             await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
     raise AssertionError("unreachable")
 
@@ -158,7 +159,7 @@ async def run_batch(
     done = finished_ids(output_path) if resume else set()
     total = sum(1 for line in input_path.open(encoding="utf-8") if line.strip())
     summary, t0 = BatchSummary(), time.monotonic()
-    runner = web.AppRunner(app, handle_signals=False)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)  # the progress bar, not a line a request
     await runner.setup()
     try:
         with tempfile.TemporaryDirectory(prefix="rawpaged-batch-") as tmp:
